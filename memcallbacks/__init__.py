@@ -1,0 +1,35 @@
+"""memcallbacks: see where training memory goes — per-phase peaks, leaks and their holders, snapshots.
+
+``import memcallbacks`` imports no training framework; the adapters load lazily:
+``memcallbacks.MemoryMonitor`` is the Lightning callback from :mod:`memcallbacks.lightning`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+from memcallbacks._config import MonitorConfig
+
+if TYPE_CHECKING:  # pragma: no cover
+    from memcallbacks.lightning import MemoryMonitor
+
+__all__ = ["MonitorConfig", "MemoryMonitor", "__version__"]
+
+_LAZY = {"MemoryMonitor": "memcallbacks.lightning"}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'memcallbacks' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,0 +1,375 @@
+"""The framework-free sampling engine: phase boundaries in, one history row per training step out.
+
+Adapters translate their framework's hooks into four calls — ``begin_step``, ``boundary``,
+``end_step`` and ``begin_eval``/``end_eval`` — and ask for ``log_values()`` on the steps they
+log. Each phase's peak is the device's real peak since the previous boundary (the peak counter is
+reset at every boundary); because that reset is process-global, the run's lifetime peak is kept
+here (``max_allocated``/``max_reserved``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Any, Callable
+
+from memcallbacks import _distributed
+from memcallbacks._config import MonitorConfig
+from memcallbacks._devices import MemoryBackend, host_rss_reader, select_backend
+
+log = logging.getLogger(__name__)
+
+__all__ = ["MemoryEngine", "FORWARD", "BACKWARD", "OPTIMIZER", "OTHER", "PHASES", "COLUMNS", "EVAL_COLUMNS", "GIB"]
+
+GIB = float(2**30)
+
+FORWARD, BACKWARD, OPTIMIZER, OTHER = range(4)
+PHASES = ("forward", "backward", "optimizer", "other")
+
+COLUMNS = (
+    "step",  # optimizer steps completed before this row's step (Lightning's global_step)
+    "epoch",
+    "batch_idx",  # index of the first batch of the step
+    "micro_batches",  # batches in the step (> 1 under gradient accumulation)
+    "optimizer_steps",  # optimizer.step() calls seen in the step
+    "allocated",  # bytes allocated at step start (the baseline)
+    "reserved",
+    "host_rss",
+    "peak_forward",
+    "peak_backward",
+    "peak_optimizer",
+    "peak_other",
+    "peak_allocated",  # max over the step's phases
+    "peak_reserved",
+    "alloc_retries",  # cumulative allocator counters (CUDA/XPU), -1 where the device has none
+    "ooms",
+    "inactive_split",
+    "step_time_s",
+    "monitor_time_s",
+)
+_C = {name: i for i, name in enumerate(COLUMNS)}
+
+EVAL_COLUMNS = ("stage", "step", "epoch", "batches", "allocated", "peak_allocated", "peak_reserved", "allocated_after", "host_rss")
+
+_NAN = math.nan
+
+
+class MemoryEngine:
+    """Measures one process. Not thread-safe; adapters call it from the training thread."""
+
+    def __init__(self, config: MonitorConfig) -> None:
+        self.config = config
+        self.backend: MemoryBackend | None = None
+        self._host_rss: Callable[[], int] = host_rss_reader()
+        self.rank, self.world_size = 0, 1
+        self.enabled = False
+        self.failed = False
+        self.on_error: Callable[[BaseException], None] | None = None
+        self.reset()
+
+    # ------------------------------------------------------------------ lifecycle
+    def reset(self) -> None:
+        self.rows: list[list[Any]] = []
+        self.eval_rows: list[list[Any]] = []
+        self._stride = 1  # keep every _stride-th step once history has been thinned
+        self._seen_steps = 0
+        self._sampled_steps = 0
+        self._sampling = False
+        self.max_allocated = 0
+        self.max_reserved = 0
+        self._row: list[Any] | None = None
+        self._eval: list[Any] | None = None
+        self._check_countdown = 0
+
+    def start(self, device: Any, *, rank: int | None = None, world_size: int | None = None) -> None:
+        """Pick the device backend and start measuring (call once per fit, before the first step)."""
+        if self.backend is not None:
+            self.backend.close()
+        self.backend = select_backend(device)
+        if rank is None or world_size is None:
+            rank, world_size = _distributed.rank_and_world()
+        self.rank, self.world_size = rank, world_size
+        self.enabled = not self.failed
+        self._peaks(self.backend.baseline())
+
+    def stop(self) -> None:
+        """Close the current step (if any) and release OS handles. Safe to call twice."""
+        if self._row is not None and self.enabled:
+            self.end_step()
+        self._row = None
+        if self.backend is not None:
+            self.backend.close()
+
+    def fail(self, exc: BaseException, where: str) -> None:
+        """Record an internal error: log it once with its traceback and disable the monitor."""
+        if self.config.strict:
+            raise exc
+        if not self.failed:
+            log.exception("memcallbacks: internal error in %s; the memory monitor disables itself and training goes on.", where, exc_info=exc)
+        self.failed = True
+        self.enabled = False
+        if self.on_error is not None:
+            self.on_error(exc)
+
+    # ------------------------------------------------------------------ the hot path
+    def _peaks(self, sample: tuple[int, ...]) -> None:
+        # lifetime peaks from every interval, including the gaps between steps
+        if sample[-2] > self.max_allocated:
+            self.max_allocated = sample[-2]
+        if sample[-1] > self.max_reserved:
+            self.max_reserved = sample[-1]
+
+    def begin_step(self, step: int, epoch: int = 0, batch_idx: int = 0, sample: bool = True) -> None:
+        """Start a training step. A sampled step takes the baseline and measures every phase;
+        an unsampled one only counts (its peaks still reach ``max_allocated`` at the next sample)."""
+        t0 = time.perf_counter()
+        if self._row is not None:  # the previous step never ended (e.g. an exception was swallowed)
+            self.end_step()
+        row = [_NAN] * len(COLUMNS)
+        row[0], row[1], row[2], row[3], row[4] = step, epoch, batch_idx, 1, 0
+        row[17] = t0
+        self._row = row
+        self._sampling = sample
+        if sample:
+            sample_ = self.backend.baseline()  # type: ignore[union-attr]
+            self._peaks(sample_)
+            row[5], row[6] = sample_[0], sample_[1]
+            row[7] = sample_[1] if self.backend.kind == "cpu" else self._host_rss()  # type: ignore[union-attr]
+            row[12] = row[13] = 0
+        row[18] = time.perf_counter() - t0
+
+    def boundary(self, closing: int) -> None:
+        """End the current segment, attributing its peak to phase ``closing``, and open the next."""
+        t0 = time.perf_counter()
+        row = self._row
+        if row is None:
+            return
+        if not self._sampling:
+            if closing == OPTIMIZER:
+                row[4] += 1
+            return
+        peak_a, peak_r = self.backend.interval()  # type: ignore[union-attr]
+        col = 8 + closing
+        if not peak_a <= row[col]:  # NaN-safe max
+            row[col] = peak_a
+        if peak_a > row[12]:
+            row[12] = peak_a
+        if peak_r > row[13]:
+            row[13] = peak_r
+        if peak_a > self.max_allocated:
+            self.max_allocated = peak_a
+        if peak_r > self.max_reserved:
+            self.max_reserved = peak_r
+        if closing == OPTIMIZER:
+            row[4] += 1
+        row[18] += time.perf_counter() - t0
+
+    def micro_batch(self) -> None:
+        """A further batch inside the same optimizer step (gradient accumulation)."""
+        row = self._row
+        if row is not None:
+            self.boundary(OTHER)
+            row[3] += 1
+
+    def end_step(self, closing: int = OTHER) -> list[Any] | None:
+        """Close the step's last segment (labelled ``closing``) and append its row to the history."""
+        row = self._row
+        if row is None:
+            return None
+        self.boundary(closing)
+        t1 = time.perf_counter()
+        self._row = None
+        self._seen_steps += 1
+        if not self._sampling:
+            return None
+        counters = self.backend.counters()  # type: ignore[union-attr]
+        if counters:
+            row[14], row[15], row[16] = counters["alloc_retries"], counters["ooms"], counters["inactive_split_bytes"]
+        row[17] = t1 - row[17]
+        self._sampled_steps += 1
+        if self._sampled_steps % self._stride == 0:
+            self.rows.append(row)
+            if len(self.rows) > self.config.max_history_rows:
+                self.rows = self.rows[1::2]
+                self._stride *= 2
+        row[18] += time.perf_counter() - t1
+        return row
+
+    @property
+    def in_step(self) -> bool:
+        return self._row is not None
+
+    # ------------------------------------------------------------------ evaluation loops
+    def begin_eval(self, stage: str, step: int, epoch: int) -> None:
+        if self._row is not None:  # evaluation inside an open step: keep its memory out of the step's row
+            self.boundary(OTHER)
+        sample = self.backend.baseline()  # type: ignore[union-attr]
+        self._peaks(sample)
+        self._eval = [stage, step, epoch, 0, sample[0], 0, 0, _NAN, self._host_rss()]
+
+    def eval_batch(self) -> None:
+        if self._eval is not None:
+            self._eval[3] += 1
+
+    def end_eval(self) -> list[Any] | None:
+        row = self._eval
+        if row is None:
+            return None
+        self._eval = None
+        sample = self.backend.baseline()  # type: ignore[union-attr]
+        self._peaks(sample)
+        row[5], row[6], row[7] = sample[2], sample[3], sample[0]
+        self.eval_rows.append(row)
+        if len(self.eval_rows) > self.config.max_history_rows:
+            self.eval_rows = self.eval_rows[1::2]
+        return row
+
+    # ------------------------------------------------------------------ logging
+    def step_keys(self) -> list[str]:
+        p = self.config.prefix
+        keys = [
+            f"{p}/allocated(GiB)",
+            f"{p}/reserved(GiB)",
+            f"{p}/peak_forward(GiB)",
+            f"{p}/peak_backward(GiB)",
+            f"{p}/peak_optimizer(GiB)",
+            f"{p}/peak_step(GiB)",
+            f"{p}/peak_reserved(GiB)",
+            f"{p}/max_allocated(GiB)",
+            f"{p}/host_rss(GiB)",
+            f"{p}/monitor_time(ms)",
+        ]
+        if self.backend is not None and self.backend.kind != "cpu":
+            keys += [f"{p}/alloc_retries", f"{p}/ooms", f"{p}/inactive_split(GiB)"]
+        return keys
+
+    def step_values(self, row: list[Any] | None) -> list[float]:
+        if row is None or not self.enabled:
+            return [_NAN] * len(self.step_keys())
+        values = [
+            row[5] / GIB,
+            row[6] / GIB,
+            row[8] / GIB,
+            row[9] / GIB,
+            row[10] / GIB,
+            row[12] / GIB,
+            row[13] / GIB,
+            self.max_allocated / GIB,
+            row[7] / GIB,
+            row[18] * 1e3,
+        ]
+        if self.backend is not None and self.backend.kind != "cpu":
+            values += [float(row[14]), float(row[15]), row[16] / GIB]
+        return values
+
+    def reduce(self, keys: list[str], values: list[float], rank_keys: tuple[str, ...] = ()) -> dict[str, float]:
+        """Max over ranks in one collective (when distributed and configured); NaNs are dropped."""
+        ranks: list[int] = []
+        if self.world_size > 1 and self.config.reduce_across_ranks and _distributed.is_distributed():
+            values, ranks = _distributed.max_over_ranks(values)
+        out = {k: float(v) for k, v in zip(keys, values) if v == v and not math.isinf(v)}
+        if ranks:
+            for key in rank_keys:
+                if key in out:
+                    out[key.split("(")[0] + "_rank"] = float(ranks[keys.index(key)])
+        return out
+
+    def log_values(self, row: list[Any] | None) -> dict[str, float]:
+        """The metrics to log for ``row``; every rank must call this on the same steps when distributed."""
+        p = self.config.prefix
+        return self.reduce(self.step_keys(), self.step_values(row), (f"{p}/peak_step(GiB)", f"{p}/allocated(GiB)"))
+
+    def eval_log_values(self, row: list[Any] | None, stage: str) -> dict[str, float]:
+        p = self.config.prefix
+        short = {"validate": "val", "validation": "val", "sanity_check": "val"}.get(stage, stage)
+        keys = [f"{p}/{short}/allocated(GiB)", f"{p}/{short}/peak(GiB)", f"{p}/{short}/peak_reserved(GiB)"]
+        if row is None or not self.enabled:
+            values = [_NAN] * 3
+        else:
+            values = [row[4] / GIB, row[5] / GIB, row[6] / GIB]
+        return self.reduce(keys, values, (keys[1],))
+
+    # ------------------------------------------------------------------ results
+    def history_frame(self) -> Any:
+        import pandas as pd
+
+        frame = pd.DataFrame(self.rows, columns=list(COLUMNS))
+        if not frame.empty:
+            for col in ("step", "epoch", "batch_idx", "micro_batches", "optimizer_steps"):
+                frame[col] = frame[col].astype("int64")
+            if self.backend is None or self.backend.kind == "cpu":
+                frame = frame.drop(columns=["alloc_retries", "ooms", "inactive_split"])
+        return frame
+
+    def eval_frame(self) -> Any:
+        import pandas as pd
+
+        return pd.DataFrame(self.eval_rows, columns=list(EVAL_COLUMNS))
+
+    def summary(self) -> dict[str, Any]:
+        """Per-phase maxima, lifetime peaks and the monitor's own cost, as plain JSON-able values."""
+        rows = self.rows
+        out: dict[str, Any] = {
+            "steps_recorded": len(rows),
+            "steps_seen": self._seen_steps,
+            "steps_sampled": self._sampled_steps,
+            "history_stride": self._stride,
+            "max_allocated_bytes": self.max_allocated,
+            "max_reserved_bytes": self.max_reserved,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "disabled_after_error": self.failed,
+        }
+        if self.backend is not None:
+            out["device"] = self.backend.describe()
+            out["capacity_bytes"] = self.backend.capacity()
+        for i, phase in enumerate(PHASES):
+            vals = [r[8 + i] for r in rows if r[8 + i] == r[8 + i]]
+            out[f"peak_{phase}_bytes"] = int(max(vals)) if vals else None
+        if rows:
+            out["first_allocated_bytes"] = int(rows[0][5])
+            out["last_allocated_bytes"] = int(rows[-1][5])
+            cost = sorted(r[18] for r in rows)
+            out["monitor_time_per_step_us"] = {
+                "median": cost[len(cost) // 2] * 1e6,
+                "mean": sum(cost) / len(cost) * 1e6,
+            }
+            times = sorted(r[17] for r in rows)
+            out["step_time_median_s"] = times[len(times) // 2]
+        evals = {}
+        for r in self.eval_rows:
+            e = evals.setdefault(r[0], {"runs": 0, "peak_allocated_bytes": 0, "peak_reserved_bytes": 0})
+            e["runs"] += 1
+            e["peak_allocated_bytes"] = max(e["peak_allocated_bytes"], int(r[5]))
+            e["peak_reserved_bytes"] = max(e["peak_reserved_bytes"], int(r[6]))
+        out["eval"] = evals
+        return out
+
+    # ------------------------------------------------------------------ checkpointing
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "version": 1,
+            "columns": list(COLUMNS),
+            "rows": [list(r) for r in self.rows],
+            "eval_rows": [list(r) for r in self.eval_rows],
+            "stride": self._stride,
+            "seen_steps": self._seen_steps,
+            "sampled_steps": self._sampled_steps,
+            "max_allocated": self.max_allocated,
+            "max_reserved": self.max_reserved,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not state or state.get("version") != 1:
+            log.warning("memcallbacks: ignoring memory-monitor state of unknown version %r in the checkpoint.", state.get("version") if state else None)
+            return
+        columns = state["columns"]
+        index = [columns.index(c) if c in columns else None for c in COLUMNS]
+        self.rows = [[r[i] if i is not None else _NAN for i in index] for r in state["rows"]]
+        self.eval_rows = [list(r) for r in state.get("eval_rows", [])]
+        self._stride = int(state.get("stride", 1))
+        self._seen_steps = int(state.get("seen_steps", len(self.rows)))
+        self._sampled_steps = int(state.get("sampled_steps", len(self.rows)))
+        self.max_allocated = max(self.max_allocated, int(state.get("max_allocated", 0)))
+        self.max_reserved = max(self.max_reserved, int(state.get("max_reserved", 0)))

@@ -1,0 +1,150 @@
+"""Files the monitor leaves behind: ``history.csv``, ``report.json`` and ``memory.png``, written atomically."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+log = logging.getLogger(__name__)
+
+__all__ = ["atomic_write", "check_writable", "write_outputs", "plot_history", "file_names"]
+
+REPORT_VERSION = 1
+
+
+def atomic_write(path: str | os.PathLike[str], write: Callable[[Any], None], mode: str = "w") -> Path:
+    """Write through a temporary file in the same folder and ``os.replace`` it into place."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, mode) as fh:
+            write(fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    return path
+
+
+def check_writable(folder: str | os.PathLike[str], owner: str) -> Path:
+    """Create ``folder`` and prove a file can be written there; raise a clear error otherwise."""
+    folder = Path(folder)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".memcallbacks-write-test.", dir=folder)
+        os.close(fd)
+        os.unlink(tmp)
+    except OSError as exc:
+        raise PermissionError(
+            f"{owner}: output_dir {str(folder)!r} is not writable ({exc.strerror or exc}). "
+            f"Pass output_dir= pointing to a writable folder, or write_files=False to keep results in memory only."
+        ) from exc
+    return folder
+
+
+def file_names(rank: int, world_size: int) -> dict[str, str]:
+    """``history.csv`` etc. for a single process; ``history.rank{r}.csv`` etc. per rank when distributed."""
+    tag = "" if world_size <= 1 else f".rank{rank}"
+    return {
+        "history": f"history{tag}.csv",
+        "eval_history": f"eval_history{tag}.csv",
+        "report": f"report{tag}.json",
+        "plot": f"memory{tag}.png",
+    }
+
+
+def _json_safe(value: Any) -> Any:
+    if isinstance(value, float) and (math.isnan(value) or math.isinf(value)):
+        return None
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def write_json(path: Path, payload: dict[str, Any]) -> Path:
+    return atomic_write(path, lambda fh: json.dump(_json_safe(payload), fh, indent=2, sort_keys=False, default=str))
+
+
+def write_outputs(
+    folder: Path,
+    *,
+    rank: int,
+    world_size: int,
+    history: Any,
+    eval_history: Any,
+    report: dict[str, Any],
+    plot: bool,
+    title: str = "",
+) -> dict[str, str]:
+    """Write this rank's files; return ``{kind: path}`` of what was written."""
+    names = file_names(rank, world_size)
+    written: dict[str, str] = {}
+    written["history"] = str(atomic_write(folder / names["history"], lambda fh: history.to_csv(fh, index=False)))
+    if len(eval_history):
+        written["eval_history"] = str(atomic_write(folder / names["eval_history"], lambda fh: eval_history.to_csv(fh, index=False)))
+    if plot and len(history):
+        png = plot_history(history, folder / names["plot"], title=title, peak_source=report.get("summary", {}).get("device", {}).get("peak_source", ""))
+        if png is not None:
+            written["plot"] = str(png)
+    report = dict(report)
+    report["files"] = {**report.get("files", {}), **written, "report": str(folder / names["report"])}
+    write_json(folder / names["report"], report)
+    written["report"] = str(folder / names["report"])
+    return written
+
+
+_warned_no_matplotlib = False
+
+
+def plot_history(history: Any, path: Path, *, title: str = "", peak_source: str = "") -> Path | None:
+    """Plot baseline, reserved and per-phase peaks over steps (GiB) into a PNG."""
+    global _warned_no_matplotlib
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg", force=False)
+        from matplotlib.figure import Figure
+    except Exception:
+        if not _warned_no_matplotlib:
+            log.info("memcallbacks: matplotlib is not installed; skipping memory.png (pip install matplotlib).")
+            _warned_no_matplotlib = True
+        return None
+
+    gib = float(2**30)
+    x = history["step"].to_numpy()
+    fig = Figure(figsize=(10, 5.2), dpi=110)
+    ax = fig.add_subplot(1, 1, 1)
+    styles = [
+        ("peak_forward", "forward peak", "tab:blue", "-"),
+        ("peak_backward", "backward peak", "tab:orange", "-"),
+        ("peak_optimizer", "optimizer peak", "tab:green", "-"),
+        ("allocated", "allocated at step start", "black", "-"),
+        ("reserved", "reserved at step start", "tab:gray", "--"),
+    ]
+    for col, label, color, ls in styles:
+        if col in history and history[col].notna().any():
+            ax.plot(x, history[col].to_numpy() / gib, label=label, color=color, linestyle=ls, linewidth=1.4)
+    if "host_rss" in history and peak_source != "rss_high_water_mark":
+        ax.plot(x, history["host_rss"].to_numpy() / gib, label="host RSS", color="tab:purple", linestyle=":", linewidth=1.2)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("GiB")
+    note = " (CPU: peaks are RSS high-water marks)" if peak_source == "rss_high_water_mark" else ""
+    ax.set_title((title or "memory per phase") + note, fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend(loc="best", fontsize=8)
+    fig.tight_layout()
+    atomic_write(path, lambda fh: fig.savefig(fh, format="png"), mode="wb")
+    return path
