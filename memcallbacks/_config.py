@@ -30,6 +30,14 @@ class MonitorConfig:
     where each peak read is a system call (~15-35 µs on a busy VM) and the heap census
     (``mallinfo2``) can cost 30-100 µs."""
 
+    cpu_mmap_threshold: int | None = None
+    """CPU on glibc only: fix malloc's mmap threshold (``mallopt(M_MMAP_THRESHOLD)``) to this many
+    bytes when the monitor starts. glibc keeps freed blocks below its (adaptive, up to 32 MiB)
+    threshold in the heap, so the resident set - and hence CPU peaks - stop moving once the heap
+    has grown; with e.g. ``1 << 20`` every tensor of 1 MiB or more goes back to the OS when freed
+    and per-phase RSS peaks follow tensor lifetimes. Costs page faults on every large allocation and
+    cannot be undone within the process. ``None`` leaves malloc alone."""
+
     output_dir: str | None = None
     """Folder for ``history.csv``, ``report.json`` and ``memory.png``. ``None``: a ``memcallbacks``
     folder inside the trainer's log dir (Lightning), or ``./memcallbacks`` for plain loops."""
@@ -65,6 +73,9 @@ class MonitorConfig:
         n = self.sample_every_n_steps
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
             raise _fail("sample_every_n_steps", n, "pass a positive integer (1 = every step), or None to choose per device.")
+        t = self.cpu_mmap_threshold
+        if t is not None and (isinstance(t, bool) or not isinstance(t, int) or not 4096 <= t <= 1 << 30):
+            raise _fail("cpu_mmap_threshold", t, "pass a byte count between 4096 and 2**30 (e.g. 1 << 20), or None to leave malloc alone.")
         if self.output_dir is not None and not isinstance(self.output_dir, (str, os.PathLike)):
             raise _fail("output_dir", self.output_dir, "pass a folder path (str or os.PathLike) or None.")
         if self.output_dir is not None:

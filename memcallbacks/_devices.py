@@ -224,6 +224,20 @@ class _MallInfo2(ctypes.Structure):
     ]
 
 
+_M_MMAP_THRESHOLD = -3
+
+
+def set_mmap_threshold(nbytes: int) -> bool:
+    """Fix glibc's mmap threshold (``mallopt``); True on success. Process-wide and not reversible."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, ctypes.c_int(nbytes)))
+    except (OSError, AttributeError):
+        return False
+
+
 def _load_mallinfo2() -> Callable[[], _MallInfo2] | None:
     if not sys.platform.startswith("linux"):
         return None
@@ -372,10 +386,12 @@ def host_rss_reader() -> Callable[[], int]:
     return lambda: int(process.memory_info().rss)
 
 
-def select_backend(device: torch.device | str | None) -> MemoryBackend:
+def select_backend(device: torch.device | str | None, *, cpu_mmap_threshold: int | None = None) -> MemoryBackend:
     """Pick the backend for ``device`` (``None`` means CPU)."""
     device = torch.device(device) if device is not None else torch.device("cpu")
     if device.type == "cpu":
+        if cpu_mmap_threshold is not None and not set_mmap_threshold(cpu_mmap_threshold):
+            log.warning("memcallbacks: cpu_mmap_threshold=%d could not be applied (mallopt unavailable: not glibc?).", cpu_mmap_threshold)
         return CpuBackend(device)
     if device.type == "cuda":
         return CudaBackend(device)

@@ -86,7 +86,7 @@ class MemoryEngine:
         """Pick the device backend and start measuring (call once per fit, before the first step)."""
         if self.backend is not None:
             self.backend.close()
-        self.backend = select_backend(device)
+        self.backend = select_backend(device, cpu_mmap_threshold=self.config.cpu_mmap_threshold)
         if rank is None or world_size is None:
             rank, world_size = _distributed.rank_and_world()
         self.rank, self.world_size = rank, world_size
@@ -324,9 +324,13 @@ class MemoryEngine:
         if self.backend is not None:
             out["device"] = self.backend.describe()
             out["capacity_bytes"] = self.backend.capacity()
+        # peaks on CPU are RSS high-water marks, so their baseline is RSS ("reserved"), not the heap
+        base = 6 if self.backend is not None and self.backend.peak_source == "rss_high_water_mark" else 5
         for i, phase in enumerate(PHASES):
             vals = [r[8 + i] for r in rows if r[8 + i] == r[8 + i]]
             out[f"peak_{phase}_bytes"] = int(max(vals)) if vals else None
+            deltas = [r[8 + i] - r[base] for r in rows if r[8 + i] == r[8 + i] and r[base] == r[base]]
+            out[f"peak_{phase}_above_baseline_bytes"] = int(max(deltas)) if deltas else None
         if rows:
             out["first_allocated_bytes"] = int(rows[0][5])
             out["last_allocated_bytes"] = int(rows[-1][5])

@@ -123,28 +123,34 @@ def plot_history(history: Any, path: Path, *, title: str = "", peak_source: str 
             _warned_no_matplotlib = True
         return None
 
-    gib = float(2**30)
+    gib, mib = float(2**30), float(2**20)
     x = history["step"].to_numpy()
-    fig = Figure(figsize=(10, 5.2), dpi=110)
-    ax = fig.add_subplot(1, 1, 1)
-    styles = [
-        ("peak_forward", "forward peak", "tab:blue", "-"),
-        ("peak_backward", "backward peak", "tab:orange", "-"),
-        ("peak_optimizer", "optimizer peak", "tab:green", "-"),
-        ("allocated", "allocated at step start", "black", "-"),
-        ("reserved", "reserved at step start", "tab:gray", "--"),
-    ]
-    for col, label, color, ls in styles:
+    fig = Figure(figsize=(10, 7.5), dpi=100)
+    ax, ax2 = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [3, 2]})
+    phases = [("peak_forward", "forward", "tab:blue"), ("peak_backward", "backward", "tab:orange"), ("peak_optimizer", "optimizer", "tab:green")]
+    for col, label, color in phases:
         if col in history and history[col].notna().any():
-            ax.plot(x, history[col].to_numpy() / gib, label=label, color=color, linestyle=ls, linewidth=1.4)
+            ax.plot(x, history[col].to_numpy() / gib, label=f"{label} peak", color=color, linewidth=1.4)
+    ax.plot(x, history["allocated"].to_numpy() / gib, label="allocated at step start", color="black", linewidth=1.4)
+    ax.plot(x, history["reserved"].to_numpy() / gib, label="reserved at step start", color="tab:gray", linestyle="--", linewidth=1.2)
     if "host_rss" in history and peak_source != "rss_high_water_mark":
         ax.plot(x, history["host_rss"].to_numpy() / gib, label="host RSS", color="tab:purple", linestyle=":", linewidth=1.2)
-    ax.set_xlabel("optimizer step")
     ax.set_ylabel("GiB")
     note = " (CPU: peaks are RSS high-water marks)" if peak_source == "rss_high_water_mark" else ""
     ax.set_title((title or "memory per phase") + note, fontsize=10)
     ax.grid(True, alpha=0.3)
     ax.legend(loc="best", fontsize=8)
+    # what each phase added on top of the step's starting point: the part a person can act on
+    base_col = "reserved" if peak_source == "rss_high_water_mark" else "allocated"
+    base = history[base_col].to_numpy()
+    for col, label, color in phases:
+        if col in history and history[col].notna().any():
+            ax2.plot(x, (history[col].to_numpy() - base) / mib, label=label, color=color, linewidth=1.4)
+    ax2.axhline(0, color="black", linewidth=0.8)
+    ax2.set_ylabel(f"peak above {base_col}\nat step start (MiB)")
+    ax2.set_xlabel("optimizer step")
+    ax2.grid(True, alpha=0.3)
+    ax2.legend(loc="best", fontsize=8)
     fig.tight_layout()
     atomic_write(path, lambda fh: fig.savefig(fh, format="png"), mode="wb")
     return path

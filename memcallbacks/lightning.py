@@ -150,6 +150,12 @@ class MemoryMonitor(*_callback_bases()):  # type: ignore[misc]
             "files": dict(self.files),
         }
 
+    def format_report(self) -> str:
+        """The report as text (what ``memcallbacks report OUTPUT_DIR`` prints)."""
+        from memcallbacks._report import format_report
+
+        return format_report(self.report(), self.history)
+
     # ------------------------------------------------------------------ helpers
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:

@@ -1,0 +1,94 @@
+"""Plain-text rendering of a monitor's report: where memory went, per phase, in a form a person reads."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+__all__ = ["format_report", "load_output_dir", "human_bytes"]
+
+
+def human_bytes(n: float | int | None) -> str:
+    """``1536`` -> ``'1.5 KiB'``; None/NaN -> ``'-'``."""
+    if n is None or (isinstance(n, float) and math.isnan(n)):
+        return "-"
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"  # pragma: no cover
+
+
+def load_output_dir(folder: str | Path) -> tuple[dict[str, Any], Any]:
+    """Read ``report.json`` (or the rank-zero one) and its history CSV from a monitor's output_dir."""
+    import pandas as pd
+
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{str(folder)!r} is not a folder; pass the monitor's output_dir (it holds report.json).")
+    candidates = [folder / "report.json", *sorted(folder.glob("report.rank*.json"))]
+    path = next((p for p in candidates if p.is_file()), None)
+    if path is None:
+        raise FileNotFoundError(f"no report.json in {str(folder)!r}; is it a memcallbacks output_dir?")
+    try:
+        report = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{str(path)!r} is not valid JSON ({exc}); the file may be truncated.") from exc
+    history = None
+    hist_name = report.get("files", {}).get("history")
+    for candidate in (Path(hist_name) if hist_name else None, folder / "history.csv", folder / "history.rank0.csv"):
+        if candidate is not None and candidate.is_file():
+            history = pd.read_csv(candidate)
+            break
+    return report, history
+
+
+def format_report(report: dict[str, Any], history: Any = None) -> str:
+    """A short text report: device, per-phase peaks, baseline drift, the monitor's cost, findings, files."""
+    s = report.get("summary", {})
+    device = s.get("device", {})
+    lines = []
+    peak_note = " (RSS high-water marks)" if device.get("peak_source") == "rss_high_water_mark" else ""
+    lines.append(f"memcallbacks report — {device.get('device', '?')} ({device.get('peak_source', '?')} peaks), "
+                 f"{s.get('steps_seen', 0)} steps, {s.get('steps_recorded', 0)} rows")
+    if s.get("capacity_bytes"):
+        lines.append(f"  device capacity            {human_bytes(s['capacity_bytes'])}")
+    lines.append(f"  peak over the run          {human_bytes(s.get('max_allocated_bytes'))} allocated, "
+                 f"{human_bytes(s.get('max_reserved_bytes'))} reserved")
+    base = "reserved (RSS)" if peak_note else "allocated"
+    lines.append(f"  per-phase peaks{peak_note}, and the most each rose above {base} at step start:")
+    for phase in ("forward", "backward", "optimizer"):
+        lines.append(f"    {phase:<10} {human_bytes(s.get(f'peak_{phase}_bytes')):>12}   +{human_bytes(s.get(f'peak_{phase}_above_baseline_bytes'))}")
+    first, last = s.get("first_allocated_bytes"), s.get("last_allocated_bytes")
+    if first is not None and last is not None:
+        lines.append(f"  allocated at step start    {human_bytes(first)} (first row) -> {human_bytes(last)} (last row), "
+                     f"change {human_bytes(last - first)}")
+    if history is not None and len(history) and "peak_forward" in history:
+        top = history.loc[history["peak_allocated"].idxmax()]
+        lines.append(f"  largest step peak          step {int(top['step'])}: {human_bytes(top['peak_allocated'])} "
+                     f"(forward {human_bytes(top['peak_forward'])}, backward {human_bytes(top['peak_backward'])}, "
+                     f"optimizer {human_bytes(top['peak_optimizer'])})")
+    for stage, e in (s.get("eval") or {}).items():
+        lines.append(f"  {stage:<26} {e['runs']} run(s), peak {human_bytes(e['peak_allocated_bytes'])}")
+    cost = s.get("monitor_time_per_step_us")
+    if cost:
+        lines.append(f"  monitor's own time         {cost['median']:.0f} µs median per sampled step")
+    findings = report.get("findings") or []
+    lines.append(f"  findings                   {len(findings) or 'none'}")
+    for f in findings:
+        lines.append(f"    [{f.get('kind')}] step {f.get('step')}: {f.get('message')}")
+        for holder in f.get("holders", [])[:5]:
+            lines.append(f"        held by {holder}")
+    for event in report.get("events") or []:
+        lines.append(f"  event: {event.get('kind')} at step {event.get('step')}: {event.get('error', '')[:200]}")
+    if s.get("disabled_after_error"):
+        lines.append("  note: the monitor hit an internal error and disabled itself (see the log for the traceback)")
+    files = report.get("files") or {}
+    if files:
+        lines.append("  files:")
+        for kind, path in files.items():
+            lines.append(f"    {kind:<14} {path}")
+    return "\n".join(lines)

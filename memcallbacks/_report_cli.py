@@ -1,0 +1,26 @@
+"""``memcallbacks report OUTPUT_DIR``: the text report of a finished (or crashed) run."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from memcallbacks._report import format_report, load_output_dir
+
+__all__ = ["register"]
+
+
+def _run(args: argparse.Namespace) -> int:
+    try:
+        report, history = load_output_dir(args.output_dir)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"memcallbacks report: {exc}", file=sys.stderr)
+        return 2
+    print(format_report(report, history))
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    parser = subparsers.add_parser("report", help="print findings and per-phase peaks from a monitor's output_dir")
+    parser.add_argument("output_dir", help="the folder holding report.json and history.csv")
+    parser.set_defaults(func=_run)
