@@ -1,7 +1,8 @@
 """memcallbacks: see where training memory goes — per-phase peaks, leaks and their holders, snapshots.
 
 ``import memcallbacks`` imports no training framework; the adapters load lazily:
-``memcallbacks.MemoryMonitor`` is the Lightning callback from :mod:`memcallbacks.lightning`.
+``memcallbacks.MemoryMonitor`` is the Lightning callback from :mod:`memcallbacks.lightning`,
+``memcallbacks.Monitor`` the plain-PyTorch monitor from :mod:`memcallbacks.monitor`.
 """
 
 from __future__ import annotations
@@ -14,10 +15,11 @@ from memcallbacks._config import MonitorConfig
 
 if TYPE_CHECKING:  # pragma: no cover
     from memcallbacks.lightning import MemoryMonitor
+    from memcallbacks.monitor import Monitor
 
-__all__ = ["MonitorConfig", "MemoryMonitor", "__version__"]
+__all__ = ["MonitorConfig", "MemoryMonitor", "Monitor", "__version__"]
 
-_LAZY = {"MemoryMonitor": "memcallbacks.lightning"}
+_LAZY = {"MemoryMonitor": "memcallbacks.lightning", "Monitor": "memcallbacks.monitor"}
 
 
 def __getattr__(name: str) -> Any:

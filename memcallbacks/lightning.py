@@ -36,11 +36,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from memcallbacks import __version__
 from memcallbacks._config import MonitorConfig, resolve_config
-from memcallbacks._engine import BACKWARD, FORWARD, OPTIMIZER, OTHER, MemoryEngine
-from memcallbacks._outputs import check_writable, write_json, write_outputs
-from memcallbacks import _distributed
+from memcallbacks._core import MonitorCore
+from memcallbacks._engine import BACKWARD, FORWARD, OPTIMIZER, OTHER
 
 if TYPE_CHECKING:  # pragma: no cover
     import lightning.pytorch as pl
@@ -68,13 +66,6 @@ def _callback_bases() -> tuple[type, ...]:
     return tuple(bases)
 
 
-def _is_oom(exc: BaseException) -> bool:
-    oom_type = getattr(torch, "OutOfMemoryError", None)
-    if oom_type is not None and isinstance(exc, oom_type):
-        return True
-    return isinstance(exc, (RuntimeError, MemoryError)) and ("out of memory" in str(exc).lower() or isinstance(exc, MemoryError))
-
-
 class MemoryMonitor(*_callback_bases()):  # type: ignore[misc]
     """Per-phase memory peaks on every training step, logged through the trainer's loggers.
 
@@ -87,7 +78,7 @@ class MemoryMonitor(*_callback_bases()):  # type: ignore[misc]
         monitor = MemoryMonitor(log_every_n_steps=10)
         trainer = L.Trainer(callbacks=[monitor], logger=TensorBoardLogger("runs"))
         trainer.fit(model, datamodule)
-        monitor.history          # one row per optimizer step (pandas.DataFrame)
+        monitor.history          # one row per (sampled) optimizer step (pandas.DataFrame)
 
     After fit, ``output_dir`` holds ``history.csv``, ``report.json`` and ``memory.png``
     (``.rank{r}`` in the names under distributed training; rank zero's ``report.json`` also
@@ -96,82 +87,65 @@ class MemoryMonitor(*_callback_bases()):  # type: ignore[misc]
 
     def __init__(self, config: MonitorConfig | dict[str, Any] | None = None, **kwargs: Any) -> None:
         self.config = resolve_config(config, kwargs, "MemoryMonitor")
-        self._engine = MemoryEngine(self.config)
+        self._core = MonitorCore(self.config, "lightning", "MemoryMonitor")
         self._stepped = False
         self._automatic = True
         self._optimizer_hooks: list[Any] = []
-        self._warned: set[str] = set()
-        self._sample_every = 1
-        self._log_this_step = False
-        self._step_open = False
         self._started_for: int | None = None
-        self.output_dir: Path | None = None
-        self.files: dict[str, str] = {}
-        self.events: list[dict[str, Any]] = []
-        self.findings: list[Any] = []
+        self._trainer: Any = None
 
     # ------------------------------------------------------------------ public results
     @property
     def history(self) -> Any:
-        """One row per optimizer step (pandas.DataFrame); columns are documented in docs/metrics.md."""
-        return self._engine.history_frame()
+        """One row per sampled optimizer step (pandas.DataFrame); columns in docs/metrics.md."""
+        return self._core.engine.history_frame()
 
     @property
     def eval_history(self) -> Any:
         """One row per validation/test/predict run (pandas.DataFrame)."""
-        return self._engine.eval_frame()
+        return self._core.engine.eval_frame()
 
     @property
     def max_allocated(self) -> int:
         """Peak allocated bytes since fit start (the monitor resets the device's own peak counter)."""
-        return self._engine.max_allocated
+        return self._core.engine.max_allocated
 
     @property
     def max_reserved(self) -> int:
-        return self._engine.max_reserved
+        return self._core.engine.max_reserved
 
     @property
     def enabled(self) -> bool:
-        return self._engine.enabled
+        return self._core.enabled
+
+    @property
+    def findings(self) -> list[Any]:
+        return self._core.findings
+
+    @property
+    def events(self) -> list[dict[str, Any]]:
+        return self._core.events
+
+    @property
+    def files(self) -> dict[str, str]:
+        return self._core.files
+
+    @property
+    def output_dir(self) -> Path | None:
+        return self._core.output_dir
 
     def summary(self) -> dict[str, Any]:
-        return self._engine.summary()
+        return self._core.engine.summary()
 
     def report(self) -> dict[str, Any]:
         """What ``report.json`` holds: version, config, summary, findings, events and files."""
-        return {
-            "version": 1,
-            "memcallbacks_version": __version__,
-            "framework": "lightning",
-            "config": self.config.to_dict(),
-            "summary": self._engine.summary(),
-            "findings": [f.to_dict() if hasattr(f, "to_dict") else f for f in self.findings],
-            "events": list(self.events),
-            "files": dict(self.files),
-        }
+        return self._core.report()
 
     def format_report(self) -> str:
         """The report as text (what ``memcallbacks report OUTPUT_DIR`` prints)."""
-        from memcallbacks._report import format_report
-
-        return format_report(self.report(), self.history)
+        return self._core.format_report()
 
     # ------------------------------------------------------------------ helpers
-    def _warn_once(self, key: str, message: str) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            log.warning(message)
-
-    def _resolve_output_dir(self, trainer: "pl.Trainer") -> Path:
-        if self.config.output_dir is not None:
-            return Path(self.config.output_dir)
-        base = None
-        try:
-            base = trainer.log_dir
-        except Exception:
-            base = None
-        return Path(base or trainer.default_root_dir or os.getcwd()) / "memcallbacks"
-
     def _will_log(self, trainer: "pl.Trainer") -> bool:
         """Decided when a step starts (Lightning counts the step about to run, as its own callbacks do)."""
         if not trainer.loggers:
@@ -190,48 +164,54 @@ class MemoryMonitor(*_callback_bases()):  # type: ignore[misc]
         except Exception:
             return int(trainer.global_step)
 
-    @staticmethod
-    def _emit(trainer: "pl.Trainer", metrics: dict[str, float], step: int) -> None:
-        if metrics and trainer.is_global_zero:
+    def _emit(self, metrics: dict[str, float], step: int) -> None:
+        trainer = self._trainer
+        if trainer is not None and trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=step)
 
     def _start(self, trainer: "pl.Trainer") -> None:
-        if self._started_for == id(trainer) and self._engine.backend is not None:
+        core = self._core
+        self._trainer = trainer
+        if self._started_for == id(trainer) and core.engine.backend is not None:
             return
         self._started_for = id(trainer)
-        if self.config.write_files:
-            self.output_dir = check_writable(self._resolve_output_dir(trainer), "MemoryMonitor")
+        default_dir = None
+        if self.config.write_files and self.config.output_dir is None:
+            try:
+                base = trainer.log_dir
+            except Exception:
+                base = None
+            default_dir = Path(base or trainer.default_root_dir or os.getcwd()) / "memcallbacks"
         if not trainer.loggers:
-            self._warn_once(
+            core.warn_once(
                 "no-logger",
                 "MemoryMonitor: the Trainer has no logger (logger=False); memory metrics are not logged, but "
                 "`monitor.history` and the files in output_dir are still kept.",
             )
-        self._engine.start(trainer.strategy.root_device, rank=trainer.global_rank, world_size=trainer.world_size)
-        backend = self._engine.backend
-        if self.config.sample_every_n_steps is not None:
-            self._sample_every = self.config.sample_every_n_steps
-        elif backend is not None and backend.kind == "cpu":
-            self._sample_every = self.config.log_every_n_steps or max(int(trainer.log_every_n_steps or 1), 1)
-        else:
-            self._sample_every = 1
+        core.log_fn = self._emit
+        core.start(
+            trainer.strategy.root_device,
+            rank=trainer.global_rank,
+            world_size=trainer.world_size,
+            default_output_dir=default_dir,
+            framework_log_every=trainer.log_every_n_steps,
+        )
 
     # ------------------------------------------------------------------ lifecycle hooks
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         if stage == "fit":
-            self._engine.reset()
+            self._core.reset()
             self._started_for = None
-            self.events = []
-            self.findings = []
-            self.files = {}
         # environment problems (an unwritable output_dir) propagate: they must stop the run before training
         self._start(trainer)
 
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._automatic = bool(pl_module.automatic_optimization)
-        self._stepped = self._step_open = False
-        if not self._automatic and self._engine.enabled and not self._optimizer_hooks:
+        self._stepped = False
+        self._core.step_open = False
+        self._core.title = f"{type(pl_module).__name__}"
+        if not self._automatic and self._core.enabled and not self._optimizer_hooks:
             # manual optimization: the optimizer's own hooks bound the optimizer phase exactly
             from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
@@ -246,55 +226,24 @@ class MemoryMonitor(*_callback_bases()):  # type: ignore[misc]
         self._optimizer_hooks = []
 
     def _optimizer_pre_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        engine = self._engine
-        if engine.enabled and engine.in_step:
-            try:
-                engine.boundary(OTHER)
-            except Exception as exc:
-                engine.fail(exc, "optimizer pre-step hook")
+        if self._core.step_open:
+            self._core.boundary(OTHER)
 
     def _optimizer_post_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        engine = self._engine
-        if engine.enabled and engine.in_step:
-            try:
-                engine.boundary(OPTIMIZER)
-            except Exception as exc:
-                engine.fail(exc, "optimizer post-step hook")
+        if self._core.step_open:
+            self._core.boundary(OPTIMIZER)
 
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int) -> None:
-        engine = self._engine
-        if self._step_open:  # a further micro-batch of the same optimizer step (gradient accumulation)
-            if engine.enabled:
-                try:
-                    engine.micro_batch()
-                except Exception as exc:
-                    engine.fail(exc, "on_train_batch_start")
-            return
-        self._step_open = True
-        # decided on every rank even when disabled, so ranks agree on which steps join a collective
-        self._log_this_step = log = self._will_log(trainer)
-        if engine.enabled:
-            try:
-                step = trainer.global_step
-                engine.begin_step(step, trainer.current_epoch, batch_idx, log or (step + 1) % self._sample_every == 0)
-            except Exception as exc:
-                engine.fail(exc, "on_train_batch_start")
+        core = self._core
+        # a batch inside an open step is a further micro-batch (gradient accumulation)
+        log_now = False if core.step_open else self._will_log(trainer)
+        core.begin_step(trainer.global_step, trainer.current_epoch, batch_idx, log=log_now)
 
     def on_before_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: torch.Tensor) -> None:
-        engine = self._engine
-        if engine.enabled:
-            try:
-                engine.boundary(FORWARD)
-            except Exception as exc:
-                engine.fail(exc, "on_before_backward")
+        self._core.boundary(FORWARD)
 
     def on_after_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        engine = self._engine
-        if engine.enabled:
-            try:
-                engine.boundary(BACKWARD)
-            except Exception as exc:
-                engine.fail(exc, "on_after_backward")
+        self._core.boundary(BACKWARD)
 
     def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: Any) -> None:
         # automatic optimization: from here to batch end is the optimizer phase (clipping included)
@@ -303,67 +252,25 @@ class MemoryMonitor(*_callback_bases()):  # type: ignore[misc]
     def on_train_batch_end(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        engine = self._engine
-        step_ended = self._stepped or not self._automatic
-        row = None
-        if engine.enabled:
-            try:
-                if step_ended:
-                    row = engine.end_step(OPTIMIZER if self._automatic else OTHER)
-                else:  # accumulating gradients: the step goes on with the next batch
-                    engine.boundary(OTHER)
-            except Exception as exc:
-                engine.fail(exc, "on_train_batch_end")
+        core = self._core
+        if self._stepped or not self._automatic:
+            core.end_step(OPTIMIZER if self._automatic else OTHER, log_step=self._log_step(trainer))
+        else:  # accumulating gradients: the step goes on with the next batch
+            core.boundary(OTHER)
         self._stepped = False
-        if step_ended:
-            self._step_open = False
-        if step_ended and self._log_this_step and (row is not None or engine.world_size > 1):
-            try:
-                self._emit(trainer, engine.log_values(row), self._log_step(trainer))
-            except Exception as exc:
-                engine.fail(exc, "logging")
 
     # ------------------------------------------------------------------ evaluation loops
     def _eval_start(self, trainer: "pl.Trainer", stage: str) -> None:
-        engine = self._engine
-        if self.config.log_validation and engine.enabled:
-            try:
-                if trainer.sanity_checking:
-                    stage = "sanity_check"
-                engine.begin_eval(stage, trainer.global_step, trainer.current_epoch)
-            except Exception as exc:
-                engine.fail(exc, f"on_{stage}_start")
-
-    def _eval_batch(self) -> None:
-        if self._engine.enabled:
-            self._engine.eval_batch()
+        self._core.begin_eval("sanity_check" if trainer.sanity_checking else stage, trainer.global_step, trainer.current_epoch)
 
     def _eval_end(self, trainer: "pl.Trainer") -> None:
-        engine = self._engine
-        if not self.config.log_validation:
-            return
-        row, stage = None, None
-        if engine.enabled:
-            try:
-                row = engine.end_eval()
-                stage = row[0] if row is not None else None
-            except Exception as exc:
-                engine.fail(exc, "evaluation end")
-        if trainer.sanity_checking or stage == "sanity_check" or not trainer.loggers:
-            return
-        if row is None and engine.world_size <= 1:
-            return
-        stage = stage or str(getattr(trainer.state.stage, "value", "validate"))
-        try:
-            self._emit(trainer, engine.eval_log_values(row, stage), self._log_step(trainer))
-        except Exception as exc:
-            engine.fail(exc, "evaluation logging")
+        self._core.end_eval(log_step=self._log_step(trainer), emit=bool(trainer.loggers) and not trainer.sanity_checking)
 
     def on_validation_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._eval_start(trainer, "validate")
 
     def on_validation_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
-        self._eval_batch()
+        self._core.eval_batch()
 
     def on_validation_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._eval_end(trainer)
@@ -372,7 +279,7 @@ class MemoryMonitor(*_callback_bases()):  # type: ignore[misc]
         self._eval_start(trainer, "test")
 
     def on_test_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
-        self._eval_batch()
+        self._core.eval_batch()
 
     def on_test_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._eval_end(trainer)
@@ -381,7 +288,7 @@ class MemoryMonitor(*_callback_bases()):  # type: ignore[misc]
         self._eval_start(trainer, "predict")
 
     def on_predict_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
-        self._eval_batch()
+        self._core.eval_batch()
 
     def on_predict_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._eval_end(trainer)
@@ -389,76 +296,27 @@ class MemoryMonitor(*_callback_bases()):  # type: ignore[misc]
     # ------------------------------------------------------------------ end of fit, failures
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._remove_optimizer_hooks()
-        self._step_open = False
-        engine = self._engine
-        if engine.enabled and engine.in_step:  # a step cut short (max_steps mid-accumulation, manual loops)
-            try:
-                engine.end_step()
-            except Exception as exc:
-                engine.fail(exc, "on_train_end")
+        core = self._core
+        if core.step_open:  # a step cut short (max_steps mid-accumulation)
+            core.end_step(OTHER, log_step=self._log_step(trainer))
 
     def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        self._finish(trainer, gather=True)
+        self._core.finish(gather=True)
 
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
         self._remove_optimizer_hooks()
-        engine = self._engine
-        if _is_oom(exception):
-            event: dict[str, Any] = {
-                "kind": "oom",
-                "step": int(trainer.global_step),
-                "rank": engine.rank,
-                "error": f"{type(exception).__name__}: {str(exception)[:2000]}",
-                "max_allocated_bytes": engine.max_allocated,
-                "max_reserved_bytes": engine.max_reserved,
-            }
-            self.events.append(event)
-            log.error("MemoryMonitor: out of memory at step %d on rank %d; writing the memory report before the error propagates.", event["step"], engine.rank)
+        self._core.record_exception(exception, trainer.global_step)
         # no collectives here: other ranks may not be failing
-        self._finish(trainer, gather=False)
+        self._core.finish(gather=False)
 
     def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         self._remove_optimizer_hooks()
         if stage == "fit":
-            self._engine.stop()
-
-    def _finish(self, trainer: "pl.Trainer", *, gather: bool) -> None:
-        engine = self._engine
-        try:
-            if engine.in_step:
-                engine.end_step()
-            report = self.report()
-            summaries = _distributed.gather_objects(report["summary"]) if gather and engine.world_size > 1 and _distributed.is_distributed() else None
-            if not (self.config.write_files and self.output_dir is not None):
-                return
-            if summaries is not None and engine.rank == 0:
-                report["ranks"] = summaries
-            title = f"{type(trainer.lightning_module).__name__} on {report['summary'].get('device', {}).get('device', '?')}"
-            if engine.world_size > 1:
-                title += f", rank {engine.rank}"
-            self.files = write_outputs(
-                self.output_dir,
-                rank=engine.rank,
-                world_size=engine.world_size,
-                history=self.history,
-                eval_history=self.eval_history,
-                report=report,
-                plot=self.config.plot,
-                title=title,
-            )
-            if summaries is not None and engine.rank == 0:
-                combined = dict(report, files=self.files)
-                write_json(self.output_dir / "report.json", combined)
-                self.files["combined_report"] = str(self.output_dir / "report.json")
-        except Exception as exc:
-            engine.fail(exc, "writing outputs")
+            self._core.stop()
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:
-        state = self._engine.state_dict()
-        state["events"] = list(self.events)
-        return state
+        return self._core.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._engine.load_state_dict(state_dict)
-        self.events = list(state_dict.get("events", []))
+        self._core.load_state_dict(state_dict)

@@ -1,0 +1,320 @@
+"""``Monitor``: the framework-free memory monitor for plain PyTorch loops (and the base of the Accelerate adapter).
+
+Phases are found without annotations when a model is given: a forward pre-hook opens the step
+(when ``track``/``step`` are not used), a tensor hook on the model's output marks the start of
+backward, an autograd-engine callback queued from it marks the end of backward, and torch's
+global optimizer-step hooks bound the optimizer step. ``track(iterable)``, ``step()`` and
+``phase(name)`` mark boundaries explicitly for loops the hooks cannot see.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import weakref
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+from torch import nn
+
+from memcallbacks._config import MonitorConfig, resolve_config
+from memcallbacks._core import LogFn, MonitorCore
+from memcallbacks._engine import BACKWARD, FORWARD, OPTIMIZER, OTHER, PHASES
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Monitor"]
+
+_PHASE_INDEX = {name: i for i, name in enumerate(PHASES)}
+
+
+def _first_grad_tensors(output: Any, limit: int = 8) -> list[torch.Tensor]:
+    """Tensors with a grad_fn in a model's output (tensor, tuple/list, dict, HF ModelOutput), bounded."""
+    found: list[torch.Tensor] = []
+    stack = [output]
+    while stack and len(found) < limit:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            if item.grad_fn is not None:
+                found.append(item)
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return found
+
+
+class Monitor:
+    """Per-phase memory of a plain PyTorch training loop.
+
+    Args:
+        model: optional; when given, forward/backward boundaries are found with hooks.
+        optimizer: optional; the optimizer phase is bounded by torch's optimizer-step hooks either way.
+        log_fn: optional ``log_fn(metrics: dict[str, float], step: int)``, called on rank zero on logged steps.
+        device: the device to measure; default: the model's, else CPU.
+        config: a :class:`~memcallbacks.MonitorConfig` (or dict); ``**kwargs`` override its fields.
+
+    Example::
+
+        monitor = Monitor(model, optimizer, log_every_n_steps=10)
+        for batch in monitor.track(loader):
+            loss = model(batch).sum()
+            loss.backward()
+            optimizer.step(); optimizer.zero_grad()
+        monitor.close()
+        print(monitor.format_report())
+    """
+
+    framework = "torch"
+
+    def __init__(
+        self,
+        model: nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        log_fn: LogFn | None = None,
+        *,
+        device: torch.device | str | None = None,
+        config: MonitorConfig | dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if model is not None and not isinstance(model, nn.Module):
+            raise TypeError(f"{type(self).__name__}(model={type(model).__name__}) must be a torch.nn.Module or None.")
+        if optimizer is not None and not hasattr(optimizer, "step"):
+            raise TypeError(f"{type(self).__name__}(optimizer={type(optimizer).__name__}) must be a torch optimizer or None.")
+        if log_fn is not None and not callable(log_fn):
+            raise TypeError(f"{type(self).__name__}(log_fn={log_fn!r}) must be callable as log_fn(metrics, step) or None.")
+        self.config = resolve_config(config, kwargs, type(self).__name__)
+        self._core = MonitorCore(self.config, self.framework, type(self).__name__)
+        self._core.log_fn = log_fn
+        self._model_ref = weakref.ref(model) if model is not None else None
+        self._handles: list[Any] = []
+        self._step = 0
+        self._stepped = False  # an optimizer step happened in the open step
+        self._ever_stepped = False
+        self._backward_open = False
+        self._closed = False
+        self._explicit = False  # track() or step() marks boundaries; the forward hook then leaves steps alone
+        self._start(self._device_for(device, model, optimizer))
+        self._install_hooks(model)
+
+    # ------------------------------------------------------------------ setup
+    @staticmethod
+    def _device_for(device: Any, model: nn.Module | None, optimizer: Any) -> torch.device:
+        if device is not None:
+            return torch.device(device)
+        tensors: Iterable[torch.Tensor] = ()
+        if model is not None:
+            tensors = model.parameters()
+        elif optimizer is not None:
+            tensors = (p for group in getattr(optimizer, "param_groups", []) for p in group["params"])
+        for t in tensors:
+            if t.device.type != "meta":
+                return t.device
+        return torch.device("cpu")
+
+    def _start(self, device: torch.device) -> None:
+        self._core.start(device)
+
+    def _install_hooks(self, model: nn.Module | None) -> None:
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+        self._handles.append(register_optimizer_step_pre_hook(self._optimizer_pre))
+        self._handles.append(register_optimizer_step_post_hook(self._optimizer_post))
+        if model is not None:
+            self._handles.append(model.register_forward_pre_hook(self._forward_pre))
+            self._handles.append(model.register_forward_hook(self._forward_post))
+
+    # ------------------------------------------------------------------ hooks (never raise)
+    def _forward_pre(self, module: nn.Module, args: Any) -> None:
+        # without track()/step(), a training forward after an optimizer step starts the next step
+        if self._explicit or self._closed or not (torch.is_grad_enabled() and module.training):
+            return
+        if self._core.step_open and self._stepped:
+            self._end()
+        if not self._core.step_open:
+            self._begin()
+
+    def _forward_post(self, module: nn.Module, args: Any, output: Any) -> None:
+        core = self._core
+        if not core.step_open or not core.enabled or not torch.is_grad_enabled():
+            return
+        try:
+            for tensor in _first_grad_tensors(output):
+                tensor.register_hook(self._backward_start)
+        except Exception as exc:
+            core.engine.fail(exc, "forward hook")
+
+    def _backward_start(self, grad: torch.Tensor) -> None:
+        # fires once per output tensor; only the first one of a backward pass is a boundary
+        if self._backward_open or not self._core.step_open:
+            return
+        self._backward_open = True
+        self._core.boundary(FORWARD)
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
+        except Exception as exc:  # pragma: no cover - private API moved
+            self._core.engine.fail(exc, "backward hook")
+
+    def _backward_end(self) -> None:
+        self._backward_open = False
+        self._core.boundary(BACKWARD)
+
+    def _optimizer_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self._core.step_open:
+            self._core.boundary(OTHER)
+
+    def _optimizer_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self._ever_stepped = True
+        if self._core.step_open:
+            self._stepped = True
+            self._core.boundary(OPTIMIZER)
+
+    # ------------------------------------------------------------------ steps
+    def _begin(self, epoch: int = 0, batch_idx: int | None = None) -> None:
+        self._stepped = False
+        self._core.begin_step(self._step, epoch, self._step if batch_idx is None else batch_idx)
+
+    def _end(self) -> None:
+        if self._core.step_open:
+            self._core.end_step(OTHER)
+            self._step += 1
+        self._stepped = False
+        self._backward_open = False
+
+    def track(self, iterable: Iterable[Any]) -> Iterator[Any]:
+        """Yield from ``iterable``, marking a step boundary before each item.
+
+        A batch after which no optimizer step ran (gradient accumulation) continues the same step,
+        so rows are per optimizer step; loops that never call ``optimizer.step()`` get a row per item.
+        """
+        self._explicit = True
+        for batch_idx, item in enumerate(iterable):
+            core = self._core
+            if core.step_open and (self._stepped or not self._ever_stepped):
+                self._end()
+            if core.step_open:
+                core.begin_step(self._step, 0, batch_idx)  # counts a micro-batch
+            else:
+                self._begin(batch_idx=batch_idx)
+            yield item
+        self._end()
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        """``with monitor.step(): ...`` — one row for exactly this block. An OOM inside is recorded,
+        the files are written, and the error propagates."""
+        self._explicit = True
+        if self._core.step_open:
+            self._end()
+        self._begin()
+        try:
+            yield
+        except BaseException as exc:
+            self.record_exception(exc)
+            raise
+        finally:
+            self._end()
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """``with monitor.phase("forward"): ...`` — attribute this block's peak to a phase explicitly."""
+        index = _PHASE_INDEX.get(name)
+        if index is None:
+            raise ValueError(f"Monitor.phase(name={name!r}) is not one of {', '.join(PHASES)}; pass one of those.")
+        core = self._core
+        if not core.step_open:
+            self._begin()
+        core.boundary(OTHER)
+        try:
+            yield
+        finally:
+            core.boundary(index)
+
+    @contextlib.contextmanager
+    def evaluate(self, stage: str = "validate") -> Iterator[None]:
+        """``with monitor.evaluate(): ...`` — an evaluation loop, recorded apart from training rows."""
+        self._core.begin_eval(stage, self._step)
+        try:
+            yield
+        finally:
+            self._core.end_eval(log_step=self._step)
+
+    def record_exception(self, exc: BaseException) -> None:
+        """Record an exception that is ending training (an OOM becomes an event) and write the files."""
+        self._core.record_exception(exc, self._step)
+        if self._core.events and self._core.events[-1].get("kind") == "oom":
+            self._core.finish(gather=False)
+
+    def close(self) -> None:
+        """End the open step, remove every hook and write the files. Safe to call twice.
+
+        Under torch.distributed every rank must call it (rank summaries are gathered)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._end()
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._core.finish(gather=True)
+        self._core.stop()
+
+    def __enter__(self) -> "Monitor":
+        return self
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        if exc is not None:
+            self._core.record_exception(exc, self._step)
+        self.close()
+
+    # ------------------------------------------------------------------ results
+    @property
+    def history(self) -> Any:
+        """One row per sampled optimizer step (pandas.DataFrame); columns in docs/metrics.md."""
+        return self._core.engine.history_frame()
+
+    @property
+    def eval_history(self) -> Any:
+        return self._core.engine.eval_frame()
+
+    @property
+    def findings(self) -> list[Any]:
+        return self._core.findings
+
+    @property
+    def events(self) -> list[dict[str, Any]]:
+        return self._core.events
+
+    @property
+    def files(self) -> dict[str, str]:
+        return self._core.files
+
+    @property
+    def enabled(self) -> bool:
+        return self._core.enabled
+
+    @property
+    def max_allocated(self) -> int:
+        return self._core.engine.max_allocated
+
+    @property
+    def max_reserved(self) -> int:
+        return self._core.engine.max_reserved
+
+    def summary(self) -> dict[str, Any]:
+        return self._core.engine.summary()
+
+    def report(self) -> dict[str, Any]:
+        return self._core.report()
+
+    def format_report(self) -> str:
+        return self._core.format_report()
+
+    def state_dict(self) -> dict[str, Any]:
+        state = self._core.state_dict()
+        state["step"] = self._step
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._core.load_state_dict(state)
+        self._step = int(state.get("step", self._step))
