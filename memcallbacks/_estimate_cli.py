@@ -1,0 +1,257 @@
+"""``memcallbacks estimate``: model-state memory per rank for several strategies and world sizes, as a table."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from memcallbacks.estimate import (
+    GB,
+    OPTIMIZERS,
+    PRECISIONS,
+    STRATEGIES,
+    MemoryEstimate,
+    compare,
+    estimate_grid,
+)
+
+log = logging.getLogger(__name__)
+
+__all__ = ["register", "run"]
+
+_PROG = "memcallbacks estimate"
+_EXAMPLES = """examples:
+  memcallbacks estimate --params 4e9 --largest-layer 1e9 --precision bf16-mixed --strategies fsdp2 --world-sizes 8 --unit GB
+  memcallbacks estimate --hf-config ./llama/config.json --strategies ddp,fsdp2,zero3 --world-sizes 8,64
+  memcallbacks estimate --model mypkg.models:Net --optimizer sgd+momentum --format csv
+"""
+
+
+class _UsageError(Exception):
+    """A bad command line: reported as one line on stderr with exit code 2."""
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``estimate`` sub-command to an ``argparse`` sub-parsers object."""
+    parser = subparsers.add_parser(
+        "estimate",
+        help="estimate params/grads/optimizer/sharding memory per rank",
+        description="Model-state memory per rank (no activations) for strategies and world sizes side by side.",
+        epilog=_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--params", metavar="N", help="total parameter count, e.g. 7e9")
+    source.add_argument("--hf-config", metavar="PATH", help="a Transformers config.json (or its directory); built on the meta device")
+    source.add_argument("--model", metavar="MODULE:CLASS", help="an importable nn.Module class, instantiated with no arguments on the meta device")
+    parser.add_argument("--largest-layer", metavar="N", help="parameters of the largest FSDP unit / ZeRO-3 gathered layer (with --params)")
+    parser.add_argument("--trainable", metavar="N", help="parameters that are trained (with --params; default: all)")
+    parser.add_argument("--layer-cls", metavar="NAMES", help="comma-separated class names of the FSDP units (with a model)")
+    parser.add_argument("--optimizer", default="adam", help=f"one of {', '.join(OPTIMIZERS)} with +flags (e.g. adamw+amsgrad), or bytes/param (default: adam)")
+    parser.add_argument("--precision", default="fp32", help=f"one of {', '.join(PRECISIONS)} or Lightning's strings (default: fp32)")
+    parser.add_argument("--strategies", default="single,ddp,fsdp2,zero2,zero3", help=f"comma-separated, from {', '.join(STRATEGIES)}")
+    parser.add_argument("--world-sizes", default="8", help="comma-separated data-parallel sizes (default: 8)")
+    parser.add_argument("--sharding", default="full", help="FSDP sharding: full, grad_op or hybrid (default: full)")
+    parser.add_argument("--shard-group-size", type=int, default=None, help="ranks per shard group with --sharding hybrid")
+    parser.add_argument("--offload-optimizer", action="store_true", help="ZeRO: optimizer state and master weights on the host")
+    parser.add_argument("--offload-param", action="store_true", help="ZeRO-3/FSDP: sharded parameters on the host")
+    parser.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps (default: 1)")
+    parser.add_argument("--ranks-per-node", type=int, default=None, help="ranks sharing a host (default: min(world size, 8))")
+    parser.add_argument("--conservative", action="store_true", help="also count the backward-prefetched layer and reduced grad shards")
+    parser.add_argument("--unit", default="GiB", choices=("GB", "GiB", "MB", "MiB", "bytes"), help="GB = 1e9 bytes, GiB = 2**30 (default: GiB)")
+    parser.add_argument("--format", default="markdown", choices=("markdown", "csv"), help="output format (default: markdown)")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the table; return 0, or 2 with a one-line message on stderr for a bad input."""
+    try:
+        estimates = _estimates(args)
+    except (_UsageError, ValueError) as exc:
+        print(f"{_PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    table = compare(estimates, unit=args.unit)
+    if args.format == "csv":
+        sys.stdout.write(table.to_csv())
+    else:
+        first = estimates[0]
+        print(
+            f"model states per rank: {first.num_params / GB:.3f}B params, largest layer {first.layer_params / GB:.3f}B, "
+            f"optimizer {first.optimizer}, precision {first.precision}; activations not included"
+        )
+        print()
+        print(_markdown(table))
+    return 0
+
+
+def _estimates(args: argparse.Namespace) -> list[MemoryEstimate]:
+    strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    if not strategies:
+        raise _UsageError("--strategies is empty; pass e.g. --strategies ddp,fsdp2")
+    world_sizes = [_int_list_item(w, "--world-sizes") for w in args.world_sizes.split(",") if w.strip()]
+    if not world_sizes:
+        raise _UsageError("--world-sizes is empty; pass e.g. --world-sizes 8,64")
+    common: dict[str, Any] = dict(
+        optimizer=_optimizer_arg(args.optimizer),
+        precision=args.precision,
+        sharding=args.sharding,
+        shard_group_size=args.shard_group_size,
+        offload_optimizer=args.offload_optimizer,
+        offload_param=args.offload_param,
+        gradient_accumulation_steps=args.grad_accum,
+        conservative=args.conservative,
+    )
+    if args.ranks_per_node is not None:
+        common["ranks_per_node"] = args.ranks_per_node
+    if args.params is not None:
+        common["num_params"] = _number(args.params, "--params")
+        if args.largest_layer is not None:
+            common["largest_layer_params"] = _number(args.largest_layer, "--largest-layer")
+        if args.trainable is not None:
+            common["trainable_params"] = _number(args.trainable, "--trainable")
+        if args.layer_cls:
+            raise _UsageError("--layer-cls needs a model (--hf-config or --model); with --params pass --largest-layer")
+        model = None
+    else:
+        if args.trainable is not None:
+            raise _UsageError("--trainable applies to --params only")
+        model = _load_hf_config(args.hf_config) if args.hf_config else _load_model_class(args.model)
+        if args.largest_layer is not None:
+            common["largest_layer_params"] = _number(args.largest_layer, "--largest-layer")
+        if args.layer_cls:
+            common["layer_cls"] = [c.strip() for c in args.layer_cls.split(",") if c.strip()]
+    try:
+        return estimate_grid(model, strategies=strategies, world_sizes=world_sizes, **common)
+    except ValueError as exc:
+        # the library names its own arguments; the CLI user knows the flags
+        raise _UsageError(_flag_names(str(exc))) from None
+
+
+_FLAG_NAMES = {
+    "estimate(): ": "",
+    "estimate_grid(): ": "",
+    "find_layers(): ": "",
+    "largest_layer_params=": "--largest-layer ",
+    "trainable_params=": "--trainable ",
+    "num_params=": "--params ",
+    "layer_cls=": "--layer-cls ",
+    "shard_group_size=": "--shard-group-size ",
+    "gradient_accumulation_steps=": "--grad-accum ",
+    "ranks_per_node=": "--ranks-per-node ",
+    "world_size=": "--world-sizes ",
+    "offload_optimizer=": "--offload-optimizer ",
+    "offload_param=": "--offload-param ",
+    "strategy=": "--strategies ",
+    "precision=": "--precision ",
+    "optimizer=": "--optimizer ",
+    "sharding=": "--sharding ",
+}
+
+
+def _flag_names(message: str) -> str:
+    """The library's message with its argument names replaced by this command's flags."""
+    for name, flag in _FLAG_NAMES.items():
+        message = message.replace(name, flag)
+    return message.replace(" None is required", " is required")
+
+
+def _number(text: str, flag: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise _UsageError(f"{flag} {text!r} is not a number; pass e.g. 7e9") from None
+    if not value > 0:
+        raise _UsageError(f"{flag} {text!r} must be > 0")
+    return value
+
+
+def _int_list_item(text: str, flag: str) -> int:
+    try:
+        value = int(text.strip())
+    except ValueError:
+        raise _UsageError(f"{flag}: {text.strip()!r} is not an integer; pass e.g. {flag} 8,64") from None
+    if value < 1:
+        raise _UsageError(f"{flag}: {value} must be >= 1")
+    return value
+
+
+def _optimizer_arg(text: str) -> str | float:
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
+def _load_hf_config(path_text: str) -> nn.Module:
+    path = Path(path_text).expanduser()
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise _UsageError(f"--hf-config {path_text!r}: no such file (expected a config.json or a directory holding one)")
+    try:
+        import transformers
+    except ImportError:
+        raise _UsageError("--hf-config needs the 'transformers' package; pip install transformers") from None
+    try:
+        config = transformers.AutoConfig.from_pretrained(str(path))
+    except Exception as exc:  # transformers raises many types for a bad file
+        raise _UsageError(f"--hf-config {path_text!r} is not a Transformers config: {_one_line(exc)}") from None
+    with torch.device("meta"):
+        try:
+            return transformers.AutoModelForCausalLM.from_config(config)
+        except ValueError:
+            log.debug("%s is not a causal LM config; using AutoModel", path, exc_info=True)
+            try:
+                return transformers.AutoModel.from_config(config)
+            except Exception as exc:
+                raise _UsageError(f"--hf-config {path_text!r}: cannot build a model from it: {_one_line(exc)}") from None
+
+
+def _load_model_class(spec: str) -> nn.Module:
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise _UsageError(f"--model {spec!r} is not MODULE:CLASS; pass e.g. --model mypkg.models:Net")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise _UsageError(f"--model {spec!r}: cannot import {module_name!r}: {_one_line(exc)}") from None
+    target: Any = module
+    for part in attr.split("."):
+        target = getattr(target, part, None)
+        if target is None:
+            raise _UsageError(f"--model {spec!r}: {module_name!r} has no attribute {attr!r}")
+    with torch.device("meta"):
+        try:
+            model = target()
+        except Exception as exc:
+            raise _UsageError(f"--model {spec!r}: calling it with no arguments failed: {_one_line(exc)}") from None
+    if not isinstance(model, nn.Module):
+        raise _UsageError(f"--model {spec!r} built a {type(model).__name__}, not an nn.Module")
+    return model
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+def _markdown(table: Any) -> str:
+    header = ["quantity", *[str(c) for c in table.columns]]
+    rows = [[str(index), *[_fmt(v) for v in row]] for index, row in zip(table.index, table.itertuples(index=False))]
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    lines = ["| " + " | ".join(h.ljust(w) for h, w in zip(header, widths)) + " |"]
+    lines.append("|" + "|".join([":" + "-" * (widths[0] + 1)] + ["-" * (w + 1) + ":" for w in widths[1:]]) + "|")
+    for r in rows:
+        lines.append("| " + " | ".join([r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:], widths[1:])]) + " |")
+    return "\n".join(lines)
+
+
+def _fmt(value: float) -> str:
+    return f"{value:,.2f}" if abs(value) < 1e6 else f"{value:,.0f}"
