@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-__all__ = ["MonitorConfig", "resolve_config"]
+__all__ = ["MonitorConfig", "resolve_config", "check_config_names"]
 
 
 def _fail(field: str, value: Any, fix: str) -> ValueError:
@@ -94,20 +94,28 @@ class MonitorConfig:
 
 
 _FIELDS = frozenset(f.name for f in dataclasses.fields(MonitorConfig))
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(MonitorConfig)}
 
 
-def resolve_config(config: MonitorConfig | Mapping[str, Any] | None, overrides: Mapping[str, Any], owner: str) -> MonitorConfig:
-    """Merge ``config=`` and keyword arguments into one validated :class:`MonitorConfig`."""
+def check_config_names(overrides: Mapping[str, Any], owner: str) -> None:
+    """Raise a TypeError naming every keyword that is not a MonitorConfig field, and the valid ones."""
     unknown = sorted(set(overrides) - _FIELDS)
     if unknown:
         raise TypeError(
             f"{owner}() got unexpected keyword argument(s) {', '.join(map(repr, unknown))}; "
             f"valid names are the fields of MonitorConfig: {', '.join(sorted(_FIELDS))}."
         )
+
+
+def resolve_config(config: MonitorConfig | Mapping[str, Any] | None, overrides: Mapping[str, Any], owner: str) -> MonitorConfig:
+    """Merge ``config=`` and keyword arguments into one validated :class:`MonitorConfig`."""
+    check_config_names(overrides, owner)
     if config is None:
         return MonitorConfig(**overrides)
     if isinstance(config, Mapping):
         return resolve_config(None, {**config, **overrides}, owner)
     if not isinstance(config, MonitorConfig):
         raise TypeError(f"{owner}(config={config!r}) must be a MonitorConfig, a dict of its fields, or None.")
-    return dataclasses.replace(config, **overrides) if overrides else config
+    # keywords left at their default do not override config: LightningCLI passes every field
+    changed = {k: v for k, v in overrides.items() if v != _DEFAULTS[k]}
+    return dataclasses.replace(config, **changed) if changed else config

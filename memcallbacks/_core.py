@@ -39,8 +39,14 @@ def is_oom(exc: BaseException) -> bool:
 class MonitorCore:
     """One process's monitor state. Every method is safe to call when disabled."""
 
-    def __init__(self, config: MonitorConfig, framework: str, owner: str) -> None:
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["log_fn"] = None  # adapters set it again when they start
+        return state
+
+    def __init__(self, config: MonitorConfig, framework: str, owner: str, logger: logging.Logger | None = None) -> None:
         self.config = config
+        self.log = logger or log  # the adapter's logger, so users filter warnings by adapter
         self.framework = framework
         self.owner = owner  # the public class name, for messages
         self.engine = MemoryEngine(config)
@@ -96,15 +102,19 @@ class MonitorCore:
     def warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
             self._warned.add(key)
-            log.warning(message)
+            self.log.warning(message)
 
     @property
     def enabled(self) -> bool:
         return self.engine.enabled
 
     # ------------------------------------------------------------------ steps
-    def begin_step(self, step: int, epoch: int = 0, batch_idx: int = 0, *, log: bool | None = None) -> None:
-        """Open a step (or, if one is open, count a further micro-batch). ``log=None``: every ``log_every`` steps."""
+    def begin_step(self, step: int, epoch: int = 0, batch_idx: int = 0, *, log: bool | None = None, count: int | None = None) -> None:
+        """Open a step (or, if one is open, count a further micro-batch).
+
+        ``count`` is the number of steps before this one for the logging/sampling cadence (default
+        ``step``; Lightning passes batches-that-stepped, which differs from ``global_step`` when
+        several optimizers step per batch). ``log=None``: every ``log_every`` steps."""
         engine = self.engine
         if self.step_open:
             if engine.enabled:
@@ -116,12 +126,13 @@ class MonitorCore:
         self.step_open = True
         self.current_step = step
         # decided even when disabled, so that every rank agrees on which steps join a collective
+        n = step if count is None else count
         if log is None:
-            log = (step + 1) % self.log_every == 0
+            log = (n + 1) % self.log_every == 0
         self.log_this_step = log
         if engine.enabled:
             try:
-                engine.begin_step(step, epoch, batch_idx, log or (step + 1) % self.sample_every == 0)
+                engine.begin_step(step, epoch, batch_idx, log or (n + 1) % self.sample_every == 0)
             except Exception as exc:
                 engine.fail(exc, "step start")
 
@@ -202,7 +213,7 @@ class MonitorCore:
             "max_reserved_bytes": engine.max_reserved,
         }
         self.events.append(event)
-        log.error(
+        self.log.error(
             "%s: out of memory at step %d on rank %d; writing the memory report before the error propagates.",
             self.owner,
             event["step"],
@@ -229,7 +240,7 @@ class MonitorCore:
         call it) also puts every rank's summary into rank zero's ``report.json``."""
         engine = self.engine
         try:
-            if engine.in_step:
+            if engine.in_step and engine.enabled:
                 engine.end_step()
             self.step_open = False
             report = self.report()

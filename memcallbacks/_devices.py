@@ -331,6 +331,8 @@ class CpuBackend(MemoryBackend):
         return allocated, rss, peak, peak
 
     def interval(self) -> tuple[int, int]:
+        if self._clear_fd is None and self._pid != os.getpid():
+            self._open()
         if self.peak_source == PEAK_RSS_HWM:
             peak = self._hwm_and_reset()
         else:
@@ -346,6 +348,17 @@ class CpuBackend(MemoryBackend):
             return int(psutil.virtual_memory().total)
         except Exception:
             return None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_clear_fd"] = state["_status_fd"] = None
+        state["_pid"] = -1  # reopened on first use in the new process
+        state["_mallinfo2"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._mallinfo2 = _load_mallinfo2()
 
     def close(self) -> None:
         for name in ("_clear_fd", "_status_fd"):
@@ -363,27 +376,42 @@ class CpuBackend(MemoryBackend):
         return out
 
 
+class _StatmReader:
+    """RSS from ``/proc/self/statm`` through a kept-open descriptor; reopened after fork or unpickling."""
+
+    def __init__(self) -> None:
+        self._page = os.sysconf("SC_PAGE_SIZE")
+        self._pid = -1
+        self._fd: int | None = None
+
+    def __call__(self) -> int:
+        if self._pid != os.getpid():  # forked (or fresh): /proc/self was resolved at open time
+            if self._fd is not None:
+                os.close(self._fd)
+            self._fd, self._pid = os.open("/proc/self/statm", os.O_RDONLY), os.getpid()
+        return int(os.pread(self._fd, 128, 0).split()[1]) * self._page  # type: ignore[arg-type]
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"_page": self._page, "_pid": -1, "_fd": None}
+
+
+class _PsutilReader:
+    def __call__(self) -> int:
+        import psutil
+
+        return int(psutil.Process().memory_info().rss)
+
+
 def host_rss_reader() -> Callable[[], int]:
-    """Return a cheap zero-argument callable giving this process's resident set size in bytes."""
+    """Return a cheap, picklable zero-argument callable giving this process's resident set size in bytes."""
     if sys.platform.startswith("linux"):
         try:
-            page = os.sysconf("SC_PAGE_SIZE")
-            state = {"pid": os.getpid(), "fd": os.open("/proc/self/statm", os.O_RDONLY)}
-
-            def read_statm() -> int:
-                if state["pid"] != os.getpid():  # forked: /proc/self was resolved at open time
-                    os.close(state["fd"])
-                    state["pid"], state["fd"] = os.getpid(), os.open("/proc/self/statm", os.O_RDONLY)
-                return int(os.pread(state["fd"], 128, 0).split()[1]) * page
-
-            read_statm()
-            return read_statm
+            reader = _StatmReader()
+            reader()
+            return reader
         except (OSError, ValueError, IndexError):
             pass
-    import psutil
-
-    process = psutil.Process()
-    return lambda: int(process.memory_info().rss)
+    return _PsutilReader()
 
 
 def select_backend(device: torch.device | str | None, *, cpu_mmap_threshold: int | None = None) -> MemoryBackend:

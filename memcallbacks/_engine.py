@@ -61,7 +61,7 @@ class MemoryEngine:
     def __init__(self, config: MonitorConfig) -> None:
         self.config = config
         self.backend: MemoryBackend | None = None
-        self._host_rss: Callable[[], int] = host_rss_reader()
+        self._host_rss: Callable[[], int] | None = None
         self.rank, self.world_size = 0, 1
         self.enabled = False
         self.failed = False
@@ -76,6 +76,7 @@ class MemoryEngine:
         self._seen_steps = 0
         self._sampled_steps = 0
         self._sampling = False
+        self.optimizer_steps_total = 0
         self.max_allocated = 0
         self.max_reserved = 0
         self._row: list[Any] | None = None
@@ -87,6 +88,7 @@ class MemoryEngine:
         if self.backend is not None:
             self.backend.close()
         self.backend = select_backend(device, cpu_mmap_threshold=self.config.cpu_mmap_threshold)
+        self._host_rss = host_rss_reader()
         if rank is None or world_size is None:
             rank, world_size = _distributed.rank_and_world()
         self.rank, self.world_size = rank, world_size
@@ -95,11 +97,12 @@ class MemoryEngine:
 
     def stop(self) -> None:
         """Close the current step (if any) and release OS handles. Safe to call twice."""
-        if self._row is not None and self.enabled:
+        if self._row is not None and self.enabled and self.backend is not None:
             self.end_step()
         self._row = None
         if self.backend is not None:
             self.backend.close()
+            self.backend = None  # a later start() picks a fresh one
 
     def fail(self, exc: BaseException, where: str) -> None:
         """Record an internal error: log it once with its traceback and disable the monitor."""
@@ -111,6 +114,14 @@ class MemoryEngine:
         self.enabled = False
         if self.on_error is not None:
             self.on_error(exc)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # OS handles do not travel (DDP spawn pickles callbacks into the workers); start() makes new ones
+        state = dict(self.__dict__)
+        state["backend"] = None
+        state["_host_rss"] = None
+        state["on_error"] = None
+        return state
 
     # ------------------------------------------------------------------ the hot path
     def _peaks(self, sample: tuple[int, ...]) -> None:
@@ -135,7 +146,7 @@ class MemoryEngine:
             sample_ = self.backend.baseline()  # type: ignore[union-attr]
             self._peaks(sample_)
             row[5], row[6] = sample_[0], sample_[1]
-            row[7] = sample_[1] if self.backend.kind == "cpu" else self._host_rss()  # type: ignore[union-attr]
+            row[7] = sample_[1] if self.backend.kind == "cpu" else self._host_rss()  # type: ignore[union-attr,misc]
             row[12] = row[13] = 0
         row[18] = time.perf_counter() - t0
 
@@ -181,6 +192,7 @@ class MemoryEngine:
         t1 = time.perf_counter()
         self._row = None
         self._seen_steps += 1
+        self.optimizer_steps_total += row[4]
         if not self._sampling:
             return None
         counters = self.backend.counters()  # type: ignore[union-attr]
@@ -206,7 +218,7 @@ class MemoryEngine:
             self.boundary(OTHER)
         sample = self.backend.baseline()  # type: ignore[union-attr]
         self._peaks(sample)
-        self._eval = [stage, step, epoch, 0, sample[0], 0, 0, _NAN, self._host_rss()]
+        self._eval = [stage, step, epoch, 0, sample[0], 0, 0, _NAN, self._host_rss()]  # type: ignore[misc]
 
     def eval_batch(self) -> None:
         if self._eval is not None:

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from memcallbacks._config import MonitorConfig, resolve_config
+from memcallbacks._config import MonitorConfig, check_config_names, resolve_config
 from memcallbacks._core import MonitorCore
 from memcallbacks._engine import BACKWARD, FORWARD, OPTIMIZER, OTHER
 
@@ -86,8 +86,13 @@ class MemoryMonitor(*_callback_bases()):  # type: ignore[misc]
     """
 
     def __init__(self, config: MonitorConfig | dict[str, Any] | None = None, **kwargs: Any) -> None:
-        self.config = resolve_config(config, kwargs, "MemoryMonitor")
-        self._core = MonitorCore(self.config, "lightning", "MemoryMonitor")
+        if config is None:
+            check_config_names(kwargs, "MemoryMonitor")
+            # a literal MonitorConfig(**kwargs) lets LightningCLI/jsonargparse see every field as an init arg
+            self.config = MonitorConfig(**kwargs)
+        else:
+            self.config = resolve_config(config, kwargs, "MemoryMonitor")
+        self._core = MonitorCore(self.config, "lightning", "MemoryMonitor", log)
         self._stepped = False
         self._automatic = True
         self._optimizer_hooks: list[Any] = []
@@ -151,14 +156,16 @@ class MemoryMonitor(*_callback_bases()):  # type: ignore[misc]
         if not trainer.loggers:
             return False
         if self.config.log_every_n_steps is not None:
-            return (trainer.global_step + 1) % self.config.log_every_n_steps == 0
+            return (self._log_step(trainer) + 1) % self.config.log_every_n_steps == 0
         try:
             return bool(trainer._logger_connector.should_update_logs)
         except Exception:
-            return (trainer.global_step + 1) % max(trainer.log_every_n_steps, 1) == 0
+            return (self._log_step(trainer) + 1) % max(trainer.log_every_n_steps, 1) == 0
 
     @staticmethod
     def _log_step(trainer: "pl.Trainer") -> int:
+        """Batches that stepped so far: Lightning's own logging axis (``global_step`` counts every
+        optimizer's steps, so it moves by 2 per batch with two optimizers)."""
         try:
             return int(trainer.fit_loop.epoch_loop._batches_that_stepped)
         except Exception:
@@ -237,7 +244,7 @@ class MemoryMonitor(*_callback_bases()):  # type: ignore[misc]
         core = self._core
         # a batch inside an open step is a further micro-batch (gradient accumulation)
         log_now = False if core.step_open else self._will_log(trainer)
-        core.begin_step(trainer.global_step, trainer.current_epoch, batch_idx, log=log_now)
+        core.begin_step(trainer.global_step, trainer.current_epoch, batch_idx, log=log_now, count=self._log_step(trainer))
 
     def on_before_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: torch.Tensor) -> None:
         self._core.boundary(FORWARD)

@@ -84,7 +84,7 @@ class Monitor:
         if log_fn is not None and not callable(log_fn):
             raise TypeError(f"{type(self).__name__}(log_fn={log_fn!r}) must be callable as log_fn(metrics, step) or None.")
         self.config = resolve_config(config, kwargs, type(self).__name__)
-        self._core = MonitorCore(self.config, self.framework, type(self).__name__)
+        self._core = MonitorCore(self.config, self.framework, type(self).__name__, logging.getLogger(type(self).__module__))
         self._core.log_fn = log_fn
         self._model_ref = weakref.ref(model) if model is not None else None
         self._handles: list[Any] = []

@@ -1,0 +1,51 @@
+"""Shared pytest setup: ``helpers`` importable, the ``cuda`` marker skipped without a GPU, offline loggers."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import pytest
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+if TESTS_DIR not in sys.path:
+    sys.path.insert(0, TESTS_DIR)
+
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Lightning's advice about workers, logging intervals and loops is noise for 4-step fits.
+    for message in (
+        "does not have many workers",
+        "smaller than the logging interval",
+        "isinstance\\(treespec, LeafSpec\\)",
+        "You passed in a `val_dataloader` but have no `validation_step`",
+    ):
+        config.addinivalue_line("filterwarnings", f"ignore:.*{message}")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _quiet_and_offline(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """No network for any logger, no stray files outside tmp_path."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_DISABLE_GIT", "true")
+    monkeypatch.setenv("WANDB_CONSOLE", "off")
+    # MLflow 3 refuses the file store unless told; the tests want a plain folder they can read.
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    monkeypatch.setenv("GIT_PYTHON_REFRESH", "quiet")
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    logging.getLogger("pytorch_lightning").setLevel(logging.WARNING)
