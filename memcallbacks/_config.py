@@ -59,6 +59,47 @@ class MonitorConfig:
     """Upper bound on rows kept in ``history`` (and written to disk). Past it, older rows are
     thinned to every other row, so memory and disk stay bounded on very long runs."""
 
+    detect_leaks: bool = True
+    """Look for leaks: ``"lingering"`` (the previous step's batch or loss graph still alive when
+    the next step starts; checked every step, ~2 µs) and ``"growth"`` (the step-start baseline
+    rising step over step; checked on sampled steps). Findings name their holders."""
+
+    growth_warmup_steps: int = 10
+    """Sampled steps ignored by the growth test at the start (the first optimizer steps allocate
+    optimizer state)."""
+
+    growth_min_bytes_per_step: int = 64 << 10
+    """Slowest growth reported, in bytes per optimizer step."""
+
+    growth_min_total_bytes: int = 4 << 20
+    """Least total growth reported, in bytes."""
+
+    lingering_min_bytes: int = 1 << 20
+    """Least bytes the previous step must still hold for a ``"lingering"`` finding."""
+
+    census_time_budget_s: float = 2.0
+    """Time budget of one census (the search for who holds what), taken only on a finding or on
+    ``explain()``."""
+
+    gc_every_n_steps: int | None = None
+    """Run ``gc.collect()`` at the start of every N-th step, timed, with the objects collected and
+    the device bytes freed logged; memory freed that way is a ``"cycle"`` finding naming the types
+    in the cycle. ``None``: off (Python's own collector runs whenever it likes)."""
+
+    gc_disable_automatic: bool = False
+    """With ``gc_every_n_steps``: disable Python's automatic collection during training (as
+    torchtitan does), so collections happen only at step boundaries; restored at the end."""
+
+    estimate_model_states: bool = True
+    """At the first step after the first optimizer step, compute what params, grads and optimizer
+    state should take (``memcallbacks.estimate``) for the model, optimizer, precision and strategy in
+    use, log ``expected`` and ``unexplained`` from then on, and raise an ``"unexplained"`` finding
+    when the rest exceeds ``unexplained_margin_bytes``."""
+
+    unexplained_margin_bytes: int = 256 << 20
+    """Unexplained bytes (baseline minus expected model states minus the current batch) tolerated
+    before an ``"unexplained"`` finding."""
+
     prefix: str = "memory"
     """First component of every logged key (``memory/allocated(GiB)``)."""
 
@@ -86,6 +127,27 @@ class MonitorConfig:
         rows = self.max_history_rows
         if isinstance(rows, bool) or not isinstance(rows, int) or rows < 100:
             raise _fail("max_history_rows", rows, "pass an integer of at least 100.")
+        for name in ("detect_leaks", "gc_disable_automatic", "estimate_model_states"):
+            if not isinstance(getattr(self, name), bool):
+                raise _fail(name, getattr(self, name), "pass True or False.")
+        for name, least in (
+            ("growth_warmup_steps", 0),
+            ("growth_min_bytes_per_step", 1),
+            ("growth_min_total_bytes", 1),
+            ("lingering_min_bytes", 0),
+            ("unexplained_margin_bytes", 0),
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise _fail(name, value, f"pass an integer of at least {least}.")
+        budget = self.census_time_budget_s
+        if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 < budget <= 600:
+            raise _fail("census_time_budget_s", budget, "pass a number of seconds in (0, 600], e.g. 2.0.")
+        g = self.gc_every_n_steps
+        if g is not None and (isinstance(g, bool) or not isinstance(g, int) or g < 1):
+            raise _fail("gc_every_n_steps", g, "pass a positive integer (e.g. 100), or None to leave garbage collection to Python.")
+        if self.gc_disable_automatic and g is None:
+            raise _fail("gc_disable_automatic", True, "it needs gc_every_n_steps set; otherwise nothing would ever collect cycles.")
         if not isinstance(self.prefix, str) or not self.prefix.strip("/") or self.prefix != self.prefix.strip("/ "):
             raise _fail("prefix", self.prefix, "pass a non-empty name without leading/trailing '/' or spaces, e.g. 'memory'.")
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -16,8 +17,10 @@ import torch
 
 from memcallbacks import _distributed
 from memcallbacks._config import MonitorConfig
-from memcallbacks._engine import OPTIMIZER, OTHER, MemoryEngine
+from memcallbacks._engine import GIB, OPTIMIZER, OTHER, MemoryEngine
+from memcallbacks._findings import Finding, FindingLog
 from memcallbacks._outputs import check_writable, write_json, write_outputs
+from memcallbacks._watch import LeakWatch, StateCheck
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +45,7 @@ class MonitorCore:
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state["log_fn"] = None  # adapters set it again when they start
+        state["watch"] = None  # detectors hold weak references; start() builds new ones
         return state
 
     def __init__(self, config: MonitorConfig, framework: str, owner: str, logger: logging.Logger | None = None) -> None:
@@ -54,7 +58,9 @@ class MonitorCore:
         self.output_dir: Path | None = None
         self.files: dict[str, str] = {}
         self.events: list[dict[str, Any]] = []
-        self.findings: list[Any] = []
+        self._findings = FindingLog()
+        self.watch: LeakWatch | None = None
+        self.state = StateCheck(config)
         self.title = ""
         self._warned: set[str] = set()
         self.sample_every = 1
@@ -68,8 +74,39 @@ class MonitorCore:
         self.engine.reset()
         self.files = {}
         self.events = []
-        self.findings = []
+        self._findings = FindingLog()
+        self.state = StateCheck(self.config)
         self.step_open = False
+
+    @property
+    def findings(self) -> list[Finding]:
+        return self._findings.findings
+
+    def add_finding(self, finding: Finding) -> None:
+        """Keep one finding per cause; log a new cause once, as a warning, on rank zero."""
+        if self._findings.add(finding) and self.engine.rank == 0:
+            self.log.warning("%s found a memory problem: %s", self.owner, finding)
+
+    def set_training_objects(
+        self, model: Any, optimizer: Any, *, precision: str | None = None, strategy: str | None = None, world_size: int | None = None
+    ) -> None:
+        """What the census and the theory check look at (adapters call this at train start)."""
+        if self.watch is not None:
+            self.watch.model, self.watch.optimizer = model, optimizer
+        try:
+            self.state.set_objects(model, optimizer, precision=precision, strategy=strategy, world_size=world_size)
+        except Exception as exc:
+            self.log.info("%s: model-state estimate unavailable (%s)", self.owner, exc)
+            self.state.model = None
+
+    def explain(self, batch: Any = None) -> Any:
+        """Take a census now: live tensors by category, and who holds the suspicious ones."""
+        watch = self.watch or LeakWatch(self.config, lambda: None, ignore=[self])
+        return watch.census(batch)
+
+    def _allocated_now(self) -> int | None:
+        backend = self.engine.backend
+        return backend.current()[0] if backend is not None else None
 
     def start(
         self,
@@ -90,6 +127,10 @@ class MonitorCore:
             folder = config.output_dir or default_output_dir or os.path.join(os.getcwd(), "memcallbacks")
             self.output_dir = check_writable(folder, self.owner)
         self.engine.start(device, rank=rank, world_size=world_size)
+        if self.watch is not None:
+            self.watch.stop()
+        self.watch = LeakWatch(config, self._allocated_now, ignore=[self])
+        self.watch.start()
         self.log_every = config.log_every_n_steps or max(int(framework_log_every or 50), 1)
         backend = self.engine.backend
         if config.sample_every_n_steps is not None:
@@ -109,12 +150,15 @@ class MonitorCore:
         return self.engine.enabled
 
     # ------------------------------------------------------------------ steps
-    def begin_step(self, step: int, epoch: int = 0, batch_idx: int = 0, *, log: bool | None = None, count: int | None = None) -> None:
+    def begin_step(
+        self, step: int, epoch: int = 0, batch_idx: int = 0, *, log: bool | None = None, count: int | None = None, batch: Any = None
+    ) -> None:
         """Open a step (or, if one is open, count a further micro-batch).
 
         ``count`` is the number of steps before this one for the logging/sampling cadence (default
         ``step``; Lightning passes batches-that-stepped, which differs from ``global_step`` when
-        several optimizers step per batch). ``log=None``: every ``log_every`` steps."""
+        several optimizers step per batch). ``log=None``: every ``log_every`` steps. ``batch`` is
+        only looked at (leak detection), never kept."""
         engine = self.engine
         if self.step_open:
             if engine.enabled:
@@ -130,11 +174,32 @@ class MonitorCore:
         if log is None:
             log = (n + 1) % self.log_every == 0
         self.log_this_step = log
-        if engine.enabled:
-            try:
-                engine.begin_step(step, epoch, batch_idx, log or (n + 1) % self.sample_every == 0)
-            except Exception as exc:
-                engine.fail(exc, "step start")
+        if not engine.enabled:
+            return
+        try:
+            t0 = time.perf_counter()
+            watch = self.watch
+            found = watch.before_baseline(step, batch) if watch is not None else []
+            check_state = self.state.wanted and engine.optimizer_steps_total > 0
+            spent = time.perf_counter() - t0
+            engine.begin_step(step, epoch, batch_idx, log or check_state or (n + 1) % self.sample_every == 0)
+            t1 = time.perf_counter()
+            baseline = engine.step_baseline
+            if baseline is not None and watch is not None:
+                found += watch.after_baseline(step, baseline, batch)
+            if check_state and baseline is not None:
+                finding = self.state.check(step, baseline, engine.start_allocated, engine.backend.kind, batch)  # type: ignore[union-attr]
+                if finding is not None and watch is not None:
+                    census = watch.census(batch)
+                    finding.holders = [f"{holder} ({n_tensors} tensors, {nbytes / 2**20:.1f} MiB)" for holder, n_tensors, nbytes in census.top_holders(5)]
+                    finding.details["census"] = {k: int(v) for k, v in census.bytes_by_category.items()}
+                if finding is not None:
+                    found.append(finding)
+            for finding in found:
+                self.add_finding(finding)
+            engine.add_own_time(spent + time.perf_counter() - t1)
+        except Exception as exc:
+            engine.fail(exc, "step start")
 
     def boundary(self, closing: int) -> None:
         engine = self.engine
@@ -144,23 +209,46 @@ class MonitorCore:
             except Exception as exc:
                 engine.fail(exc, "phase boundary")
 
-    def end_step(self, closing: int = OPTIMIZER, *, log_step: int | None = None) -> list[Any] | None:
-        """Close the step, append its row and, on logged steps, emit its metrics through ``log_fn``."""
+    def end_step(self, closing: int = OPTIMIZER, *, log_step: int | None = None, batch: Any = None, loss: Any = None) -> list[Any] | None:
+        """Close the step, append its row and, on logged steps, emit its metrics through ``log_fn``.
+
+        ``batch`` and ``loss`` (the step's last) are handed to leak detection as weak references."""
         engine = self.engine
         row = None
         if engine.enabled:
             try:
                 row = engine.end_step(closing)
+                if self.watch is not None:
+                    t0 = time.perf_counter()
+                    self.watch.end_step(self.current_step, batch, loss)
+                    if row is not None:
+                        row[18] += time.perf_counter() - t0
             except Exception as exc:
                 engine.fail(exc, "step end")
         self.step_open = False
         if self.log_this_step and (row is not None or engine.world_size > 1):
             try:
-                metrics = engine.log_values(row)
+                metrics = engine.log_values(row, self._extra_metrics(row))
                 self.emit(metrics, self.current_step if log_step is None else log_step)
             except Exception as exc:
                 engine.fail(exc, "logging")
         return row
+
+    def _extra_metrics(self, row: list[Any] | None) -> dict[str, float]:
+        """Findings count, theory check and gc, with the same keys on every rank and every logged step."""
+        p = self.config.prefix
+        nan = float("nan")
+        extra = {f"{p}/findings": float(len(self._findings))}
+        if self.config.estimate_model_states:
+            unexplained = self.state.unexplained(float(row[5])) if row is not None else None
+            extra[f"{p}/expected(GiB)"] = self.state.expected_states / GIB if self.state.expected_level is not None else nan
+            extra[f"{p}/unexplained(GiB)"] = unexplained / GIB if unexplained is not None else nan
+        if self.config.gc_every_n_steps:
+            last = self.watch.last_gc if self.watch is not None else None
+            extra[f"{p}/gc_time(ms)"] = last["seconds"] * 1e3 if last else nan
+            extra[f"{p}/gc_collected"] = float(last["collected"]) if last else nan
+            extra[f"{p}/gc_freed(GiB)"] = (last["bytes_freed"] or 0) / GIB if last else nan
+        return extra
 
     def emit(self, metrics: dict[str, float], step: int) -> None:
         if metrics and self.log_fn is not None and self.engine.rank == 0:
@@ -230,8 +318,10 @@ class MonitorCore:
             "framework": self.framework,
             "config": self.config.to_dict(),
             "summary": self.engine.summary(),
-            "findings": [f.to_dict() if hasattr(f, "to_dict") else f for f in self.findings],
+            "findings": self._findings.to_list(),
             "events": list(self.events),
+            "model_states": dict(self.state.info),
+            "gc": list(self.watch.gc_results) if self.watch is not None else [],
             "files": dict(self.files),
         }
 
@@ -270,6 +360,10 @@ class MonitorCore:
         return self.files
 
     def stop(self) -> None:
+        if self.watch is not None:
+            self.watch.stop()
+            self.watch.model = self.watch.optimizer = None
+        self.state.model = self.state.optimizer = None
         self.engine.stop()
 
     def format_report(self) -> str:
@@ -281,9 +375,15 @@ class MonitorCore:
     def state_dict(self) -> dict[str, Any]:
         state = self.engine.state_dict()
         state["events"] = list(self.events)
-        state["findings"] = [f.to_dict() if hasattr(f, "to_dict") else f for f in self.findings]
+        state["findings"] = self._findings.to_list()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.engine.load_state_dict(state)
         self.events = list(state.get("events", []))
+        fields = set(Finding.__dataclass_fields__)
+        for item in state.get("findings", []):
+            try:
+                self._findings.add(Finding(**{k: v for k, v in item.items() if k in fields}))
+            except (TypeError, ValueError):
+                log.debug("dropping unreadable finding from checkpoint: %r", item)

@@ -363,6 +363,7 @@ class LingeringDetector:
         self._sentinel_ref: weakref.ref[_Sentinel] | None = None
         self._from_step: int | None = None
         self._targets: list[weakref.ref[torch.Tensor]] = []
+        self._root_ref: weakref.ref[torch.Tensor] | None = None
         self._reported: set[str] = set()
         self._next_measure: dict[str, int] = {}
         self._backoff: dict[str, int] = {}
@@ -451,6 +452,8 @@ class LingeringDetector:
 
         held: dict[Any, int] = {}
         targets: list[torch.Tensor] = []
+        self._root_ref = None
+        graph_seen = graph
         if graph:
             root = self._graph_root(sentinel)
             if root is not None:
@@ -463,6 +466,12 @@ class LingeringDetector:
                             _add_storages(t.grad, held, targets)
                     except Exception:
                         pass
+            if held:
+                self._root_ref = weakref.ref(root)
+            else:
+                # After backward a kept loss's graph holds only parameters: alive, but not a cause.
+                graph = False
+            del root
         in_graph = [t for t in batch if all(k in held for k, _ in storage_keys(t))]
         in_graph_ids = {id(t) for t in in_graph}
         loose = [t for t in batch if id(t) not in in_graph_ids]
@@ -472,7 +481,7 @@ class LingeringDetector:
             loose = []
         batch = in_graph + loose
         key = "lingering:" + "+".join(k for k, v in (("batch", batch), ("graph", graph)) if v)
-        if key in self._reported or not (batch or graph):
+        if key in self._reported or not (batch or graph_seen):
             return None
         batch_keys: set[Any] = set()
         for t in batch:
@@ -491,13 +500,14 @@ class LingeringDetector:
         self._targets = [weakref.ref(t) for t in targets]
         from_step = self._from_step if self._from_step is not None else step - 1
         what = []
+        n = len(batch)
         if batch:
-            n = len(batch)
             what.append(f"{n} tensor{'s' if n != 1 else ''} of its batch ({format_bytes(batch_bytes)})")
         if graph:
-            what.append(f"its autograd graph (holding {format_bytes(graph_bytes)} more)")
+            what.append(f"its autograd graph (holding {format_bytes(graph_bytes)} more)" if batch else f"autograd graph (holding {format_bytes(graph_bytes)})")
+        verb = "were" if graph and batch or n > 1 else "was"
         message = (
-            f"Step {from_step}'s {' and '.join(what)} were still alive when step {step} started, "
+            f"Step {from_step}'s {' and '.join(what)} {verb} still alive when step {step} started, "
             f"{format_bytes(total)} in all. Something keeps them from one step to the next, usually "
             "a loss returned with its graph and kept by the loop until the next step rebinds the "
             "variable (`return {\"loss\": loss}`, `outputs = train_one_step(batch)`): the graph holds "
@@ -525,17 +535,46 @@ class LingeringDetector:
         loss = self._loss_ref() if self._loss_ref is not None else None
         if loss is not None:
             return loss
-        # The user kept another tensor of the graph (e.g. the loss before the framework
-        # divided it): find a live tensor whose grad_fn carries this step's sentinel.
+        # The user kept another tensor of the graph: the loss before the framework divided it,
+        # or (plain loops, where the monitor marks the model's output) the loss computed from it.
+        # Find a live tensor whose graph reaches a node carrying this step's sentinel. Only runs
+        # when the graph is alive, i.e. when something is already suspicious.
+        with_graph = []
         for obj in gc.get_objects():
             if isinstance(obj, _Tensor):
                 try:
                     fn = obj.grad_fn
-                    if fn is not None and fn.metadata.get(METADATA_KEY) is sentinel:
+                except Exception:
+                    continue
+                if fn is None:
+                    continue
+                try:
+                    if fn.metadata.get(METADATA_KEY) is sentinel:
                         return obj
                 except Exception:
                     continue
+                with_graph.append((obj, fn))
+        budget = 20_000  # nodes visited over all candidates
+        seen: set[int] = set()
+        for obj, fn in with_graph:
+            stack = [fn]
+            while stack and budget > 0:
+                node = stack.pop()
+                if id(node) in seen:
+                    continue
+                seen.add(id(node))
+                budget -= 1
+                try:
+                    if node.metadata.get(METADATA_KEY) is sentinel:
+                        return obj
+                    stack.extend(n for n, _ in node.next_functions if n is not None)
+                except Exception:
+                    continue
         return None
+
+    def graph_root(self) -> torch.Tensor | None:
+        """The live tensor through which the last finding's graph is held (e.g. the user's loss), if any."""
+        return self._root_ref() if self._root_ref is not None else None
 
     def alive_tensors(self) -> list[torch.Tensor]:
         """The lingering tensors behind the last finding (for :func:`find_holders`), if still alive."""

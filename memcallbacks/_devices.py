@@ -57,6 +57,10 @@ class MemoryBackend:
         """Return ``(peak_allocated, peak_reserved)`` since the previous call and reset the peaks."""
         raise NotImplementedError
 
+    def current(self) -> tuple[int, int]:
+        """Return ``(allocated, reserved)`` now, without touching the peaks (off the hot path)."""
+        raise NotImplementedError
+
     def counters(self) -> dict[str, int]:
         """Cumulative allocator counters as of the last ``baseline()`` (empty where none exist)."""
         return {}
@@ -97,6 +101,10 @@ class CudaBackend(MemoryBackend):
         stats = self._read()
         self._reset()
         return stats["allocated_bytes"]["all"]["peak"], stats["reserved_bytes"]["all"]["peak"]
+
+    def current(self) -> tuple[int, int]:
+        stats = self._read()
+        return stats["allocated_bytes"]["all"]["current"], stats["reserved_bytes"]["all"]["current"]
 
     def counters(self) -> dict[str, int]:
         stats = self._last
@@ -185,6 +193,12 @@ class AcceleratorBackend(MemoryBackend):
             self._reset_fn()  # type: ignore[misc]
             return int(stats.get("allocated_bytes.all.peak", 0)), int(stats.get("reserved_bytes.all.peak", 0))
         return self._sampled_peak(*self._current())
+
+    def current(self) -> tuple[int, int]:
+        if self._stats_fn is not None:
+            stats = self._stats_fn()
+            return int(stats.get("allocated_bytes.all.current", 0)), int(stats.get("reserved_bytes.all.current", 0))
+        return self._current()
 
     def _sampled_peak(self, allocated: int, reserved: int) -> tuple[int, int]:
         before = self._previous
@@ -340,6 +354,11 @@ class CpuBackend(MemoryBackend):
             peak = max(self._previous_rss, rss)
             self._previous_rss = rss
         return peak, peak
+
+    def current(self) -> tuple[int, int]:
+        rss = self._rss()
+        info = self._mallinfo2() if self._mallinfo2 is not None else None
+        return (info.uordblks + info.hblkhd if info is not None else rss), rss
 
     def capacity(self) -> int | None:
         try:

@@ -89,6 +89,7 @@ class MemoryEngine:
             self.backend.close()
         self.backend = select_backend(device, cpu_mmap_threshold=self.config.cpu_mmap_threshold)
         self._host_rss = host_rss_reader()
+        self.start_allocated = self.backend.current()[0]
         if rank is None or world_size is None:
             rank, world_size = _distributed.rank_and_world()
         self.rank, self.world_size = rank, world_size
@@ -212,6 +213,17 @@ class MemoryEngine:
     def in_step(self) -> bool:
         return self._row is not None
 
+    @property
+    def step_baseline(self) -> int | None:
+        """Allocated bytes at the start of the open step, if it is sampled."""
+        row = self._row
+        return int(row[5]) if row is not None and self._sampling else None
+
+    def add_own_time(self, seconds: float) -> None:
+        """Charge work done for the open step outside the engine (detection) to its ``monitor_time_s``."""
+        if self._row is not None:
+            self._row[18] += seconds
+
     # ------------------------------------------------------------------ evaluation loops
     def begin_eval(self, stage: str, step: int, epoch: int) -> None:
         if self._row is not None:  # evaluation inside an open step: keep its memory out of the step's row
@@ -287,10 +299,15 @@ class MemoryEngine:
                     out[key.split("(")[0] + "_rank"] = float(ranks[keys.index(key)])
         return out
 
-    def log_values(self, row: list[Any] | None) -> dict[str, float]:
-        """The metrics to log for ``row``; every rank must call this on the same steps when distributed."""
+    def log_values(self, row: list[Any] | None, extra: dict[str, float] | None = None) -> dict[str, float]:
+        """The metrics to log for ``row`` (plus ``extra``, reduced the same way); every rank must call
+        this on the same steps, with the same ``extra`` keys, when distributed."""
         p = self.config.prefix
-        return self.reduce(self.step_keys(), self.step_values(row), (f"{p}/peak_step(GiB)", f"{p}/allocated(GiB)"))
+        keys, values = self.step_keys(), self.step_values(row)
+        if extra:
+            keys = keys + list(extra)
+            values = values + [float(v) if self.enabled else _NAN for v in extra.values()]
+        return self.reduce(keys, values, (f"{p}/peak_step(GiB)", f"{p}/allocated(GiB)"))
 
     def eval_log_values(self, row: list[Any] | None, stage: str) -> dict[str, float]:
         p = self.config.prefix

@@ -39,6 +39,7 @@ import torch
 from memcallbacks._config import MonitorConfig, check_config_names, resolve_config
 from memcallbacks._core import MonitorCore
 from memcallbacks._engine import BACKWARD, FORWARD, OPTIMIZER, OTHER
+from memcallbacks._watch import strategy_name
 
 if TYPE_CHECKING:  # pragma: no cover
     import lightning.pytorch as pl
@@ -98,6 +99,7 @@ class MemoryMonitor(*_callback_bases()):  # type: ignore[misc]
         self._optimizer_hooks: list[Any] = []
         self._started_for: int | None = None
         self._trainer: Any = None
+        self._loss: Any = None  # this step's loss, held only until the step ends
 
     # ------------------------------------------------------------------ public results
     @property
@@ -149,6 +151,11 @@ class MemoryMonitor(*_callback_bases()):  # type: ignore[misc]
     def format_report(self) -> str:
         """The report as text (what ``memcallbacks report OUTPUT_DIR`` prints)."""
         return self._core.format_report()
+
+    def explain(self, batch: Any = None) -> Any:
+        """Take a census now: live tensors by category and who holds the suspicious ones
+        (``.summary()`` for text, ``.to_frame()`` for a table)."""
+        return self._core.explain(batch)
 
     # ------------------------------------------------------------------ helpers
     def _will_log(self, trainer: "pl.Trainer") -> bool:
@@ -218,6 +225,14 @@ class MemoryMonitor(*_callback_bases()):  # type: ignore[misc]
         self._stepped = False
         self._core.step_open = False
         self._core.title = f"{type(pl_module).__name__}"
+        optimizers = list(trainer.optimizers)
+        self._core.set_training_objects(
+            trainer.strategy.model or pl_module,
+            optimizers[0] if len(optimizers) == 1 else None,
+            precision=str(getattr(trainer, "precision", "")) or None,
+            strategy=strategy_name(trainer.strategy),
+            world_size=trainer.world_size,
+        )
         if not self._automatic and self._core.enabled and not self._optimizer_hooks:
             # manual optimization: the optimizer's own hooks bound the optimizer phase exactly
             from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
@@ -244,10 +259,11 @@ class MemoryMonitor(*_callback_bases()):  # type: ignore[misc]
         core = self._core
         # a batch inside an open step is a further micro-batch (gradient accumulation)
         log_now = False if core.step_open else self._will_log(trainer)
-        core.begin_step(trainer.global_step, trainer.current_epoch, batch_idx, log=log_now, count=self._log_step(trainer))
+        core.begin_step(trainer.global_step, trainer.current_epoch, batch_idx, log=log_now, count=self._log_step(trainer), batch=batch)
 
     def on_before_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: torch.Tensor) -> None:
         self._core.boundary(FORWARD)
+        self._loss = loss
 
     def on_after_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._core.boundary(BACKWARD)
@@ -260,8 +276,9 @@ class MemoryMonitor(*_callback_bases()):  # type: ignore[misc]
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         core = self._core
+        loss, self._loss = self._loss, None
         if self._stepped or not self._automatic:
-            core.end_step(OPTIMIZER if self._automatic else OTHER, log_step=self._log_step(trainer))
+            core.end_step(OPTIMIZER if self._automatic else OTHER, log_step=self._log_step(trainer), batch=batch, loss=loss)
         else:  # accumulating gradients: the step goes on with the next batch
             core.boundary(OTHER)
         self._stepped = False
@@ -312,6 +329,7 @@ class MemoryMonitor(*_callback_bases()):  # type: ignore[misc]
 
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
         self._remove_optimizer_hooks()
+        self._loss = None
         self._core.record_exception(exception, trainer.global_step)
         # no collectives here: other ranks may not be failing
         self._core.finish(gather=False)

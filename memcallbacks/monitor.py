@@ -92,9 +92,12 @@ class Monitor:
         self._stepped = False  # an optimizer step happened in the open step
         self._ever_stepped = False
         self._backward_open = False
+        self._output: Any = None  # a graph tensor of this step's forward, held until the step ends
+        self._batch: Any = None  # the item track() yielded, held until the step ends
         self._closed = False
         self._explicit = False  # track() or step() marks boundaries; the forward hook then leaves steps alone
         self._start(self._device_for(device, model, optimizer))
+        self._core.set_training_objects(model, optimizer)
         self._install_hooks(model)
 
     # ------------------------------------------------------------------ setup
@@ -139,7 +142,10 @@ class Monitor:
         if not core.step_open or not core.enabled or not torch.is_grad_enabled():
             return
         try:
-            for tensor in _first_grad_tensors(output):
+            tensors = _first_grad_tensors(output)
+            if tensors and self._output is None:
+                self._output = tensors[0]  # its graph is what a kept loss would keep alive
+            for tensor in tensors:
                 tensor.register_hook(self._backward_start)
         except Exception as exc:
             core.engine.fail(exc, "forward hook")
@@ -170,14 +176,17 @@ class Monitor:
             self._core.boundary(OPTIMIZER)
 
     # ------------------------------------------------------------------ steps
-    def _begin(self, epoch: int = 0, batch_idx: int | None = None) -> None:
+    def _begin(self, epoch: int = 0, batch_idx: int | None = None, batch: Any = None) -> None:
         self._stepped = False
-        self._core.begin_step(self._step, epoch, self._step if batch_idx is None else batch_idx)
+        self._core.begin_step(self._step, epoch, self._step if batch_idx is None else batch_idx, batch=batch)
 
     def _end(self) -> None:
+        batch, output = self._batch, self._output
+        self._batch = self._output = None
         if self._core.step_open:
-            self._core.end_step(OTHER)
+            self._core.end_step(OTHER, batch=batch, loss=output)
             self._step += 1
+        del batch, output
         self._stepped = False
         self._backward_open = False
 
@@ -195,8 +204,10 @@ class Monitor:
             if core.step_open:
                 core.begin_step(self._step, 0, batch_idx)  # counts a micro-batch
             else:
-                self._begin(batch_idx=batch_idx)
-            yield item
+                self._begin(batch_idx=batch_idx, batch=item)
+            self._batch = item
+            del item
+            yield self._batch
         self._end()
 
     @contextlib.contextmanager
@@ -238,6 +249,12 @@ class Monitor:
             yield
         finally:
             self._core.end_eval(log_step=self._step)
+
+    def explain(self, batch: Any = None) -> Any:
+        """Take a census now: live tensors by category (parameters, gradients, optimizer state,
+        batches, graph-held, ...) and the reference paths holding the suspicious ones. Returns a
+        ``Census``: ``.summary()`` for text, ``.to_frame()`` for a table."""
+        return self._core.explain(batch)
 
     def record_exception(self, exc: BaseException) -> None:
         """Record an exception that is ending training (an OOM becomes an event) and write the files."""

@@ -27,6 +27,16 @@ INVALID = {
     "strict": [None, "False"],
     "max_history_rows": [99, 0, -5, True, 1000.0],
     "prefix": ["", "/", "/memory", "memory/", " memory", "memory ", 3, None],
+    "detect_leaks": [1, None, "yes"],
+    "growth_warmup_steps": [-1, 2.5, True],
+    "growth_min_bytes_per_step": [0, -1, 1.0, False],
+    "growth_min_total_bytes": [0, "4MiB"],
+    "lingering_min_bytes": [-1, 0.5, None],
+    "census_time_budget_s": [0, -1.0, 601, True, "2"],
+    "gc_every_n_steps": [0, -2, 1.5, True],
+    "gc_disable_automatic": [True, 1],  # True without gc_every_n_steps collects nothing
+    "estimate_model_states": [None, 0],
+    "unexplained_margin_bytes": [-1, 1.5, None],
 }
 INVALID_CASES = [(field, value) for field, values in INVALID.items() for value in values]
 
