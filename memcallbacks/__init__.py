@@ -12,12 +12,13 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 from memcallbacks._config import MonitorConfig
+from memcallbacks._findings import Finding
 
 if TYPE_CHECKING:  # pragma: no cover
     from memcallbacks.lightning import MemoryMonitor
     from memcallbacks.monitor import Monitor
 
-__all__ = ["MonitorConfig", "MemoryMonitor", "Monitor", "__version__"]
+__all__ = ["MonitorConfig", "Finding", "MemoryMonitor", "Monitor", "__version__"]
 
 _LAZY = {"MemoryMonitor": "memcallbacks.lightning", "Monitor": "memcallbacks.monitor"}
 

@@ -28,6 +28,9 @@ __all__ = ["MonitorCore", "is_oom"]
 
 LogFn = Callable[[dict[str, float], int], None]
 
+# Lingering references are checked after every one of the first steps, then on sampled steps only.
+LINGERING_EVERY_STEP_UNTIL = 20
+
 
 def is_oom(exc: BaseException) -> bool:
     """True for torch's OutOfMemoryError, host MemoryError, and RuntimeErrors that say "out of memory"."""
@@ -68,6 +71,7 @@ class MonitorCore:
         self.step_open = False
         self.log_this_step = False
         self.current_step = 0
+        self.current_count = 0
 
     # ------------------------------------------------------------------ lifecycle
     def reset(self) -> None:
@@ -150,15 +154,28 @@ class MonitorCore:
         return self.engine.enabled
 
     # ------------------------------------------------------------------ steps
+    def wants_sample(self, count: int, log: bool) -> bool:
+        """Whether the step after ``count`` steps is measured in full: logged steps, every
+        ``sample_every``-th step, and the step where the theory check is due."""
+        return log or (count + 1) % self.sample_every == 0 or (self.state.wanted and self.engine.optimizer_steps_total > 0)
+
     def begin_step(
-        self, step: int, epoch: int = 0, batch_idx: int = 0, *, log: bool | None = None, count: int | None = None, batch: Any = None
+        self,
+        step: int,
+        epoch: int = 0,
+        batch_idx: int = 0,
+        *,
+        log: bool | None = None,
+        count: int | None = None,
+        batch: Any = None,
+        sample: bool | None = None,
     ) -> None:
         """Open a step (or, if one is open, count a further micro-batch).
 
         ``count`` is the number of steps before this one for the logging/sampling cadence (default
         ``step``; Lightning passes batches-that-stepped, which differs from ``global_step`` when
-        several optimizers step per batch). ``log=None``: every ``log_every`` steps. ``batch`` is
-        only looked at (leak detection), never kept."""
+        several optimizers step per batch). ``log=None``: every ``log_every`` steps. ``sample=None``:
+        :meth:`wants_sample`. ``batch`` is only looked at (leak detection), never kept."""
         engine = self.engine
         if self.step_open:
             if engine.enabled:
@@ -169,20 +186,29 @@ class MonitorCore:
             return
         self.step_open = True
         self.current_step = step
-        # decided even when disabled, so that every rank agrees on which steps join a collective
         n = step if count is None else count
+        self.current_count = n
+        # decided even when disabled, so that every rank agrees on which steps join a collective
         if log is None:
             log = (n + 1) % self.log_every == 0
         self.log_this_step = log
         if not engine.enabled:
             return
         try:
-            t0 = time.perf_counter()
             watch = self.watch
+            if sample is None:
+                sample = self.wants_sample(n, log)
+            if not sample:  # the fast path: nothing but the (cheap when healthy) lingering check
+                if watch is not None:
+                    for finding in watch.before_baseline(step, batch):
+                        self.add_finding(finding)
+                engine.begin_step(step, epoch, batch_idx, False)
+                return
+            t0 = time.perf_counter()
             found = watch.before_baseline(step, batch) if watch is not None else []
             check_state = self.state.wanted and engine.optimizer_steps_total > 0
             spent = time.perf_counter() - t0
-            engine.begin_step(step, epoch, batch_idx, log or check_state or (n + 1) % self.sample_every == 0)
+            engine.begin_step(step, epoch, batch_idx, True)
             t1 = time.perf_counter()
             baseline = engine.step_baseline
             if baseline is not None and watch is not None:
@@ -203,7 +229,7 @@ class MonitorCore:
 
     def boundary(self, closing: int) -> None:
         engine = self.engine
-        if engine.enabled:
+        if engine.enabled:  # engine.boundary returns at once on unsampled steps
             try:
                 engine.boundary(closing)
             except Exception as exc:
@@ -217,8 +243,11 @@ class MonitorCore:
         row = None
         if engine.enabled:
             try:
+                sampled = engine.sampling
                 row = engine.end_step(closing)
-                if self.watch is not None:
+                # lingering references: every step at first (leaky loops leak from step 1), then on
+                # sampled steps, where the weak references and graph marks (~2-30 µs) are affordable
+                if self.watch is not None and (sampled or self.current_count < LINGERING_EVERY_STEP_UNTIL):
                     t0 = time.perf_counter()
                     self.watch.end_step(self.current_step, batch, loss)
                     if row is not None:

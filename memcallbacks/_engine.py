@@ -80,6 +80,8 @@ class MemoryEngine:
         self.max_allocated = 0
         self.max_reserved = 0
         self._row: list[Any] | None = None
+        self._open = False
+        self._step_opt = 0
         self._eval: list[Any] | None = None
         self._check_countdown = 0
 
@@ -98,9 +100,10 @@ class MemoryEngine:
 
     def stop(self) -> None:
         """Close the current step (if any) and release OS handles. Safe to call twice."""
-        if self._row is not None and self.enabled and self.backend is not None:
+        if self._open and self.enabled and self.backend is not None:
             self.end_step()
         self._row = None
+        self._open = self._sampling = False
         if self.backend is not None:
             self.backend.close()
             self.backend = None  # a later start() picks a fresh one
@@ -133,33 +136,37 @@ class MemoryEngine:
             self.max_reserved = sample[-1]
 
     def begin_step(self, step: int, epoch: int = 0, batch_idx: int = 0, sample: bool = True) -> None:
-        """Start a training step. A sampled step takes the baseline and measures every phase;
-        an unsampled one only counts (its peaks still reach ``max_allocated`` at the next sample)."""
-        t0 = time.perf_counter()
-        if self._row is not None:  # the previous step never ended (e.g. an exception was swallowed)
+        """Start a training step. A sampled step takes the baseline and measures every phase; an
+        unsampled one only counts, at almost no cost (its peaks still reach ``max_allocated`` at
+        the next sample, since nothing resets the device's peak counter in between)."""
+        if self._open:  # the previous step never ended (e.g. an exception was swallowed)
             self.end_step()
+        self._open = True
+        self._sampling = sample
+        self._step_opt = 0
+        if not sample:
+            return
+        t0 = time.perf_counter()
         row = [_NAN] * len(COLUMNS)
         row[0], row[1], row[2], row[3], row[4] = step, epoch, batch_idx, 1, 0
         row[17] = t0
         self._row = row
-        self._sampling = sample
-        if sample:
-            sample_ = self.backend.baseline()  # type: ignore[union-attr]
-            self._peaks(sample_)
-            row[5], row[6] = sample_[0], sample_[1]
-            row[7] = sample_[1] if self.backend.kind == "cpu" else self._host_rss()  # type: ignore[union-attr,misc]
-            row[12] = row[13] = 0
+        sample_ = self.backend.baseline()  # type: ignore[union-attr]
+        self._peaks(sample_)
+        row[5], row[6] = sample_[0], sample_[1]
+        row[7] = sample_[1] if self.backend.kind == "cpu" else self._host_rss()  # type: ignore[union-attr,misc]
+        row[12] = row[13] = 0
         row[18] = time.perf_counter() - t0
 
     def boundary(self, closing: int) -> None:
         """End the current segment, attributing its peak to phase ``closing``, and open the next."""
+        if not self._sampling:
+            if closing == OPTIMIZER:
+                self._step_opt += 1
+            return
         t0 = time.perf_counter()
         row = self._row
         if row is None:
-            return
-        if not self._sampling:
-            if closing == OPTIMIZER:
-                row[4] += 1
             return
         peak_a, peak_r = self.backend.interval()  # type: ignore[union-attr]
         col = 8 + closing
@@ -174,28 +181,31 @@ class MemoryEngine:
         if peak_r > self.max_reserved:
             self.max_reserved = peak_r
         if closing == OPTIMIZER:
-            row[4] += 1
+            self._step_opt += 1
         row[18] += time.perf_counter() - t0
 
     def micro_batch(self) -> None:
         """A further batch inside the same optimizer step (gradient accumulation)."""
         row = self._row
-        if row is not None:
+        if row is not None and self._sampling:
             self.boundary(OTHER)
             row[3] += 1
 
     def end_step(self, closing: int = OTHER) -> list[Any] | None:
         """Close the step's last segment (labelled ``closing``) and append its row to the history."""
-        row = self._row
-        if row is None:
+        if not self._open:
             return None
         self.boundary(closing)
+        self._open = False
+        self._seen_steps += 1
+        self.optimizer_steps_total += self._step_opt
+        row = self._row
+        if not self._sampling or row is None:
+            return None
+        self._sampling = False
         t1 = time.perf_counter()
         self._row = None
-        self._seen_steps += 1
-        self.optimizer_steps_total += row[4]
-        if not self._sampling:
-            return None
+        row[4] = self._step_opt
         counters = self.backend.counters()  # type: ignore[union-attr]
         if counters:
             row[14], row[15], row[16] = counters["alloc_retries"], counters["ooms"], counters["inactive_split_bytes"]
@@ -211,7 +221,12 @@ class MemoryEngine:
 
     @property
     def in_step(self) -> bool:
-        return self._row is not None
+        return self._open
+
+    @property
+    def sampling(self) -> bool:
+        """True while a sampled step is open."""
+        return self._sampling
 
     @property
     def step_baseline(self) -> int | None:
@@ -226,7 +241,7 @@ class MemoryEngine:
 
     # ------------------------------------------------------------------ evaluation loops
     def begin_eval(self, stage: str, step: int, epoch: int) -> None:
-        if self._row is not None:  # evaluation inside an open step: keep its memory out of the step's row
+        if self._open:  # evaluation inside an open step: keep its memory out of the step's row
             self.boundary(OTHER)
         sample = self.backend.baseline()  # type: ignore[union-attr]
         self._peaks(sample)

@@ -23,6 +23,7 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[Any], None], mod
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, 0o644)  # mkstemp makes 0600; reports are meant to be shared like any log file
         with os.fdopen(fd, mode) as fh:
             write(fh)
             fh.flush()

@@ -100,6 +100,7 @@ class MemoryMonitor(*_callback_bases()):  # type: ignore[misc]
         self._started_for: int | None = None
         self._trainer: Any = None
         self._loss: Any = None  # this step's loss, held only until the step ends
+        self._has_loggers = False
 
     # ------------------------------------------------------------------ public results
     @property
@@ -158,16 +159,10 @@ class MemoryMonitor(*_callback_bases()):  # type: ignore[misc]
         return self._core.explain(batch)
 
     # ------------------------------------------------------------------ helpers
-    def _will_log(self, trainer: "pl.Trainer") -> bool:
-        """Decided when a step starts (Lightning counts the step about to run, as its own callbacks do)."""
-        if not trainer.loggers:
-            return False
-        if self.config.log_every_n_steps is not None:
-            return (self._log_step(trainer) + 1) % self.config.log_every_n_steps == 0
-        try:
-            return bool(trainer._logger_connector.should_update_logs)
-        except Exception:
-            return (self._log_step(trainer) + 1) % max(trainer.log_every_n_steps, 1) == 0
+    def _will_log(self, count: int) -> bool:
+        """Whether the step after ``count`` batches-that-stepped is logged: every ``log_every_n_steps``
+        (the monitor's, else the Trainer's), as Lightning's own callbacks decide."""
+        return self._has_loggers and (count + 1) % self._core.log_every == 0
 
     @staticmethod
     def _log_step(trainer: "pl.Trainer") -> int:
@@ -204,6 +199,7 @@ class MemoryMonitor(*_callback_bases()):  # type: ignore[misc]
                 "`monitor.history` and the files in output_dir are still kept.",
             )
         core.log_fn = self._emit
+        self._has_loggers = bool(trainer.loggers) and int(trainer.log_every_n_steps or 0) > 0
         core.start(
             trainer.strategy.root_device,
             rank=trainer.global_rank,
@@ -257,9 +253,15 @@ class MemoryMonitor(*_callback_bases()):  # type: ignore[misc]
 
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int) -> None:
         core = self._core
-        # a batch inside an open step is a further micro-batch (gradient accumulation)
-        log_now = False if core.step_open else self._will_log(trainer)
-        core.begin_step(trainer.global_step, trainer.current_epoch, batch_idx, log=log_now, count=self._log_step(trainer), batch=batch)
+        if core.step_open:  # a further micro-batch of the open step (gradient accumulation)
+            core.begin_step(0)
+            return
+        count = self._log_step(trainer)
+        log_now = self._will_log(count)
+        if core.enabled and core.wants_sample(count, log_now):
+            core.begin_step(trainer.global_step, trainer.current_epoch, batch_idx, log=log_now, count=count, batch=batch, sample=True)
+        else:  # unsampled: skip reading Lightning's (comparatively slow) step/epoch properties
+            core.begin_step(count, 0, batch_idx, log=log_now, count=count, batch=batch, sample=False)
 
     def on_before_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: torch.Tensor) -> None:
         self._core.boundary(FORWARD)
@@ -278,7 +280,8 @@ class MemoryMonitor(*_callback_bases()):  # type: ignore[misc]
         core = self._core
         loss, self._loss = self._loss, None
         if self._stepped or not self._automatic:
-            core.end_step(OPTIMIZER if self._automatic else OTHER, log_step=self._log_step(trainer), batch=batch, loss=loss)
+            log_step = self._log_step(trainer) if core.log_this_step else None
+            core.end_step(OPTIMIZER if self._automatic else OTHER, log_step=log_step, batch=batch, loss=loss)
         else:  # accumulating gradients: the step goes on with the next batch
             core.boundary(OTHER)
         self._stepped = False
