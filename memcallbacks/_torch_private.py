@@ -3,13 +3,24 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 
 log = logging.getLogger(__name__)
 
-__all__ = ["cuda_stats_reader", "cuda_peak_resetter"]
+__all__ = [
+    "cuda_stats_reader",
+    "cuda_peak_resetter",
+    "cuda_record_memory_history",
+    "cuda_stop_memory_history",
+    "cuda_memory_history_enabled",
+    "cuda_memory_snapshot",
+    "cuda_attach_oom_observer",
+    "ProfilerAllocation",
+    "profiler_memory_events",
+    "profiler_enabled",
+]
 
 
 def cuda_stats_reader(index: int) -> Callable[[], dict[str, Any]]:
@@ -48,3 +59,157 @@ def _unflatten(flat: dict[str, Any]) -> dict[str, Any]:
             node = node.setdefault(part, {})
         node[parts[-1]] = value
     return nested
+
+
+# ----------------------------------------------------------------------------------------------
+# Allocator history, snapshots and the OOM observer (CUDA), and the profiler's memory events (CPU)
+# ----------------------------------------------------------------------------------------------
+
+
+def cuda_record_memory_history(max_entries: int, stacks: str = "python") -> None:
+    """Turn on the CUDA caching allocator's history: live blocks and a ring buffer of trace entries.
+
+    ``torch.cuda.memory._record_memory_history(enabled="all", context="all", stacks=...,
+    max_entries=...)``: ``stacks="python"`` records Python frames only (C++ symbolisation at dump
+    time is slow); the ring buffer keeps the newest ``max_entries`` alloc/free events.
+    """
+    torch.cuda.memory._record_memory_history(enabled="all", context="all", stacks=stacks, max_entries=max_entries)
+
+
+def cuda_stop_memory_history() -> None:
+    """Turn the CUDA allocator's history off (``_record_memory_history(enabled=None)``); a no-op without CUDA."""
+    if not torch.cuda.is_available():
+        return
+    torch.cuda.memory._record_memory_history(enabled=None)
+
+
+def cuda_memory_history_enabled() -> bool:
+    """Whether the CUDA allocator is recording history now (False without CUDA or on old torch)."""
+    probe = getattr(torch._C, "_cuda_isHistoryEnabled", None)
+    if probe is None or not torch.cuda.is_available():
+        return False
+    try:
+        return bool(probe())
+    except Exception:  # pragma: no cover - depends on torch build
+        return False
+
+
+def cuda_memory_snapshot() -> dict[str, Any]:
+    """The allocator's state and trace as torch's plain dict (``torch.cuda.memory._snapshot()``)."""
+    return torch.cuda.memory._snapshot()
+
+
+_oom_callbacks: list[Callable[[int, int, int, int], None]] = []
+_oom_trampoline_attached = False
+
+
+def _oom_trampoline(device: int, alloc: int, device_allocated: int, device_free: int) -> None:
+    for callback in list(_oom_callbacks):
+        try:
+            callback(device, alloc, device_allocated, device_free)
+        except Exception:  # an exception here would escape through the allocator
+            log.exception("memcallbacks: CUDA out-of-memory observer failed")
+
+
+def cuda_attach_oom_observer(callback: Callable[[int, int, int, int], None]) -> Callable[[], None]:
+    """Call ``callback(device, requested_bytes, device_allocated, device_free)`` when the CUDA allocator runs out.
+
+    torch can attach observers (``torch._C._cuda_attach_out_of_memory_observer``) but never detach
+    them, so one trampoline is attached per process and callbacks come and go behind it. The
+    callback runs inside the failing allocation, before ``torch.OutOfMemoryError`` is raised:
+    dump a snapshot there, do not allocate on the device. Returns ``detach()``, safe to call twice.
+    """
+    global _oom_trampoline_attached
+    if not _oom_trampoline_attached:
+        attach = getattr(torch._C, "_cuda_attach_out_of_memory_observer", None)
+        if attach is None or not torch.cuda.is_available():
+            raise RuntimeError("an out-of-memory observer needs CUDA (torch._C._cuda_attach_out_of_memory_observer).")
+        attach(_oom_trampoline)
+        _oom_trampoline_attached = True
+    _oom_callbacks.append(callback)
+
+    def detach() -> None:
+        try:
+            _oom_callbacks.remove(callback)
+        except ValueError:
+            pass
+
+    return detach
+
+
+class ProfilerAllocation(NamedTuple):
+    """One allocator event from a ``torch.profiler`` run with ``profile_memory=True``."""
+
+    time_ns: int
+    ptr: int
+    nbytes: int
+    """Positive for an allocation, negative for a free."""
+    device_type: str
+    device_index: int
+    op: str
+    """The outermost torch op below the innermost Python frame (``"aten::linear"``), or ``""``."""
+    frames: tuple[tuple[str, int, str], ...]
+    """Python frames ``(filename, line, function)``, innermost first; empty without ``with_stack``."""
+
+
+def profiler_memory_events(prof: Any, marker: str) -> tuple[list[ProfilerAllocation], list[int]]:
+    """Allocator events of a stopped ``torch.profiler.profile`` and the times of ``record_function(marker)`` ranges.
+
+    Reads the profiler's event tree (``prof.profiler.kineto_results.experimental_event_tree()``):
+    allocation events sit under the ops and Python calls that made them, so each gets the Python
+    stack of its call (a C function's ``caller`` gives the calling line; a Python function's
+    ``caller`` gives its caller's line; when the innermost Python frame is a function with no C
+    call below it, its definition line stands in for the unknown current line).
+    """
+    from torch._C._profiler import _EventType
+
+    alloc_tag, torch_op, py_call, py_c_call = (
+        _EventType.Allocation, _EventType.TorchOp, _EventType.PyCall, _EventType.PyCCall,
+    )
+    events: list[ProfilerAllocation] = []
+    marks: list[int] = []
+    roots = prof.profiler.kineto_results.experimental_event_tree()
+    # (node, python frames of the parent chain, innermost op, innermost Python node was a PyCall's callsite)
+    todo: list[tuple[Any, tuple[tuple[str, int, str], ...], str, tuple[str, int, str] | None]] = [
+        (node, (), "", None) for node in reversed(roots)
+    ]
+    while todo:
+        node, frames, op, callsite = todo.pop()
+        tag = node.tag
+        if tag == alloc_tag:
+            f = node.extra_fields
+            stack = frames if callsite is None else (callsite,) + frames
+            device = f.device
+            events.append(ProfilerAllocation(
+                int(node.start_time_ns), int(f.ptr), int(f.alloc_size), device.type,
+                device.index if device.index is not None else 0, op, stack,
+            ))
+            continue
+        if tag == torch_op:
+            name = node.name
+            if name == marker:
+                marks.append(int(node.start_time_ns))
+            op = op or name
+        elif tag == py_c_call:
+            c = node.extra_fields.caller
+            frames = ((c.file_name, int(c.line_number), c.function_name),) + frames
+            callsite = None
+        elif tag == py_call:
+            fields = node.extra_fields
+            c = fields.caller
+            frames = ((c.file_name, int(c.line_number), c.function_name),) + frames
+            s = fields.callsite
+            callsite = (s.file_name, int(s.line_number), s.function_name)
+        if tag in (py_call, py_c_call):
+            op = ""  # ops called below this Python frame are its own
+        for child in reversed(node.children):
+            todo.append((child, frames, op, callsite))
+    events.sort(key=lambda e: e.time_ns)
+    marks.sort()
+    return events, marks
+
+
+def profiler_enabled() -> bool:
+    """Whether a torch profiler session is running now (a second one would take its events away)."""
+    probe = getattr(torch._C._autograd, "_profiler_enabled", None)
+    return bool(probe()) if probe is not None else False
