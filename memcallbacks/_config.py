@@ -100,6 +100,46 @@ class MonitorConfig:
     """Unexplained bytes (baseline minus expected model states minus the current batch) tolerated
     before an ``"unexplained"`` finding."""
 
+    auto_snapshot: bool = False
+    """Capture memory snapshots automatically when something goes wrong: a step's peak above
+    ``snapshot_capacity_fraction`` of the device (or ``snapshot_peak_bytes``), new allocator
+    retries, a new finding, an out-of-memory error, or every ``snapshot_every_n_steps``. CUDA
+    dumps allocator history (memory_viz ``.pickle``); CPU profiles the next ``snapshot_steps``
+    steps into the same format. Files go to ``<output_dir>/snapshots`` with an offline HTML/PNG
+    summary. See docs/snapshots.md."""
+
+    snapshot_policy: str = "armed"
+    """CUDA allocator history: ``"always"`` records from the start (costs a little on every
+    allocation), ``"armed"`` starts recording when a step's peak passes 80% of the threshold or a
+    trigger fires, ``"off"`` never records (an OOM still dumps the allocator's segments)."""
+
+    snapshot_capacity_fraction: float | None = 0.9
+    """Trigger when a step's peak passes this fraction of device capacity (``None``: off)."""
+
+    snapshot_peak_bytes: int | None = None
+    """Trigger when a step's peak passes this many bytes (``None``: off)."""
+
+    snapshot_on_alloc_retries: bool = True
+    """Trigger when the CUDA allocator had to flush its cache and retry (fragmentation)."""
+
+    snapshot_on_findings: bool = True
+    """Trigger on each new finding of leak detection."""
+
+    snapshot_every_n_steps: int | None = None
+    """Also trigger every N steps (``None``: off)."""
+
+    snapshot_steps: int = 3
+    """Steps captured after a trigger when no history was recording (CUDA ``"armed"``, and CPU)."""
+
+    max_snapshots: int = 5
+    """At most this many snapshots per run (per rank)."""
+
+    max_snapshot_bytes: int = 2 << 30
+    """At most this many bytes of snapshot files per run (per rank)."""
+
+    snapshot_max_entries: int = 100_000
+    """Trace entries kept (CUDA ring buffer, CPU capture)."""
+
     prefix: str = "memory"
     """First component of every logged key (``memory/allocated(GiB)``)."""
 
@@ -148,6 +188,29 @@ class MonitorConfig:
             raise _fail("gc_every_n_steps", g, "pass a positive integer (e.g. 100), or None to leave garbage collection to Python.")
         if self.gc_disable_automatic and g is None:
             raise _fail("gc_disable_automatic", True, "it needs gc_every_n_steps set; otherwise nothing would ever collect cycles.")
+        for name in ("auto_snapshot", "snapshot_on_alloc_retries", "snapshot_on_findings"):
+            if not isinstance(getattr(self, name), bool):
+                raise _fail(name, getattr(self, name), "pass True or False.")
+        if self.snapshot_policy not in ("always", "armed", "off"):
+            raise _fail("snapshot_policy", self.snapshot_policy, "pass 'always', 'armed' or 'off'.")
+        frac = self.snapshot_capacity_fraction
+        if frac is not None and (isinstance(frac, bool) or not isinstance(frac, (int, float)) or not 0 < frac <= 1):
+            raise _fail("snapshot_capacity_fraction", frac, "pass a fraction in (0, 1], e.g. 0.9, or None to turn the capacity trigger off.")
+        for name, least, allow_none in (
+            ("snapshot_peak_bytes", 1, True),
+            ("snapshot_every_n_steps", 1, True),
+            ("snapshot_steps", 1, False),
+            ("max_snapshots", 1, False),
+            ("max_snapshot_bytes", 1 << 20, False),
+            ("snapshot_max_entries", 1000, False),
+        ):
+            value = getattr(self, name)
+            if value is None and allow_none:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise _fail(name, value, f"pass an integer of at least {least}" + (", or None." if allow_none else "."))
+        if self.auto_snapshot and not self.write_files:
+            raise _fail("auto_snapshot", True, "snapshots are files: keep write_files=True (and an output_dir), or set auto_snapshot=False.")
         if not isinstance(self.prefix, str) or not self.prefix.strip("/") or self.prefix != self.prefix.strip("/ "):
             raise _fail("prefix", self.prefix, "pass a non-empty name without leading/trailing '/' or spaces, e.g. 'memory'.")
 

@@ -20,6 +20,7 @@ from memcallbacks._config import MonitorConfig
 from memcallbacks._engine import GIB, OPTIMIZER, OTHER, MemoryEngine
 from memcallbacks._findings import Finding, FindingLog
 from memcallbacks._outputs import check_writable, write_json, write_outputs
+from memcallbacks._autosnap import AutoSnapshot
 from memcallbacks._watch import LeakWatch, StateCheck
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,7 @@ class MonitorCore:
         state = dict(self.__dict__)
         state["log_fn"] = None  # adapters set it again when they start
         state["watch"] = None  # detectors hold weak references; start() builds new ones
+        state["snap"] = None
         return state
 
     def __init__(self, config: MonitorConfig, framework: str, owner: str, logger: logging.Logger | None = None) -> None:
@@ -64,6 +66,8 @@ class MonitorCore:
         self._findings = FindingLog()
         self.watch: LeakWatch | None = None
         self.state = StateCheck(config)
+        self.snap: AutoSnapshot | None = None
+        self._new_findings: list[Finding] = []
         self.title = ""
         self._warned: set[str] = set()
         self.sample_every = 1
@@ -79,6 +83,7 @@ class MonitorCore:
         self.files = {}
         self.events = []
         self._findings = FindingLog()
+        self._new_findings = []
         self.state = StateCheck(self.config)
         self.step_open = False
 
@@ -88,8 +93,10 @@ class MonitorCore:
 
     def add_finding(self, finding: Finding) -> None:
         """Keep one finding per cause; log a new cause once, as a warning, on rank zero."""
-        if self._findings.add(finding) and self.engine.rank == 0:
-            self.log.warning("%s found a memory problem: %s", self.owner, finding)
+        if self._findings.add(finding):
+            self._new_findings.append(finding)
+            if self.engine.rank == 0:
+                self.log.warning("%s found a memory problem: %s", self.owner, finding)
 
     def set_training_objects(
         self, model: Any, optimizer: Any, *, precision: str | None = None, strategy: str | None = None, world_size: int | None = None
@@ -135,6 +142,21 @@ class MonitorCore:
             self.watch.stop()
         self.watch = LeakWatch(config, self._allocated_now, ignore=[self])
         self.watch.start()
+        if self.snap is not None:
+            self.snap.stop()
+            self.snap = None
+        if config.auto_snapshot and self.output_dir is not None and self.engine.backend is not None:
+            backend = self.engine.backend
+            self.snap = AutoSnapshot(
+                config,
+                device_kind=backend.kind,
+                capacity=backend.capacity(),
+                output_dir=self.output_dir,
+                rank=self.engine.rank,
+                world_size=self.engine.world_size,
+                logger=self.log,
+            )
+            self.snap.start()
         self.log_every = config.log_every_n_steps or max(int(framework_log_every or 50), 1)
         backend = self.engine.backend
         if config.sample_every_n_steps is not None:
@@ -194,6 +216,11 @@ class MonitorCore:
         self.log_this_step = log
         if not engine.enabled:
             return
+        snap = self.snap
+        if snap is not None:
+            snap.step = step
+            if snap.busy:  # a capture or a deferred dump counts steps
+                snap.on_step_start(step)
         try:
             watch = self.watch
             if sample is None:
@@ -252,6 +279,9 @@ class MonitorCore:
                     self.watch.end_step(self.current_step, batch, loss)
                     if row is not None:
                         row[18] += time.perf_counter() - t0
+                if row is not None and self.snap is not None:
+                    new, self._new_findings = self._new_findings, []
+                    self.snap.after_row(self.current_step, row, new)
             except Exception as exc:
                 engine.fail(exc, "step end")
         self.step_open = False
@@ -272,6 +302,8 @@ class MonitorCore:
             unexplained = self.state.unexplained(float(row[5])) if row is not None else None
             extra[f"{p}/expected(GiB)"] = self.state.expected_states / GIB if self.state.expected_level is not None else nan
             extra[f"{p}/unexplained(GiB)"] = unexplained / GIB if unexplained is not None else nan
+        if self.snap is not None or self.config.auto_snapshot:
+            extra[f"{p}/snapshots"] = float(len(self.snap.records)) if self.snap is not None else nan
         if self.config.gc_every_n_steps:
             last = self.watch.last_gc if self.watch is not None else None
             extra[f"{p}/gc_time(ms)"] = last["seconds"] * 1e3 if last else nan
@@ -330,6 +362,8 @@ class MonitorCore:
             "max_reserved_bytes": engine.max_reserved,
         }
         self.events.append(event)
+        if self.snap is not None:
+            self.snap.on_exception(exc, step)
         self.log.error(
             "%s: out of memory at step %d on rank %d; writing the memory report before the error propagates.",
             self.owner,
@@ -351,6 +385,7 @@ class MonitorCore:
             "events": list(self.events),
             "model_states": dict(self.state.info),
             "gc": list(self.watch.gc_results) if self.watch is not None else [],
+            "snapshots": list(self.snap.records) if self.snap is not None else [],
             "files": dict(self.files),
         }
 
@@ -362,6 +397,8 @@ class MonitorCore:
             if engine.in_step and engine.enabled:
                 engine.end_step()
             self.step_open = False
+            if self.snap is not None:
+                self.snap.stop()  # writes a capture cut short by the end of training
             report = self.report()
             distributed = engine.world_size > 1 and _distributed.is_distributed()
             summaries = _distributed.gather_objects(report["summary"]) if gather and distributed else None
@@ -389,6 +426,8 @@ class MonitorCore:
         return self.files
 
     def stop(self) -> None:
+        if self.snap is not None:
+            self.snap.stop()
         if self.watch is not None:
             self.watch.stop()
             self.watch.model = self.watch.optimizer = None

@@ -37,6 +37,17 @@ INVALID = {
     "gc_disable_automatic": [True, 1],  # True without gc_every_n_steps collects nothing
     "estimate_model_states": [None, 0],
     "unexplained_margin_bytes": [-1, 1.5, None],
+    "auto_snapshot": [1, "yes"],
+    "snapshot_policy": ["sometimes", None, 1],
+    "snapshot_capacity_fraction": [0, 1.5, -0.1, True, "0.9"],
+    "snapshot_peak_bytes": [0, -1, 1.5, True],
+    "snapshot_on_alloc_retries": [None, 1],
+    "snapshot_on_findings": [0, "no"],
+    "snapshot_every_n_steps": [0, 2.5, False],
+    "snapshot_steps": [0, None, 1.0],
+    "max_snapshots": [0, None, -1],
+    "max_snapshot_bytes": [1000, None, 2.0**31],
+    "snapshot_max_entries": [10, None],
 }
 INVALID_CASES = [(field, value) for field, values in INVALID.items() for value in values]
 
