@@ -8,6 +8,7 @@ import gc
 import logging
 import math
 import time
+import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -539,21 +540,24 @@ class LingeringDetector:
         # or (plain loops, where the monitor marks the model's output) the loss computed from it.
         # Find a live tensor whose graph reaches a node carrying this step's sentinel. Only runs
         # when the graph is alive, i.e. when something is already suspicious.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # proxies of deprecated names warn when isinstance() looks at them
+            objects = [obj for obj in gc.get_objects() if isinstance(obj, _Tensor)]
         with_graph = []
-        for obj in gc.get_objects():
-            if isinstance(obj, _Tensor):
-                try:
-                    fn = obj.grad_fn
-                except Exception:
-                    continue
-                if fn is None:
-                    continue
-                try:
-                    if fn.metadata.get(METADATA_KEY) is sentinel:
-                        return obj
-                except Exception:
-                    continue
-                with_graph.append((obj, fn))
+        for obj in objects:
+            try:
+                fn = obj.grad_fn
+            except Exception:
+                continue
+            if fn is None:
+                continue
+            try:
+                if fn.metadata.get(METADATA_KEY) is sentinel:
+                    return obj
+            except Exception:
+                continue
+            with_graph.append((obj, fn))
+        del objects
         budget = 20_000  # nodes visited over all candidates
         seen: set[int] = set()
         for obj, fn in with_graph:
