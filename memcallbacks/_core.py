@@ -68,6 +68,8 @@ class MonitorCore:
         self.state = StateCheck(config)
         self.snap: AutoSnapshot | None = None
         self._new_findings: list[Finding] = []
+        self._holders_logged: set[str] = set()
+        self._lingering_due = False
         self.title = ""
         self._warned: set[str] = set()
         self.sample_every = 1
@@ -97,6 +99,26 @@ class MonitorCore:
             self._new_findings.append(finding)
             if self.engine.rank == 0:
                 self.log.warning("%s found a memory problem: %s", self.owner, finding)
+            if finding.holders:
+                self._holders_logged.add(finding.key)
+        elif finding.holders and finding.key not in self._holders_logged:
+            # growth: the holders come from a second census some steps after the first warning
+            self._holders_logged.add(finding.key)
+            if self.engine.rank == 0:
+                self.log.warning("%s: what grew (%s finding of step %d):\n%s", self.owner, finding.kind, finding.first_step or finding.step,
+                                 "\n".join(f"    {h}" for h in finding.holders))
+
+    def check_lingering(self, batch: Any = None) -> None:
+        """Run the lingering check deferred by ``begin_step(defer_lingering=True)`` (once per step)."""
+        if not self._lingering_due:
+            return
+        self._lingering_due = False
+        if self.watch is not None and self.engine.enabled:
+            try:
+                for finding in self.watch.check_lingering(self.current_step, batch):
+                    self.add_finding(finding)
+            except Exception as exc:
+                self.engine.fail(exc, "lingering check")
 
     def set_training_objects(
         self, model: Any, optimizer: Any, *, precision: str | None = None, strategy: str | None = None, world_size: int | None = None
@@ -191,13 +213,16 @@ class MonitorCore:
         count: int | None = None,
         batch: Any = None,
         sample: bool | None = None,
+        defer_lingering: bool = False,
     ) -> None:
         """Open a step (or, if one is open, count a further micro-batch).
 
         ``count`` is the number of steps before this one for the logging/sampling cadence (default
         ``step``; Lightning passes batches-that-stepped, which differs from ``global_step`` when
         several optimizers step per batch). ``log=None``: every ``log_every`` steps. ``sample=None``:
-        :meth:`wants_sample`. ``batch`` is only looked at (leak detection), never kept."""
+        :meth:`wants_sample`. ``batch`` is only looked at (leak detection), never kept.
+        ``defer_lingering``: the caller runs :meth:`check_lingering` later in the step (plain loops,
+        where the caller's loop variable still holds the previous batch when the step begins)."""
         engine = self.engine
         if self.step_open:
             if engine.enabled:
@@ -208,6 +233,7 @@ class MonitorCore:
             return
         self.step_open = True
         self.current_step = step
+        self._lingering_due = defer_lingering
         n = step if count is None else count
         self.current_count = n
         # decided even when disabled, so that every rank agrees on which steps join a collective
@@ -227,12 +253,12 @@ class MonitorCore:
                 sample = self.wants_sample(n, log)
             if not sample:  # the fast path: nothing but the (cheap when healthy) lingering check
                 if watch is not None:
-                    for finding in watch.before_baseline(step, batch):
+                    for finding in watch.before_baseline(step, batch, lingering=not defer_lingering):
                         self.add_finding(finding)
                 engine.begin_step(step, epoch, batch_idx, False)
                 return
             t0 = time.perf_counter()
-            found = watch.before_baseline(step, batch) if watch is not None else []
+            found = watch.before_baseline(step, batch, lingering=not defer_lingering) if watch is not None else []
             check_state = self.state.wanted and engine.optimizer_steps_total > 0
             spent = time.perf_counter() - t0
             engine.begin_step(step, epoch, batch_idx, True)
@@ -268,6 +294,8 @@ class MonitorCore:
         ``batch`` and ``loss`` (the step's last) are handed to leak detection as weak references."""
         engine = self.engine
         row = None
+        if self._lingering_due:
+            self.check_lingering(batch)
         if engine.enabled:
             try:
                 sampled = engine.sampling

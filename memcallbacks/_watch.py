@@ -79,13 +79,17 @@ class LeakWatch:
             self.gc.stop()
 
     # ------------------------------------------------------------------ at step start, before the baseline
-    def before_baseline(self, step: int, batch: Any) -> list[Finding]:
-        found: list[Finding] = []
-        if self.lingering is not None:
-            finding = self.lingering.check(step, current_batch=batch)
-            if finding is not None:
-                finding.holders = self.lingering_holders()
-                found.append(finding)
+    def check_lingering(self, step: int, batch: Any) -> list[Finding]:
+        if self.lingering is None:
+            return []
+        finding = self.lingering.check(step, current_batch=batch)
+        if finding is None:
+            return []
+        finding.holders = self.lingering_holders()
+        return [finding]
+
+    def before_baseline(self, step: int, batch: Any, *, lingering: bool = True) -> list[Finding]:
+        found: list[Finding] = self.check_lingering(step, batch) if lingering else []
         if self.gc is not None:
             result = self.gc.maybe_collect(step)
             if result is not None:
@@ -268,20 +272,26 @@ class StateCheck:
         )
         measured = measure_model_states(model, optimizer)
         self.batch_bytes = batch_bytes(batch) if batch is not None else 0
-        self.expected_states = int(est.device_steady)
+        expected_parts = est.expected_measurement()
         if device_kind == "cpu":
-            # the C heap also holds the interpreter and libraries: compare growth since the start
-            self.expected_level = start_allocated - self._start_states + est.device_steady
+            # training on the host: "device" and "host" state (e.g. Adam's step counters) share the heap;
+            # the heap also holds the interpreter and libraries, so compare growth since the start
+            self.expected_states = int(est.device_steady + est.host_steady)
+            self.expected_level = start_allocated - self._start_states + self.expected_states
+            expected = {k: int(expected_parts.get(f"device_{k}", 0) + expected_parts.get(f"host_{k}", 0)) for k in ("params", "grads", "optimizer")}
         else:
+            self.expected_states = int(est.device_steady)
             self.expected_level = float(est.device_steady)
+            expected = {k: int(expected_parts.get(f"device_{k}", 0)) for k in ("params", "grads", "optimizer")}
+        expected["buffers"] = int(est.device_buffers)
         unexplained = int(baseline - self.expected_level - self.batch_bytes)
         self.info = {
             "step": step,
             "strategy": est.strategy,
             "precision": est.precision,
             "world_size": est.world_size,
-            "expected_steady_bytes": int(est.device_steady),
-            "expected": {"params": int(est.device_params), "grads": int(est.device_grads), "optimizer": int(est.device_optimizer), "buffers": int(est.device_buffers)},
+            "expected_steady_bytes": self.expected_states,
+            "expected": expected,
             "measured_model_states": {k: int(v) for k, v in measured.items()},
             "baseline_bytes": int(baseline),
             "batch_bytes": self.batch_bytes,
@@ -292,7 +302,7 @@ class StateCheck:
             return None
         message = (
             f"At the start of step {step}, {format_bytes(baseline)} was allocated, but params, grads and optimizer "
-            f"state should take {format_bytes(est.device_steady)} ({est.strategy}, {est.precision}, world size "
+            f"state should take {format_bytes(self.expected_states)} ({est.strategy}, {est.precision}, world size "
             f"{est.world_size}) and the batch {format_bytes(self.batch_bytes)}: {format_bytes(unexplained)} is "
             f"unexplained (margin {format_bytes(self.config.unexplained_margin_bytes)}). Look for tensors kept "
             "between steps: caches on the model, outputs or losses stored for logging without .detach()/.item(), "

@@ -129,6 +129,8 @@ class Monitor:
 
     # ------------------------------------------------------------------ hooks (never raise)
     def _forward_pre(self, module: nn.Module, args: Any) -> None:
+        if self._core._lingering_due:
+            self._core.check_lingering(self._batch)
         # without track()/step(), a training forward after an optimizer step starts the next step
         if self._explicit or self._closed or not (torch.is_grad_enabled() and module.training):
             return
@@ -166,6 +168,8 @@ class Monitor:
         self._core.boundary(BACKWARD)
 
     def _optimizer_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self._core._lingering_due:
+            self._core.check_lingering(self._batch)
         if self._core.step_open:
             self._core.boundary(OTHER)
 
@@ -176,9 +180,11 @@ class Monitor:
             self._core.boundary(OPTIMIZER)
 
     # ------------------------------------------------------------------ steps
-    def _begin(self, epoch: int = 0, batch_idx: int | None = None, batch: Any = None) -> None:
+    def _begin(self, epoch: int = 0, batch_idx: int | None = None, batch: Any = None, defer_lingering: bool = False) -> None:
         self._stepped = False
-        self._core.begin_step(self._step, epoch, self._step if batch_idx is None else batch_idx, batch=batch)
+        self._core.begin_step(
+            self._step, epoch, self._step if batch_idx is None else batch_idx, batch=batch, defer_lingering=defer_lingering
+        )
 
     def _end(self) -> None:
         batch, output = self._batch, self._output
@@ -204,7 +210,9 @@ class Monitor:
             if core.step_open:
                 core.begin_step(self._step, 0, batch_idx)  # counts a micro-batch
             else:
-                self._begin(batch_idx=batch_idx, batch=item)
+                # the caller's loop variable still holds the previous batch until this yield returns:
+                # check for lingering references at the step's first forward/optimizer hook instead
+                self._begin(batch_idx=batch_idx, batch=item, defer_lingering=True)
             self._batch = item
             del item
             yield self._batch

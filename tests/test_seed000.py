@@ -169,12 +169,6 @@ def test_seed_fixes_find_nothing(tmp_path, caplog, fix):
     assert {metrics["memory/findings"] for metrics, _ in logged} == {0.0}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug in Monitor.track (memcallbacks/monitor.py): the lingering check runs inside the generator, "
-    "before the for statement rebinds the loop variable, so every previous batch of 1 MiB or more is "
-    "reported as lingering, held by the caller's loop variable",
-)
 def test_track_loop_variable_is_not_lingering(tmp_path):
     """``for batch in monitor.track(loader)``: the previous batch is alive inside ``next()`` only
     because the loop variable is rebound after the generator yields; it is freed before the step

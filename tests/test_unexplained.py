@@ -140,15 +140,7 @@ def check_model_states(report: dict[str, Any]) -> dict[str, Any]:
 
 
 
-ADAM_STEP_BUG = pytest.mark.xfail(
-    strict=True,
-    reason="bug in StateCheck.check (memcallbacks/_watch.py): 'expected' and the CPU expected level use the "
-    "estimate's device_* parts only, but torch's Adam keeps a 4-byte 'step' tensor per parameter on the CPU "
-    "(estimate.host_optimizer), which measure_model_states counts: 16 bytes short here",
-)
-
-
-@pytest.mark.parametrize("optimizer", ["sgd", pytest.param("adam", marks=ADAM_STEP_BUG)])
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 @pytest.mark.parametrize("runner", list(RUNNERS))
 def test_report_expected_equals_measured_model_states_exactly(tmp_path, runner, optimizer):
     """fp32 on CPU: the estimate is exact, byte for byte, for params, grads and optimizer state."""
