@@ -18,9 +18,14 @@ if TYPE_CHECKING:  # pragma: no cover
     from memcallbacks.lightning import MemoryMonitor
     from memcallbacks.monitor import Monitor
 
-__all__ = ["MonitorConfig", "Finding", "MemoryMonitor", "Monitor", "__version__"]
+__all__ = ["MonitorConfig", "Finding", "MemoryMonitor", "Monitor", "AccelerateMemoryMonitor", "MemoryMonitorCallback", "__version__"]
 
-_LAZY = {"MemoryMonitor": "memcallbacks.lightning", "Monitor": "memcallbacks.monitor"}
+_LAZY = {
+    "MemoryMonitor": "memcallbacks.lightning",
+    "Monitor": "memcallbacks.monitor",
+    "AccelerateMemoryMonitor": "memcallbacks.accelerate",
+    "MemoryMonitorCallback": "memcallbacks.transformers",
+}
 
 
 def __getattr__(name: str) -> Any:

@@ -108,6 +108,15 @@ class MonitorCore:
                 self.log.warning("%s: what grew (%s finding of step %d):\n%s", self.owner, finding.kind, finding.first_step or finding.step,
                                  "\n".join(f"    {h}" for h in finding.holders))
 
+    def _check_state(self, step: int, baseline: int, batch: Any) -> Finding | None:
+        """The theory check, isolated: an estimate that cannot be made is logged, never fatal."""
+        try:
+            return self.state.check(step, baseline, self.engine.start_allocated, self.engine.backend.kind, batch)  # type: ignore[union-attr]
+        except Exception as exc:
+            self.state.done = True
+            self.log.info("%s: no model-state estimate for this run (%s: %s); the rest of the monitor goes on.", self.owner, type(exc).__name__, exc)
+            return None
+
     def check_lingering(self, batch: Any = None) -> None:
         """Run the lingering check deferred by ``begin_step(defer_lingering=True)`` (once per step)."""
         if not self._lingering_due:
@@ -198,6 +207,12 @@ class MonitorCore:
         return self.engine.enabled
 
     # ------------------------------------------------------------------ steps
+    @property
+    def detailed_step(self) -> bool:
+        """True when the open step is sampled or lingering references are checked after it:
+        adapters skip their per-step extras (output hooks, loss capture) otherwise."""
+        return self.engine.sampling or self.current_count < LINGERING_EVERY_STEP_UNTIL
+
     def wants_sample(self, count: int, log: bool) -> bool:
         """Whether the step after ``count`` steps is measured in full: logged steps, every
         ``sample_every``-th step, and the step where the theory check is due."""
@@ -267,7 +282,7 @@ class MonitorCore:
             if baseline is not None and watch is not None:
                 found += watch.after_baseline(step, baseline, batch)
             if check_state and baseline is not None:
-                finding = self.state.check(step, baseline, engine.start_allocated, engine.backend.kind, batch)  # type: ignore[union-attr]
+                finding = self._check_state(step, baseline, batch)
                 if finding is not None and watch is not None:
                     census = watch.census(batch)
                     finding.holders = [f"{holder} ({n_tensors} tensors, {nbytes / 2**20:.1f} MiB)" for holder, n_tensors, nbytes in census.top_holders(5)]

@@ -61,6 +61,8 @@ class MemoryEngine:
     def __init__(self, config: MonitorConfig) -> None:
         self.config = config
         self.backend: MemoryBackend | None = None
+        self.device_info: dict[str, Any] = {}
+        self.capacity: int | None = None
         self._host_rss: Callable[[], int] | None = None
         self.rank, self.world_size = 0, 1
         self.enabled = False
@@ -90,6 +92,9 @@ class MemoryEngine:
         if self.backend is not None:
             self.backend.close()
         self.backend = select_backend(device, cpu_mmap_threshold=self.config.cpu_mmap_threshold)
+        # kept for summaries after stop() released the backend
+        self.device_info = self.backend.describe()
+        self.capacity = self.backend.capacity()
         self._host_rss = host_rss_reader()
         self.start_allocated = self.backend.current()[0]
         if rank is None or world_size is None:
@@ -279,7 +284,7 @@ class MemoryEngine:
             f"{p}/host_rss(GiB)",
             f"{p}/monitor_time(ms)",
         ]
-        if self.backend is not None and self.backend.kind != "cpu":
+        if self.device_info.get("kind", "cpu") != "cpu":
             keys += [f"{p}/alloc_retries", f"{p}/ooms", f"{p}/inactive_split(GiB)"]
         return keys
 
@@ -298,7 +303,7 @@ class MemoryEngine:
             row[7] / GIB,
             row[18] * 1e3,
         ]
-        if self.backend is not None and self.backend.kind != "cpu":
+        if self.device_info.get("kind", "cpu") != "cpu":
             values += [float(row[14]), float(row[15]), row[16] / GIB]
         return values
 
@@ -342,7 +347,7 @@ class MemoryEngine:
         if not frame.empty:
             for col in ("step", "epoch", "batch_idx", "micro_batches", "optimizer_steps"):
                 frame[col] = frame[col].astype("int64")
-            if self.backend is None or self.backend.kind == "cpu":
+            if self.device_info.get("kind", "cpu") == "cpu":
                 frame = frame.drop(columns=["alloc_retries", "ooms", "inactive_split"])
         return frame
 
@@ -365,11 +370,11 @@ class MemoryEngine:
             "world_size": self.world_size,
             "disabled_after_error": self.failed,
         }
-        if self.backend is not None:
-            out["device"] = self.backend.describe()
-            out["capacity_bytes"] = self.backend.capacity()
+        if self.device_info:
+            out["device"] = dict(self.device_info)
+            out["capacity_bytes"] = self.capacity
         # peaks on CPU are RSS high-water marks, so their baseline is RSS ("reserved"), not the heap
-        base = 6 if self.backend is not None and self.backend.peak_source == "rss_high_water_mark" else 5
+        base = 6 if self.device_info.get("peak_source") == "rss_high_water_mark" else 5
         for i, phase in enumerate(PHASES):
             vals = [r[8 + i] for r in rows if r[8 + i] == r[8 + i]]
             out[f"peak_{phase}_bytes"] = int(max(vals)) if vals else None

@@ -141,14 +141,15 @@ class Monitor:
 
     def _forward_post(self, module: nn.Module, args: Any, output: Any) -> None:
         core = self._core
-        if not core.step_open or not core.enabled or not torch.is_grad_enabled():
+        if not core.step_open or not core.enabled or not core.detailed_step or not torch.is_grad_enabled():
             return
         try:
             tensors = _first_grad_tensors(output)
             if tensors and self._output is None:
                 self._output = tensors[0]  # its graph is what a kept loss would keep alive
-            for tensor in tensors:
-                tensor.register_hook(self._backward_start)
+            if core.engine.sampling:  # backward boundaries matter only on sampled steps
+                for tensor in tensors:
+                    tensor.register_hook(self._backward_start)
         except Exception as exc:
             core.engine.fail(exc, "forward hook")
 
@@ -270,10 +271,11 @@ class Monitor:
         if self._core.events and self._core.events[-1].get("kind") == "oom":
             self._core.finish(gather=False)
 
-    def close(self) -> None:
+    def close(self, gather: bool = True) -> None:
         """End the open step, remove every hook and write the files. Safe to call twice.
 
-        Under torch.distributed every rank must call it (rank summaries are gathered)."""
+        Under torch.distributed every rank must call it (rank summaries are gathered into rank
+        zero's report), unless ``gather=False`` (e.g. when only this rank is failing)."""
         if self._closed:
             return
         self._closed = True
@@ -281,7 +283,7 @@ class Monitor:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        self._core.finish(gather=True)
+        self._core.finish(gather=gather)
         self._core.stop()
 
     def __enter__(self) -> "Monitor":
@@ -290,7 +292,7 @@ class Monitor:
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
         if exc is not None:
             self._core.record_exception(exc, self._step)
-        self.close()
+        self.close(gather=exc is None)  # a failing rank must not wait for the others
 
     # ------------------------------------------------------------------ results
     @property

@@ -1,0 +1,235 @@
+"""Accelerate adapter: ``AccelerateMemoryMonitor``, the plain-loop :class:`~memcallbacks.Monitor` bound to an ``Accelerator``.
+
+Accelerate has no callback system, so the monitor sees the loop through hooks: module hooks on
+the prepared model(s) (forward, and the start of backward through a hook on the output), the
+call to ``accelerator.backward`` (start and end of backward), and torch's global optimizer-step
+hooks (the ``AcceleratedOptimizer`` only steps the inner optimizer on gradient-sync steps, so
+under ``accelerator.accumulate`` those hooks see real optimizer steps only).
+
+Logged keys are those of every adapter (docs/metrics.md), through ``accelerator.log(values,
+step=...)`` on the main process, to whatever trackers ``accelerator.init_trackers`` set up.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
+
+import torch
+from torch import nn
+
+from memcallbacks._config import MonitorConfig
+from memcallbacks._core import LogFn
+from memcallbacks._engine import BACKWARD, FORWARD
+from memcallbacks.monitor import Monitor
+
+if TYPE_CHECKING:  # pragma: no cover
+    from accelerate import Accelerator
+
+log = logging.getLogger(__name__)
+
+__all__ = ["AccelerateMemoryMonitor"]
+
+
+class AccelerateMemoryMonitor(Monitor):
+    """Per-phase memory of an Accelerate training loop, logged through ``accelerator.log``.
+
+    Args:
+        accelerator: the ``accelerate.Accelerator`` of the run; the device, rank and world size
+            come from it.
+        model: the model to hook. ``None``: every model passed through ``accelerator.prepare``
+            (as ``accelerator._models`` keeps it: the bare module under DDP, the wrapper under
+            FSDP), looked up now and again at the first ``track()``/``step()``, so the monitor may
+            be built before ``prepare``.
+        optimizer: optional; the optimizer phase is bounded by torch's optimizer-step hooks either way.
+        log_fn: ``log_fn(metrics, step)``; default ``accelerator.log(metrics, step=step)`` (rank zero only).
+        config: a :class:`~memcallbacks.MonitorConfig` (or dict); ``**kwargs`` are its fields.
+            ``output_dir`` defaults to ``<project_dir or logging_dir>/memcallbacks`` when the
+            accelerator has one, else ``./memcallbacks``.
+
+    Example::
+
+        accelerator = Accelerator(log_with="tensorboard", project_dir="runs")
+        accelerator.init_trackers("exp")
+        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+        monitor = AccelerateMemoryMonitor(accelerator)
+        for batch in monitor.track(loader):          # marks step boundaries
+            with accelerator.accumulate(model):
+                loss = model(**batch).loss
+                accelerator.backward(loss)
+                optimizer.step(); optimizer.zero_grad()
+        monitor.close()                                # every rank; writes history.csv, report.json
+        accelerator.end_training()
+    """
+
+    framework = "accelerate"
+
+    def __init__(
+        self,
+        accelerator: "Accelerator",
+        model: nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        log_fn: LogFn | None = None,
+        *,
+        config: MonitorConfig | dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if not all(hasattr(accelerator, name) for name in ("device", "process_index", "num_processes", "log", "backward")):
+            raise TypeError(
+                f"AccelerateMemoryMonitor(accelerator={type(accelerator).__name__}) must be an accelerate.Accelerator; "
+                "pass the Accelerator your loop uses."
+            )
+        self._accelerator = accelerator
+        self._hooked: list[nn.Module] = []
+        self._discover = model is None  # hook what accelerator.prepare has seen
+        self._warned_no_tracker = False
+        super().__init__(model, optimizer, log_fn or self._log_to_trackers, device=accelerator.device, config=config, **kwargs)
+        self._optimizer = optimizer
+        if model is not None:
+            self._hooked.append(model)
+            self._core.title = type(model).__name__
+            self._set_training_objects()
+        else:
+            self._hook_prepared_models()
+        self._install_backward_wrapper()
+
+    # ------------------------------------------------------------------ setup
+    def _start(self, device: torch.device) -> None:
+        accelerator = self._accelerator
+        base = accelerator.project_dir or accelerator.logging_dir
+        self._core.start(
+            device,
+            rank=int(accelerator.process_index),
+            world_size=int(accelerator.num_processes),
+            default_output_dir=Path(base) / "memcallbacks" if base else None,
+        )
+
+    def _hook_prepared_models(self) -> None:
+        """Hook the models ``accelerator.prepare`` has seen that are not hooked yet."""
+        if self._closed or not self._discover:
+            return
+        found = False
+        for model in getattr(self._accelerator, "_models", []):
+            if isinstance(model, nn.Module) and not any(model is m for m in self._hooked):
+                found = True
+                self._hooked.append(model)
+                self._handles.append(model.register_forward_pre_hook(self._forward_pre))
+                self._handles.append(model.register_forward_hook(self._forward_post))
+                if not self._core.title:
+                    self._core.title = type(getattr(model, "module", model)).__name__
+        if found:
+            self._set_training_objects()
+
+    def _set_training_objects(self) -> None:
+        """Tell the core what the model-state estimate and the census look at (one model, one optimizer)."""
+        accelerator = self._accelerator
+        optimizer = self._optimizer
+        if optimizer is None and len(getattr(accelerator, "_optimizers", [])) == 1:
+            optimizer = accelerator._optimizers[0]
+        optimizer = getattr(optimizer, "optimizer", optimizer)  # the AcceleratedOptimizer's inner one
+        model = self._hooked[0] if len(self._hooked) == 1 else None
+        # accelerator._models keeps the bare module under DDP, so the strategy is named here
+        kind = str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type))
+        strategy: str | None = None
+        if kind == "DEEPSPEED":
+            stage = getattr(getattr(accelerator.state, "deepspeed_plugin", None), "zero_stage", 0)
+            strategy = f"zero{stage}" if stage in (1, 2, 3) else "ddp"
+        elif kind == "FSDP":
+            version = getattr(getattr(accelerator.state, "fsdp_plugin", None), "fsdp_version", 1)
+            strategy = "fsdp2" if version == 2 else "fsdp"
+        elif kind.startswith("MULTI_") and int(accelerator.num_processes) > 1:
+            strategy = "ddp"
+        precision = {"fp16": "16-mixed", "bf16": "bf16-mixed"}.get(str(accelerator.mixed_precision))
+        world_size = int(accelerator.num_processes) if strategy is not None else None
+        self._core.set_training_objects(model, optimizer, precision=precision, strategy=strategy, world_size=world_size)
+
+    def _install_backward_wrapper(self) -> None:
+        # the instance attribute shadows Accelerator.backward; close() deletes it again
+        accelerator = self._accelerator
+        original = accelerator.backward
+
+        def backward(loss: Any, **kwargs: Any) -> Any:
+            core = self._core
+            if self._closed or not core.step_open or self._backward_open:
+                return original(loss, **kwargs)
+            self._backward_open = True  # the output-tensor hook then leaves this backward alone (no engine callback)
+            core.boundary(FORWARD)
+            try:
+                return original(loss, **kwargs)
+            finally:
+                self._backward_open = False
+                core.boundary(BACKWARD)
+
+        self._backward = backward
+        accelerator.backward = backward
+
+    def _log_to_trackers(self, metrics: dict[str, float], step: int) -> None:
+        accelerator = self._accelerator
+        if not accelerator.trackers and not self._warned_no_tracker:
+            self._warned_no_tracker = True
+            log.warning(
+                "AccelerateMemoryMonitor: the Accelerator has no trackers, so memory metrics are not logged. "
+                "Create it with Accelerator(log_with=...) and call accelerator.init_trackers(...), or pass log_fn=; "
+                "`monitor.history` and the files in output_dir are kept either way."
+            )
+        accelerator.log(metrics, step=step)
+
+    # ------------------------------------------------------------------ steps
+    def _step_complete(self) -> bool:
+        """Does the open step end before the next batch? Yes after an optimizer step; under
+        ``accelerator.accumulate`` also on a gradient-sync batch whose step was skipped (fp16 overflow)."""
+        if self._stepped:
+            return True
+        accelerator = self._accelerator
+        if not accelerator.sync_gradients:
+            return False  # inside an accumulation window
+        if not self._ever_stepped or accelerator.gradient_accumulation_steps > 1:
+            return True
+        return accelerator.scaler is not None and bool(accelerator.optimizer_step_was_skipped)
+
+    def track(self, iterable: Iterable[Any]) -> Iterator[Any]:
+        """Yield from ``iterable``, marking a step boundary before each item (see :meth:`Monitor.track`).
+
+        Rows are per optimizer step: under ``accelerator.accumulate(model)`` the batches of one
+        accumulation window form one row (``micro_batches`` = gradient_accumulation_steps), the
+        first window included.
+        """
+        self._hook_prepared_models()
+        return super().track(self._sync_aware(iterable))
+
+    def _sync_aware(self, iterable: Iterable[Any]) -> Iterator[Any]:
+        # Runs after the previous batch's body, right before Monitor.track decides whether the open
+        # step ends (it ends when ``_stepped``, or while no optimizer step has ever been seen): the
+        # accelerator knows better whether an accumulation window is still open.
+        for item in iterable:
+            if self._core.step_open and not self._stepped:
+                if self._step_complete():
+                    self._stepped = True  # a gradient-sync batch whose optimizer step was skipped
+                else:
+                    self._ever_stepped = True  # inside an accumulation window: not a loop without optimizer
+            yield item
+
+    def step(self) -> Any:
+        """``with monitor.step(): ...`` — one row for exactly this block (see :meth:`Monitor.step`)."""
+        self._hook_prepared_models()
+        return super().step()
+
+    def close(self) -> None:
+        """End the open step, remove every hook and the ``accelerator.backward`` wrapper, write the
+        files. Every process must call it (rank summaries are gathered). Safe to call twice."""
+        if self._closed:
+            return
+        accelerator = self._accelerator
+        if accelerator.__dict__.get("backward") is self._backward:
+            del accelerator.__dict__["backward"]
+        super().close()
+        self._hooked = []
+
+    @property
+    def accelerator(self) -> "Accelerator":
+        return self._accelerator
+
+    @property
+    def output_dir(self) -> Path | None:
+        return self._core.output_dir

@@ -1,0 +1,315 @@
+"""Transformers adapter: ``MemoryMonitorCallback``, a ``TrainerCallback`` whose memory metrics join the Trainer's own logs.
+
+Step boundaries come from the Trainer's events (``on_step_begin``, ``on_substep_end`` between
+micro-batches, ``on_pre_optimizer_step``/``on_optimizer_step`` around the optimizer step,
+``on_step_end``); forward and backward are told apart by the plain-loop monitor's hooks on the
+model. On logged steps the metrics are merged into the ``logs`` of the Trainer's own ``on_log``
+event, so every ``report_to`` integration (TensorBoard, W&B, MLflow, ...) and
+``trainer.state.log_history`` receive them, under the Trainer's naming (TensorBoard shows
+``train/memory/peak_step(GiB)``).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+try:
+    from transformers import TrainerCallback
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "memcallbacks.transformers.MemoryMonitorCallback is a transformers TrainerCallback but transformers is not "
+        "installed. Install it: pip install 'memcallbacks[transformers]'."
+    ) from exc
+
+from memcallbacks._config import MonitorConfig, resolve_config
+from memcallbacks._engine import COLUMNS, OPTIMIZER, OTHER
+from memcallbacks.monitor import Monitor
+
+if TYPE_CHECKING:  # pragma: no cover
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+
+log = logging.getLogger(__name__)
+
+__all__ = ["MemoryMonitorCallback"]
+
+
+class _TrainerMonitor(Monitor):
+    """The plain-loop monitor with the model hooks only: the Trainer's events bound steps and the optimizer phase."""
+
+    framework = "transformers"
+
+    def __init__(self, model: nn.Module | None, *, start: dict[str, Any], config: MonitorConfig) -> None:
+        self._start_kwargs = start
+        super().__init__(model, None, None, device=start.pop("device"), config=config)
+        self._explicit = True  # the forward pre-hook never opens steps: on_step_begin does
+
+    def _start(self, device: torch.device) -> None:
+        self._core.start(device, **self._start_kwargs)
+
+    def _install_hooks(self, model: nn.Module | None) -> None:
+        if model is not None:
+            self._handles.append(model.register_forward_pre_hook(self._forward_pre))
+            self._handles.append(model.register_forward_hook(self._forward_post))
+
+    def abandon(self) -> None:
+        """Remove the hooks and release the device handles without a collective (an exception is unwinding)."""
+        if self._closed:
+            return
+        self._closed = True
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._core.stop()
+
+
+class MemoryMonitorCallback(TrainerCallback):
+    """Per-phase memory peaks of a ``transformers.Trainer`` run, logged through the Trainer's own logs.
+
+    Args:
+        config: a :class:`~memcallbacks.MonitorConfig`, a dict of its fields, or None.
+        **kwargs: any :class:`~memcallbacks.MonitorConfig` field, overriding ``config``.
+            ``log_every_n_steps=None`` follows ``TrainingArguments(logging_steps=...)`` (with
+            ``logging_strategy="steps"``; other strategies log no memory metrics unless
+            ``log_every_n_steps`` is set, which also makes the Trainer log on those steps).
+            ``output_dir`` defaults to ``<TrainingArguments.output_dir>/memcallbacks``.
+
+    Example::
+
+        monitor = MemoryMonitorCallback()
+        trainer = Trainer(model=model, args=TrainingArguments(..., report_to=["tensorboard"]),
+                          train_dataset=data, callbacks=[monitor])
+        trainer.train()
+        print(monitor.format_report())
+
+    The callback moves itself to the front of the Trainer's callback list when the Trainer
+    initialises (or when training begins, for ``trainer.add_callback``), so that the
+    ``report_to`` integrations, which come first by default, see the merged metrics.
+    """
+
+    def __init__(self, config: MonitorConfig | dict[str, Any] | None = None, **kwargs: Any) -> None:
+        self.config = resolve_config(config, kwargs, "MemoryMonitorCallback")
+        self._monitor: _TrainerMonitor | None = None
+        self._pending: tuple[int, dict[str, float]] | None = None
+        self._first = False  # known to be first in the Trainer's callback list
+        self._warned_order = False
+        self._batches = 0
+
+    # ------------------------------------------------------------------ placement in the callback list
+    def _move_to_front(self) -> bool:
+        """Find the ``CallbackHandler`` dispatching the current event and put this callback first in it.
+
+        Callbacks get no reference to the Trainer, so the handler is read from the caller's frame
+        (``CallbackHandler.call_event``). A new list is assigned, so the loop dispatching the
+        current event is not disturbed.
+        """
+        from transformers.trainer_callback import CallbackHandler
+
+        frame = sys._getframe(1)
+        for _ in range(6):
+            frame = frame.f_back  # type: ignore[assignment]
+            if frame is None:
+                break
+            handler = frame.f_locals.get("self")
+            if isinstance(handler, CallbackHandler) and any(cb is self for cb in handler.callbacks):
+                if handler.callbacks[0] is not self:
+                    handler.callbacks = [self] + [cb for cb in handler.callbacks if cb is not self]
+                self._first = True
+                return True
+        return False
+
+    def on_init_end(self, args: "TrainingArguments", state: "TrainerState", control: "TrainerControl", **kwargs: Any) -> None:
+        self._move_to_front()
+
+    # ------------------------------------------------------------------ training
+    def on_train_begin(
+        self,
+        args: "TrainingArguments",
+        state: "TrainerState",
+        control: "TrainerControl",
+        model: nn.Module | None = None,
+        optimizer: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        if not self._move_to_front() and not self._first and not self._warned_order:
+            self._warned_order = True
+            log.warning(
+                "MemoryMonitorCallback could not move itself to the front of the Trainer's callbacks, so `report_to` "
+                "integrations listed before it do not receive the memory metrics. Put it first: "
+                "trainer.callback_handler.callbacks.insert(0, trainer.pop_callback(monitor))."
+            )
+        if self._monitor is not None:
+            self._monitor.abandon()
+        strategy = str(getattr(args.logging_strategy, "value", args.logging_strategy))
+        framework_log_every = int(state.logging_steps) if strategy == "steps" and state.logging_steps else None
+        default_dir = Path(args.output_dir) / "memcallbacks" if getattr(args, "output_dir", None) else None
+        self._monitor = _TrainerMonitor(
+            model,
+            start=dict(
+                device=args.device,
+                rank=int(args.process_index),
+                world_size=int(args.world_size),
+                default_output_dir=default_dir,
+                framework_log_every=framework_log_every,
+            ),
+            config=self.config,
+        )
+        core = self._monitor._core
+        core.log_fn = self._stash
+        core.title = type(model).__name__ if model is not None else "Trainer"
+        precision = "bf16-mixed" if getattr(args, "bf16", False) else "16-mixed" if getattr(args, "fp16", False) else None
+        # the Trainer passes the bare model: name plain data parallelism here, let the estimate detect the rest
+        ddp = int(args.world_size) > 1 and not getattr(args, "fsdp", None) and not getattr(args, "deepspeed", None)
+        core.set_training_objects(
+            model,
+            getattr(optimizer, "optimizer", optimizer),
+            precision=precision,
+            strategy="ddp" if ddp else None,
+            world_size=int(args.world_size) if ddp else None,
+        )
+        self._pending = None
+        self._batches = 0
+
+    def _will_log(self, args: "TrainingArguments", state: "TrainerState") -> bool:
+        """Decided when a step starts, identically on every rank (logged steps join a collective)."""
+        done = state.global_step + 1  # the Trainer's global_step once this step ends
+        if self.config.log_every_n_steps is not None:
+            return done % self.config.log_every_n_steps == 0
+        if str(getattr(args.logging_strategy, "value", args.logging_strategy)) != "steps" or not state.logging_steps:
+            return False
+        return done % int(state.logging_steps) == 0 or (bool(args.logging_first_step) and done == 1)
+
+    def on_step_begin(self, args: "TrainingArguments", state: "TrainerState", control: "TrainerControl", **kwargs: Any) -> None:
+        monitor = self._monitor
+        if monitor is None:
+            return
+        monitor._backward_open = False
+        monitor._step = state.global_step  # for OOM events
+        epoch = int(state.epoch or 0)
+        monitor._core.begin_step(state.global_step, epoch, self._batches, log=self._will_log(args, state))
+        self._batches += 1
+
+    def on_substep_end(self, args: "TrainingArguments", state: "TrainerState", control: "TrainerControl", **kwargs: Any) -> None:
+        # a micro-batch ended without an optimizer step: the next one belongs to the same row
+        monitor = self._monitor
+        if monitor is not None and monitor._core.step_open:
+            monitor._core.begin_step(state.global_step)
+            self._batches += 1
+
+    def on_pre_optimizer_step(self, args: "TrainingArguments", state: "TrainerState", control: "TrainerControl", **kwargs: Any) -> None:
+        if self._monitor is not None and self._monitor._core.step_open:
+            self._monitor._core.boundary(OTHER)  # gradient clipping lands in peak_other
+
+    def on_optimizer_step(self, args: "TrainingArguments", state: "TrainerState", control: "TrainerControl", **kwargs: Any) -> None:
+        if self._monitor is not None and self._monitor._core.step_open:
+            self._monitor._core.boundary(OPTIMIZER)
+
+    def on_step_end(self, args: "TrainingArguments", state: "TrainerState", control: "TrainerControl", **kwargs: Any) -> None:
+        monitor = self._monitor
+        if monitor is None or not monitor._core.step_open:
+            return
+        logged = monitor._core.log_this_step
+        output, monitor._output = monitor._output, None  # the step's forward output, for leak detection
+        monitor._core.end_step(OTHER, log_step=state.global_step, loss=output)
+        del output
+        if logged:
+            control.should_log = True  # every rank: the Trainer's logging gathers the loss across ranks
+
+    def _stash(self, metrics: dict[str, float], step: int) -> None:
+        self._pending = (step, metrics)
+
+    def on_log(self, args: "TrainingArguments", state: "TrainerState", control: "TrainerControl", logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        pending = self._pending
+        if pending is None or logs is None:
+            return
+        step, metrics = pending
+        self._pending = None
+        if step != state.global_step:
+            return
+        logs.update(metrics)
+        history = state.log_history
+        if history and history[-1].get("step") == state.global_step:
+            history[-1].update(metrics)
+
+    def on_train_end(self, args: "TrainingArguments", state: "TrainerState", control: "TrainerControl", **kwargs: Any) -> None:
+        if self._monitor is not None:
+            self._monitor.close()  # every rank: rank summaries are gathered into rank zero's report.json
+
+    # ------------------------------------------------------------------ failures
+    def record_exception(self, exc: BaseException) -> None:
+        """Call from ``except`` around ``trainer.train()``: an OOM becomes an event in ``report.json``
+        (files written, no collective), and the hooks are removed. Safe when nothing is running."""
+        monitor = self._monitor
+        if monitor is None or monitor._closed:
+            return
+        monitor.record_exception(exc)
+        monitor.abandon()
+
+    def close(self) -> None:
+        """Remove the hooks if training did not end normally (``on_train_end`` closes them). Safe to call twice."""
+        if self._monitor is not None:
+            self._monitor.abandon()
+
+    # ------------------------------------------------------------------ results
+    @property
+    def monitor(self) -> Monitor | None:
+        """The :class:`~memcallbacks.Monitor` of the current (or last) ``train()`` call."""
+        return self._monitor
+
+    @property
+    def history(self) -> Any:
+        """One row per sampled optimizer step (pandas.DataFrame); columns in docs/metrics.md."""
+        if self._monitor is None:
+            import pandas as pd
+
+            return pd.DataFrame(columns=list(COLUMNS))
+        return self._monitor.history
+
+    @property
+    def max_allocated(self) -> int:
+        return self._monitor.max_allocated if self._monitor is not None else 0
+
+    @property
+    def max_reserved(self) -> int:
+        return self._monitor.max_reserved if self._monitor is not None else 0
+
+    @property
+    def enabled(self) -> bool:
+        return self._monitor is not None and self._monitor.enabled
+
+    @property
+    def findings(self) -> list[Any]:
+        return self._monitor.findings if self._monitor is not None else []
+
+    @property
+    def events(self) -> list[dict[str, Any]]:
+        return self._monitor.events if self._monitor is not None else []
+
+    @property
+    def files(self) -> dict[str, str]:
+        return self._monitor.files if self._monitor is not None else {}
+
+    @property
+    def output_dir(self) -> Path | None:
+        return self._monitor._core.output_dir if self._monitor is not None else None
+
+    def summary(self) -> dict[str, Any]:
+        return self._monitor.summary() if self._monitor is not None else {}
+
+    def report(self) -> dict[str, Any]:
+        """What ``report.json`` holds: version, config, summary, findings, events and files."""
+        return self._monitor.report() if self._monitor is not None else {}
+
+    def format_report(self) -> str:
+        return self._monitor.format_report() if self._monitor is not None else "memcallbacks: no training has run yet."
+
+    def explain(self, batch: Any = None) -> Any:
+        """Take a census now: live tensors by category and who holds the suspicious ones (see :meth:`Monitor.explain`)."""
+        if self._monitor is None:
+            raise RuntimeError("MemoryMonitorCallback.explain() needs a model: call it during or after trainer.train().")
+        return self._monitor.explain(batch)
