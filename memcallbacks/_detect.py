@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import collections
-import ctypes
 import gc
 import logging
 import math
@@ -37,38 +36,8 @@ MiB = 1024 * 1024
 # ----------------------------------------------------------------------------------------------
 
 
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [
-        (name, ctypes.c_size_t)
-        for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")
-    ]
-
-
-_mallinfo2: Any = None
-_mallinfo2_checked = False
-
-
-def heap_in_use_bytes() -> int | None:
-    """Bytes in use in the glibc malloc heap (``uordblks + hblkhd`` of ``mallinfo2``).
-
-    This is the CPU counterpart of the CUDA caching allocator's "allocated" bytes: freed
-    memory that malloc keeps does not count. ``None`` where glibc >= 2.33 is not available.
-    Costs about 1 µs.
-    """
-    global _mallinfo2, _mallinfo2_checked
-    if not _mallinfo2_checked:
-        _mallinfo2_checked = True
-        try:
-            fn = ctypes.CDLL(None).mallinfo2
-            fn.restype = _MallInfo2
-            fn.argtypes = []
-            _mallinfo2 = fn
-        except (OSError, AttributeError):
-            log.debug("glibc mallinfo2 is not available; heap_in_use_bytes() returns None")
-    if _mallinfo2 is None:
-        return None
-    info = _mallinfo2()
-    return int(info.uordblks + info.hblkhd)
+# one implementation, in the device seam; re-exported here for the detectors' users
+from memcallbacks._devices import heap_in_use_bytes  # noqa: E402
 
 
 # ----------------------------------------------------------------------------------------------

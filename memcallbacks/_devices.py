@@ -265,6 +265,21 @@ def _load_mallinfo2() -> Callable[[], _MallInfo2] | None:
     return fn
 
 
+_heap_reader: list[Any] = []  # [mallinfo2 or None], loaded on first use
+
+
+def heap_in_use_bytes() -> int | None:
+    """Bytes in use in the glibc malloc heap (``uordblks + hblkhd`` of ``mallinfo2``): the CPU
+    counterpart of CUDA's "allocated" (freed memory malloc keeps does not count). ``None`` off glibc >= 2.33."""
+    if not _heap_reader:
+        _heap_reader.append(_load_mallinfo2())
+    fn = _heap_reader[0]
+    if fn is None:
+        return None
+    info = fn()
+    return int(info.uordblks + info.hblkhd)
+
+
 class CpuBackend(MemoryBackend):
     """The process itself, for training on CPU.
 
