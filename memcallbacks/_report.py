@@ -73,6 +73,16 @@ def format_report(report: dict[str, Any], history: Any = None) -> str:
                      f"optimizer {human_bytes(top['peak_optimizer'])})")
     for stage, e in (s.get("eval") or {}).items():
         lines.append(f"  {stage:<26} {e['runs']} run(s), peak {human_bytes(e['peak_allocated_bytes'])}")
+    states = report.get("model_states") or {}
+    if states.get("expected_steady_bytes") is not None:
+        exp = states.get("expected", {})
+        lines.append(f"  model states (theory)      {human_bytes(states['expected_steady_bytes'])} expected at step {states.get('step')} "
+                     f"({states.get('strategy')}, {states.get('precision')}, world size {states.get('world_size')}: params "
+                     f"{human_bytes(exp.get('params'))}, grads {human_bytes(exp.get('grads'))}, optimizer {human_bytes(exp.get('optimizer'))}); "
+                     f"unexplained {human_bytes(states.get('unexplained_bytes'))}")
+    snaps = report.get("snapshots") or []
+    if snaps:
+        lines.append(f"  snapshots                  {len(snaps)}: " + "; ".join(f"step {r.get('step')} ({r.get('trigger')})" for r in snaps[:3]))
     cost = s.get("monitor_time_per_step_us")
     if cost:
         lines.append(f"  monitor's own time         {cost['median']:.0f} µs median per sampled step")
