@@ -40,7 +40,7 @@ class MonitorConfig:
 
     output_dir: str | None = None
     """Folder for ``history.csv``, ``report.json`` and ``memory.png``. ``None``: a ``memcallbacks``
-    folder inside the trainer's log dir (Lightning), or ``./memcallbacks`` for plain loops."""
+    folder inside the trainer's log dir (Lightning), or ``./memcallbacks_output`` for plain loops."""
 
     write_files: bool = True
     """Write the output files at the end of fit (and on an OOM). ``False`` keeps everything in memory."""

@@ -166,7 +166,8 @@ class MonitorCore:
         """
         config = self.config
         if config.write_files:
-            folder = config.output_dir or default_output_dir or os.path.join(os.getcwd(), "memcallbacks")
+            # not "./memcallbacks": run from a source checkout, that is the package itself
+            folder = config.output_dir or default_output_dir or os.path.join(os.getcwd(), "memcallbacks_output")
             self.output_dir = check_writable(folder, self.owner)
         self.engine.start(device, rank=rank, world_size=world_size)
         if self.watch is not None:
