@@ -17,7 +17,7 @@ import torch
 
 from memcallbacks import _distributed
 from memcallbacks._config import MonitorConfig
-from memcallbacks._engine import GIB, OPTIMIZER, OTHER, MemoryEngine
+from memcallbacks._engine import GIB, OPTIMIZER, MemoryEngine
 from memcallbacks._findings import Finding, FindingLog
 from memcallbacks._outputs import check_writable, write_json, write_outputs
 from memcallbacks._autosnap import AutoSnapshot
@@ -25,7 +25,7 @@ from memcallbacks._watch import LeakWatch, StateCheck
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MonitorCore", "is_oom"]
+__all__ = ["MonitorCore", "CoreResults", "is_oom"]
 
 LogFn = Callable[[dict[str, float], int], None]
 
@@ -499,3 +499,65 @@ class MonitorCore:
                 self._findings.add(Finding(**{k: v for k, v in item.items() if k in fields}))
             except (TypeError, ValueError):
                 log.debug("dropping unreadable finding from checkpoint: %r", item)
+
+
+class CoreResults:
+    """The public results every adapter that owns a ``_core`` (a :class:`MonitorCore`) exposes."""
+
+    _core: MonitorCore
+
+    @property
+    def history(self) -> Any:
+        """One row per sampled optimizer step (pandas.DataFrame); columns in docs/metrics.md."""
+        return self._core.engine.history_frame()
+
+    @property
+    def eval_history(self) -> Any:
+        """One row per validation/test/predict run (pandas.DataFrame)."""
+        return self._core.engine.eval_frame()
+
+    @property
+    def max_allocated(self) -> int:
+        """Peak allocated bytes since the start (the monitor resets the device's own peak counter)."""
+        return self._core.engine.max_allocated
+
+    @property
+    def max_reserved(self) -> int:
+        return self._core.engine.max_reserved
+
+    @property
+    def enabled(self) -> bool:
+        return self._core.enabled
+
+    @property
+    def findings(self) -> list[Finding]:
+        return self._core.findings
+
+    @property
+    def events(self) -> list[dict[str, Any]]:
+        return self._core.events
+
+    @property
+    def files(self) -> dict[str, str]:
+        return self._core.files
+
+    @property
+    def output_dir(self) -> Path | None:
+        return self._core.output_dir
+
+    def summary(self) -> dict[str, Any]:
+        return self._core.engine.summary()
+
+    def report(self) -> dict[str, Any]:
+        """What ``report.json`` holds: version, config, summary, findings, events and files."""
+        return self._core.report()
+
+    def format_report(self) -> str:
+        """The report as text (what ``memcallbacks report OUTPUT_DIR`` prints)."""
+        return self._core.format_report()
+
+    def explain(self, batch: Any = None) -> Any:
+        """Take a census now: live tensors by category (parameters, gradients, optimizer state,
+        batches, graph-held, ...) and the reference paths holding the suspicious ones. Returns a
+        ``Census``: ``.summary()`` for text, ``.to_frame()`` for a table."""
+        return self._core.explain(batch)

@@ -178,16 +178,9 @@ class LeakWatch:
         return [str(p) for p in search.paths[:5]]
 
     def _census(self, batch: Any) -> Any:
-        from memcallbacks._census import take_census
-
+        """:meth:`census` for the detectors' own use: a failure only costs the holders."""
         try:
-            return take_census(
-                model=self.model,
-                optimizer=self.optimizer,
-                current_batch=batch,
-                time_budget_s=self.config.census_time_budget_s,
-                ignore=self._ignore,
-            )
+            return self.census(batch)
         except Exception:
             log.debug("census failed", exc_info=True)
             return None

@@ -230,6 +230,3 @@ class AccelerateMemoryMonitor(Monitor):
     def accelerator(self) -> "Accelerator":
         return self._accelerator
 
-    @property
-    def output_dir(self) -> Path | None:
-        return self._core.output_dir

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from memcallbacks._config import MonitorConfig, check_config_names, resolve_config
-from memcallbacks._core import MonitorCore
+from memcallbacks._core import CoreResults, MonitorCore
 from memcallbacks._engine import BACKWARD, FORWARD, OPTIMIZER, OTHER
 from memcallbacks._watch import strategy_name
 
@@ -67,7 +67,7 @@ def _callback_bases() -> tuple[type, ...]:
     return tuple(bases)
 
 
-class MemoryMonitor(*_callback_bases()):  # type: ignore[misc]
+class MemoryMonitor(CoreResults, *_callback_bases()):  # type: ignore[misc]
     """Per-phase memory peaks on every training step, logged through the trainer's loggers.
 
     Args:
@@ -101,62 +101,6 @@ class MemoryMonitor(*_callback_bases()):  # type: ignore[misc]
         self._trainer: Any = None
         self._loss: Any = None  # this step's loss, held only until the step ends
         self._has_loggers = False
-
-    # ------------------------------------------------------------------ public results
-    @property
-    def history(self) -> Any:
-        """One row per sampled optimizer step (pandas.DataFrame); columns in docs/metrics.md."""
-        return self._core.engine.history_frame()
-
-    @property
-    def eval_history(self) -> Any:
-        """One row per validation/test/predict run (pandas.DataFrame)."""
-        return self._core.engine.eval_frame()
-
-    @property
-    def max_allocated(self) -> int:
-        """Peak allocated bytes since fit start (the monitor resets the device's own peak counter)."""
-        return self._core.engine.max_allocated
-
-    @property
-    def max_reserved(self) -> int:
-        return self._core.engine.max_reserved
-
-    @property
-    def enabled(self) -> bool:
-        return self._core.enabled
-
-    @property
-    def findings(self) -> list[Any]:
-        return self._core.findings
-
-    @property
-    def events(self) -> list[dict[str, Any]]:
-        return self._core.events
-
-    @property
-    def files(self) -> dict[str, str]:
-        return self._core.files
-
-    @property
-    def output_dir(self) -> Path | None:
-        return self._core.output_dir
-
-    def summary(self) -> dict[str, Any]:
-        return self._core.engine.summary()
-
-    def report(self) -> dict[str, Any]:
-        """What ``report.json`` holds: version, config, summary, findings, events and files."""
-        return self._core.report()
-
-    def format_report(self) -> str:
-        """The report as text (what ``memcallbacks report OUTPUT_DIR`` prints)."""
-        return self._core.format_report()
-
-    def explain(self, batch: Any = None) -> Any:
-        """Take a census now: live tensors by category and who holds the suspicious ones
-        (``.summary()`` for text, ``.to_frame()`` for a table)."""
-        return self._core.explain(batch)
 
     # ------------------------------------------------------------------ helpers
     def _will_log(self, count: int) -> bool:

@@ -12,13 +12,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import weakref
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 from torch import nn
 
 from memcallbacks._config import MonitorConfig, resolve_config
-from memcallbacks._core import LogFn, MonitorCore
+from memcallbacks._core import CoreResults, LogFn, MonitorCore
 from memcallbacks._engine import BACKWARD, FORWARD, OPTIMIZER, OTHER, PHASES
 
 log = logging.getLogger(__name__)
@@ -44,7 +44,7 @@ def _first_grad_tensors(output: Any, limit: int = 8) -> list[torch.Tensor]:
     return found
 
 
-class Monitor:
+class Monitor(CoreResults):
     """Per-phase memory of a plain PyTorch training loop.
 
     Args:
@@ -259,12 +259,6 @@ class Monitor:
         finally:
             self._core.end_eval(log_step=self._step)
 
-    def explain(self, batch: Any = None) -> Any:
-        """Take a census now: live tensors by category (parameters, gradients, optimizer state,
-        batches, graph-held, ...) and the reference paths holding the suspicious ones. Returns a
-        ``Census``: ``.summary()`` for text, ``.to_frame()`` for a table."""
-        return self._core.explain(batch)
-
     def record_exception(self, exc: BaseException) -> None:
         """Record an exception that is ending training (an OOM becomes an event) and write the files."""
         self._core.record_exception(exc, self._step)
@@ -293,49 +287,6 @@ class Monitor:
         if exc is not None:
             self._core.record_exception(exc, self._step)
         self.close(gather=exc is None)  # a failing rank must not wait for the others
-
-    # ------------------------------------------------------------------ results
-    @property
-    def history(self) -> Any:
-        """One row per sampled optimizer step (pandas.DataFrame); columns in docs/metrics.md."""
-        return self._core.engine.history_frame()
-
-    @property
-    def eval_history(self) -> Any:
-        return self._core.engine.eval_frame()
-
-    @property
-    def findings(self) -> list[Any]:
-        return self._core.findings
-
-    @property
-    def events(self) -> list[dict[str, Any]]:
-        return self._core.events
-
-    @property
-    def files(self) -> dict[str, str]:
-        return self._core.files
-
-    @property
-    def enabled(self) -> bool:
-        return self._core.enabled
-
-    @property
-    def max_allocated(self) -> int:
-        return self._core.engine.max_allocated
-
-    @property
-    def max_reserved(self) -> int:
-        return self._core.engine.max_reserved
-
-    def summary(self) -> dict[str, Any]:
-        return self._core.engine.summary()
-
-    def report(self) -> dict[str, Any]:
-        return self._core.report()
-
-    def format_report(self) -> str:
-        return self._core.format_report()
 
     def state_dict(self) -> dict[str, Any]:
         state = self._core.state_dict()
