@@ -50,6 +50,8 @@ class Monitor(CoreResults):
     Args:
         model: optional; when given, forward/backward boundaries are found with hooks.
         optimizer: optional; the optimizer phase is bounded by torch's optimizer-step hooks either way.
+            Given, it tells :meth:`track` that batches without an optimizer step are gradient
+            accumulation from the first batch on.
         log_fn: optional ``log_fn(metrics: dict[str, float], step: int)``, called on rank zero on logged steps.
         device: the device to measure; default: the model's, else CPU.
         config: a :class:`~memcallbacks.MonitorConfig` (or dict); ``**kwargs`` override its fields.
@@ -66,6 +68,13 @@ class Monitor(CoreResults):
     """
 
     framework = "torch"
+
+    #: ``track()``: an accumulation window (batches without an optimizer step) is closed as its own row
+    #: once it holds ``max(max_micro_batches, 2 * the most batches seen between two optimizer steps)``
+    #: batches; each later batch is then its own row until an optimizer step is seen again (an
+    #: optimizer that does not step is not accumulating). Raise it (on the class or the instance)
+    #: when a first accumulation window holds more batches than this.
+    max_micro_batches: int = 256
 
     def __init__(
         self,
@@ -90,7 +99,13 @@ class Monitor(CoreResults):
         self._handles: list[Any] = []
         self._step = 0
         self._stepped = False  # an optimizer step happened in the open step
-        self._ever_stepped = False
+        # track(): True when a batch that ends without an optimizer step is gradient accumulation
+        # (the next batch continues the open step): an optimizer is known, given here or seen stepping
+        # by the global hooks. False again after a window overflowed (see max_micro_batches) until
+        # the next optimizer step. The Accelerate adapter sets it too, hence the historical name.
+        self._ever_stepped = optimizer is not None
+        self._window = 0  # track()ed batches since the last row that ended with an optimizer step
+        self._longest_window = 0  # the most batches seen between two optimizer steps
         self._backward_open = False
         self._output: Any = None  # a graph tensor of this step's forward, held until the step ends
         self._batch: Any = None  # the item track() yielded, held until the step ends
@@ -175,7 +190,7 @@ class Monitor(CoreResults):
             self._core.boundary(OTHER)
 
     def _optimizer_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        self._ever_stepped = True
+        self._ever_stepped = True  # an optimizer exists: batches without a step accumulate
         if self._core.step_open:
             self._stepped = True
             self._core.boundary(OPTIMIZER)
@@ -193,6 +208,10 @@ class Monitor(CoreResults):
         if self._core.step_open:
             self._core.end_step(OTHER, batch=batch, loss=output)
             self._step += 1
+            if self._stepped:
+                if self._window > self._longest_window:
+                    self._longest_window = self._window
+                self._window = 0
         del batch, output
         self._stepped = False
         self._backward_open = False
@@ -200,14 +219,25 @@ class Monitor(CoreResults):
     def track(self, iterable: Iterable[Any]) -> Iterator[Any]:
         """Yield from ``iterable``, marking a step boundary before each item.
 
-        A batch after which no optimizer step ran (gradient accumulation) continues the same step,
-        so rows are per optimizer step; loops that never call ``optimizer.step()`` get a row per item.
+        Rows are per optimizer step. Once an optimizer is known (passed to the monitor, or seen
+        stepping), a batch after which no optimizer step ran is gradient accumulation: the next batch
+        continues the same step (``micro_batches`` counts them), the first window included. Without
+        any optimizer (evaluation-like loops, manual updates) every item is its own row. A window
+        that reaches :attr:`max_micro_batches` batches without an optimizer step is closed as its own
+        row, and items are rows of their own until an optimizer step is seen again. The last,
+        incomplete window is a row too (at the end of ``iterable``, or at :meth:`close`).
         """
         self._explicit = True
         for batch_idx, item in enumerate(iterable):
             core = self._core
-            if core.step_open and (self._stepped or not self._ever_stepped):
-                self._end()
+            if core.step_open:
+                if self._stepped or not self._ever_stepped:
+                    self._end()
+                elif self._window >= self.max_micro_batches and self._window >= 2 * self._longest_window:
+                    # this many batches without an optimizer step is not accumulation: the optimizer is idle
+                    self._end()
+                    self._ever_stepped = False  # a row per item until an optimizer step is seen again
+            self._window += 1
             if core.step_open:
                 core.begin_step(self._step, 0, batch_idx)  # counts a micro-batch
             else:

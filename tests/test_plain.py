@@ -196,11 +196,6 @@ def test_track_with_gradient_accumulation_counts_micro_batches() -> None:
     assert steady[["peak_forward", "peak_backward", "peak_optimizer"]].notna().all().all()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="monitor.py Monitor.track(): before the first optimizer step it cannot tell accumulation from a loop "
-    "without optimizer, so the first accumulation window is split into a batch without a step and a batch with one",
-)
 def test_track_with_gradient_accumulation_first_window_is_one_row() -> None:
     model = Net()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -208,6 +203,149 @@ def test_track_with_gradient_accumulation_first_window_is_one_row() -> None:
     train(monitor, model, optimizer, batches(8), "track", accumulate=2)
     monitor.close()
     assert list(monitor.history["micro_batches"]) == [2, 2, 2, 2]
+
+
+@pytest.mark.parametrize(
+    "accumulate, n, micro_batches, optimizer_steps",
+    [
+        (2, 8, [2, 2, 2, 2], [1, 1, 1, 1]),
+        (3, 9, [3, 3, 3], [1, 1, 1]),
+        (3, 8, [3, 3, 2], [1, 1, 0]),  # the last, incomplete window is a row of its own
+    ],
+)
+def test_track_accumulation_rows_and_logged_steps(accumulate: int, n: int, micro_batches: list[int], optimizer_steps: list[int]) -> None:
+    calls: list[int] = []
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = Monitor(model, optimizer, lambda metrics, step: calls.append(step), log_every_n_steps=1, write_files=False, **CPU)
+    train(monitor, model, optimizer, batches(n), "track", accumulate=accumulate)
+    monitor.close()
+
+    h = monitor.history
+    rows = len(micro_batches)
+    assert list(h["micro_batches"]) == micro_batches
+    assert list(h["optimizer_steps"]) == optimizer_steps
+    assert list(h["step"]) == list(range(rows))  # step i is the i-th optimizer step
+    assert list(h["batch_idx"]) == [i * accumulate for i in range(rows)]
+    assert calls == list(range(rows))
+    assert h[["peak_forward", "peak_backward"]].notna().all().all()
+
+
+def test_track_accumulation_logged_steps_when_only_logged_steps_are_sampled() -> None:
+    # CPU default: only logged steps are sampled, the others take the fast path and only count
+    calls: list[int] = []
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = Monitor(model, optimizer, lambda metrics, step: calls.append(step), log_every_n_steps=2, write_files=False, cpu_mmap_threshold=1 << 20)
+    train(monitor, model, optimizer, batches(12), "track", accumulate=2)
+    monitor.close()
+
+    h = monitor.history
+    assert calls == [1, 3, 5] and list(h["step"]) == [1, 3, 5]
+    assert list(h["batch_idx"]) == [2, 6, 10]
+    assert (h["micro_batches"] == 2).all() and (h["optimizer_steps"] == 1).all()
+    assert monitor.summary()["steps_seen"] == 6  # unsampled windows counted as one step each
+
+
+def test_track_close_inside_a_window_writes_its_row() -> None:
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = Monitor(model, optimizer, write_files=False, **CPU)
+    for i, x in enumerate(monitor.track(batches(12))):
+        model(x).pow(2).mean().backward()
+        if (i + 1) % 3 == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+        if i == 7:
+            break  # the generator is left open: close() ends the window
+    monitor.close()
+    h = monitor.history
+    assert list(h["micro_batches"]) == [3, 3, 2] and list(h["optimizer_steps"]) == [1, 1, 0]
+    assert list(h["batch_idx"]) == [0, 3, 6]
+
+
+def test_track_without_optimizer_argument_splits_only_the_first_window() -> None:
+    # the optimizer's global hooks make it known at its first step only: a batch before that is a row
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = Monitor(model, write_files=False, **CPU)
+    train(monitor, model, optimizer, batches(8), "track", accumulate=2)
+    monitor.close()
+    h = monitor.history
+    assert list(h["micro_batches"]) == [1, 1, 2, 2, 2] and list(h["optimizer_steps"]) == [0, 1, 1, 1, 1]
+
+
+@pytest.mark.parametrize("loop", ["evaluation", "manual_sgd"])
+def test_track_loop_without_optimizer_gives_a_row_per_batch(loop: str) -> None:
+    model = Net()
+    monitor = Monitor(model, write_files=False, **CPU)
+    for x in monitor.track(batches(5)):
+        if loop == "evaluation":
+            with torch.no_grad():
+                model(x)
+        else:
+            model(x).pow(2).mean().backward()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= 0.01 * p.grad
+                    p.grad = None
+    monitor.close()
+    h = monitor.history
+    assert list(h["micro_batches"]) == [1] * 5 and list(h["optimizer_steps"]) == [0] * 5
+    assert list(h["step"]) == list(range(5))
+
+
+def test_track_optimizer_that_never_steps_is_bounded() -> None:
+    # an optimizer was given but the loop updates the weights by hand: after max_micro_batches
+    # batches without a step the window is closed, then every batch is a row of its own
+    calls: list[int] = []
+    model = nn.Linear(8, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = Monitor(model, optimizer, lambda metrics, step: calls.append(step), log_every_n_steps=1, write_files=False, **CPU)
+    assert monitor.max_micro_batches == 256
+    for x in monitor.track(list(torch.randn(300, 4, 8))):
+        model(x).pow(2).mean().backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= 0.01 * p.grad
+                p.grad = None
+    monitor.close()
+    h = monitor.history
+    assert list(h["micro_batches"]) == [256] + [1] * 44
+    assert (h["optimizer_steps"] == 0).all()
+    assert list(h["step"]) == list(range(45)) and calls == list(range(45))
+
+
+def test_track_idle_optimizer_then_accumulation_resumes() -> None:
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = Monitor(model, optimizer, write_files=False, **CPU)
+    monitor.max_micro_batches = 4
+    for i, x in enumerate(monitor.track(batches(14))):
+        model(x).pow(2).mean().backward()
+        if i >= 6 and i % 2 == 1:  # no step for 7 batches, then one every 2 batches
+            optimizer.step()
+            optimizer.zero_grad()
+    monitor.close()
+    h = monitor.history
+    # 0-3: the idle window, closed at 4 batches; 4, 5, 6: a row each; 7: the first step; then pairs
+    assert list(h["micro_batches"]) == [4, 1, 1, 1, 1, 2, 2, 2]
+    assert list(h["optimizer_steps"]) == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert list(h["batch_idx"]) == [0, 4, 5, 6, 7, 8, 10, 12]
+
+
+def test_track_accumulation_longer_than_max_micro_batches_is_learned() -> None:
+    # the first window is split at max_micro_batches; its length, known at the first step, then
+    # raises the bound (to twice the longest window), so later windows are one row each
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = Monitor(model, optimizer, write_files=False, **CPU)
+    monitor.max_micro_batches = 3
+    train(monitor, model, optimizer, batches(16), "track", accumulate=4)
+    monitor.close()
+    h = monitor.history
+    assert list(h["micro_batches"]) == [3, 1, 4, 4, 4]
+    assert list(h["optimizer_steps"]) == [0, 1, 1, 1, 1]
 
 
 def test_track_without_optimizer_gives_a_row_per_item() -> None:
@@ -335,7 +473,7 @@ def test_close_twice_removes_every_hook() -> None:
 
 def test_context_manager_closes() -> None:
     model = Net()
-    with Monitor(model, write_files=False) as monitor:
+    with Monitor(model, write_files=False):
         model(batches(1)[0])
     assert not model._forward_pre_hooks
 
