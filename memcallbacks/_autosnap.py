@@ -33,6 +33,8 @@ __all__ = ["AutoSnapshot", "ARM_FRACTION"]
 ARM_FRACTION = 0.8
 """``"armed"`` policy: recording starts when a step's peak passes this fraction of the threshold."""
 
+OBSERVER_TRIGGER = "oom (allocator observer)"
+
 
 class AutoSnapshot:
     """One run's snapshot policy. All methods swallow their own errors (logged with traceback)."""
@@ -46,6 +48,7 @@ class AutoSnapshot:
         output_dir: Path,
         rank: int = 0,
         world_size: int = 1,
+        alloc_retries_at_start: int = 0,
         logger: logging.Logger | None = None,
     ) -> None:
         self.config = config
@@ -62,7 +65,7 @@ class AutoSnapshot:
         self._capture: Any = None
         self._capture_reason = ""
         self._detach_oom: Any = None
-        self._last_retries = 0
+        self._last_retries = int(alloc_retries_at_start)  # the counter is cumulative per process: only new retries fire
         self._last_retry_step = -(10**9)
         self._budget_warned = False
         self.step = 0
@@ -97,6 +100,10 @@ class AutoSnapshot:
             except Exception:
                 self.log.exception("memcallbacks: could not write the unfinished CPU capture.")
         self._capture = None
+        try:
+            self._finish_observer_dump()  # an OOM the training code caught and survived
+        except Exception:
+            self.log.exception("memcallbacks: could not finish the out-of-memory snapshot.")
         if self._detach_oom is not None:
             self._detach_oom()
             self._detach_oom = None
@@ -127,7 +134,7 @@ class AutoSnapshot:
         from memcallbacks._snapshot import OOM_SNAPSHOT_FILE
 
         path = self._path(OOM_SNAPSHOT_FILE, self.step)
-        self.records.append({"trigger": "oom (allocator observer)", "step": self.step, "files": {"snapshot": str(path)}})
+        self.records.append({"trigger": OBSERVER_TRIGGER, "step": self.step, "files": {"snapshot": str(path)}})
         return path
 
     # ------------------------------------------------------------------ recording (CUDA)
@@ -143,18 +150,40 @@ class AutoSnapshot:
 
         path = self._path(_snapshot.SNAPSHOT_FILE, step)
         written = _snapshot.dump_snapshot(path, max_bytes=self._remaining(), trigger=reason)
-        files = {"snapshot": str(written)}
+        self._account(reason, step, {"snapshot": str(written), **self._render(Path(written))})
+
+    def _render(self, path: Path) -> dict[str, str]:
+        """The offline HTML/PNG beside a snapshot pickle (a failed render leaves the pickle alone)."""
+        from memcallbacks import _snapshot
+
         try:
-            files.update({k: str(v) for k, v in _snapshot.render_snapshot(_snapshot.load_snapshot(written), path.with_suffix(".html"), source=str(path)).items()})
+            rendered = _snapshot.render_snapshot(_snapshot.load_snapshot(path), path.with_suffix(".html"), source=str(path))
+            return {k: str(v) for k, v in rendered.items()}
         except Exception:
             self.log.exception("memcallbacks: could not render %s (the pickle itself is fine).", path)
-        self._account(reason, step, files)
+            return {}
 
-    def _account(self, reason: str, step: int, files: dict[str, str]) -> None:
+    def _account(self, reason: str, step: int, files: dict[str, str], record: dict[str, Any] | None = None) -> None:
         size = sum(Path(p).stat().st_size for p in files.values() if Path(p).is_file())
         self._bytes += size
-        self.records.append({"trigger": reason, "step": step, "bytes": size, "files": files})
+        if record is None:
+            record = {"trigger": reason, "step": step}
+            self.records.append(record)
+        record.update(bytes=size, files=files)
         self.log.warning("memcallbacks: memory snapshot (%s) at step %d written to %s", reason, step, files.get("snapshot"))
+
+    def _finish_observer_dump(self) -> bool:
+        """The allocator's OOM observer wrote its pickle inside the failing allocation (where nothing
+        else may run); account for it and render its summary now. True when there was one."""
+        for record in self.records:
+            if record["trigger"] == OBSERVER_TRIGGER and "bytes" not in record:
+                path = Path(record["files"]["snapshot"])
+                if path.is_file():
+                    self._account(record["trigger"], record["step"], {"snapshot": str(path), **self._render(path)}, record)
+                else:
+                    record.update(bytes=0, files={}, error="the out-of-memory dump failed (see the log)")
+                return True
+        return False
 
     # ------------------------------------------------------------------ the CPU capture
     def _write_capture(self) -> None:
@@ -255,8 +284,7 @@ class AutoSnapshot:
                 self._capture_reason += " (cut short by out of memory)"
                 self._write_capture()
             if self.kind == "cuda":
-                already = any(r.get("trigger", "").startswith("oom") for r in self.records)
-                if not already and self._room():
+                if not self._finish_observer_dump() and self._room():
                     path = self._path(_snapshot.OOM_SNAPSHOT_FILE, step)
                     _snapshot.dump_snapshot(path, max_bytes=self._remaining(), trigger=f"out of memory: {exc}")
                     self._account("oom", step, {"snapshot": str(path)})

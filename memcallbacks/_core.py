@@ -186,6 +186,7 @@ class MonitorCore:
                 output_dir=self.output_dir,
                 rank=self.engine.rank,
                 world_size=self.engine.world_size,
+                alloc_retries_at_start=backend.counters().get("alloc_retries", 0),
                 logger=self.log,
             )
             self.snap.start()

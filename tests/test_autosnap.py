@@ -6,6 +6,8 @@ import json
 import logging
 import os
 import pickle
+import subprocess
+import sys
 from pathlib import Path
 
 import lightning.pytorch as L
@@ -13,7 +15,10 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from helpers import csv_metrics
 from memcallbacks import MemoryMonitor
+
+SCRIPTS = Path(__file__).parent / "scripts"
 
 
 class Model(L.LightningModule):
@@ -148,6 +153,32 @@ def test_oom_writes_a_census_and_the_error_propagates(tmp_path):
     assert record["trigger"] == "oom"
     census = json.loads(Path(record["files"]["census"]).read_text())
     assert census["records"] or census.get("bytes_by_category")
+
+
+@pytest.mark.slow
+def test_ddp_only_the_rank_that_crossed_the_threshold_snapshots(tmp_path):
+    """Two CPU processes (gloo): rank 1 carries a 512 MiB forward temporary (peak ~0.9 GiB), rank 0
+    does not (~0.4 GiB). Snapshots are rank-local: rank 1 captures, rank 0 writes nothing and
+    trains every step; the logged count is the max over ranks."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("MASTER_PORT", None)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPTS / "ddp_fit.py"), str(tmp_path), "--steps", "4", "--rank-temp-mib", "512", "--snapshot-peak-mib", "650"],
+        cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    mem = tmp_path / "mem"
+    reports = [json.loads((mem / f"report.rank{r}.json").read_text()) for r in (0, 1)]
+    for r in (0, 1):
+        assert reports[r]["summary"]["steps_seen"] == 4, r
+    assert reports[0]["snapshots"] == []
+    (record,) = reports[1]["snapshots"]
+    assert "threshold" in record["trigger"] and record["step"] == 1  # crossed at step 0, captured step 1
+    assert {"snapshot", "census"} <= set(record["files"])
+    names = sorted(p.name for p in (mem / "snapshots").iterdir())
+    assert names and all(".rank1." in n for n in names), names
+    logged = csv_metrics(tmp_path / "logs" / "csv" / "version_0" / "metrics.csv")
+    assert [v for _, v in logged["memory/snapshots"]][-1] == 1.0
 
 
 def test_auto_snapshot_needs_files():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import inspect
 import os
@@ -90,6 +91,7 @@ def _capture(steps: int, **kwargs: Any) -> CpuCapture:
 def cpu_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("cpu_capture")
     KEPT.clear()
+    gc.collect()  # earlier tests' trainers (cycles) would otherwise crowd the census's largest tensors
     capture = _capture(3, out_dir=out)
     paths = capture.write()
     yield {"capture": capture, "paths": paths, "out": out}

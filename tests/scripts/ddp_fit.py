@@ -1,6 +1,6 @@
 """Fit BoringModel on 2 CPU processes (DDP, gloo) with MemoryMonitor; rank 1 allocates a large forward temporary.
 
-    python tests/scripts/ddp_fit.py OUT_DIR [--strategy ddp|ddp_spawn] [--steps 3] [--rank-temp-mib 192]
+    python tests/scripts/ddp_fit.py OUT_DIR [--strategy ddp|ddp_spawn] [--steps 3] [--rank-temp-mib 192] [--snapshot-peak-mib N]
 
 Lightning's "ddp" strategy re-launches this script for rank 1 (and "ddp_spawn" imports it in its
 children), so it must be a standalone file; results come back only through files.
@@ -28,9 +28,13 @@ def main() -> None:
     parser.add_argument("--strategy", default="ddp")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--rank-temp-mib", type=int, default=192)
+    parser.add_argument("--snapshot-peak-mib", type=int, default=None, help="auto_snapshot with this snapshot_peak_bytes")
     args = parser.parse_args()
 
-    monitor = MemoryMonitor(log_every_n_steps=1, sample_every_n_steps=1, output_dir=os.path.join(args.out, "mem"))
+    snapshots = {} if args.snapshot_peak_mib is None else {
+        "auto_snapshot": True, "snapshot_peak_bytes": args.snapshot_peak_mib << 20, "snapshot_steps": 1, "snapshot_capacity_fraction": None,
+    }
+    monitor = MemoryMonitor(log_every_n_steps=1, sample_every_n_steps=1, output_dir=os.path.join(args.out, "mem"), **snapshots)
     logs = os.path.join(args.out, "logs")
     trainer = L.Trainer(
         **trainer_kwargs(
