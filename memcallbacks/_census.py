@@ -359,7 +359,9 @@ class Census:
         return {k: (v[0], v[1]) for k, v in out.items()}
 
     def diff(self, before: Census, *, min_bytes: int = 1) -> list[HolderDelta]:
-        """What changed since ``before``, by holder, largest growth first."""
+        """What changed since ``before``, by holder: growth first, largest first, with the
+        :data:`NOT_SEARCHED` group (storages whose holder a truncated census did not search) after
+        every named holder that grew; then what shrank."""
         now, then = self.by_holder(), before.by_holder()
         deltas = []
         for key in set(now) | set(then):
@@ -367,11 +369,17 @@ class Census:
             n0, b0 = then.get(key, (0, 0))
             if abs(b1 - b0) >= min_bytes:
                 deltas.append(HolderDelta(key, n1 - n0, b1 - b0))
-        deltas.sort(key=lambda d: -d.bytes)
+        deltas.sort(key=lambda d: (d.bytes <= 0, d.holder == NOT_SEARCHED, -d.bytes))
         return deltas
 
     def top_holders(self, n: int = 5, categories: Iterable[str] = SUSPICIOUS) -> list[tuple[str, int, int]]:
-        """Largest ``(holder, tensors, bytes)`` among the given categories."""
+        """``(holder, tensors, bytes)`` of the ``n`` largest holders among the given categories.
+
+        Named holders come first, largest first. When the path search ran out of time, the
+        storages it did not reach follow as one last entry, whatever their size, labelled
+        :data:`NOT_SEARCHED` (so up to ``n + 1`` entries): a group nobody searched names no
+        culprit, and must not push the holders that were found out of the first line.
+        """
         cats = set(categories)
         acc: dict[str, list[int]] = {}
         for r in self.records:
@@ -379,7 +387,11 @@ class Census:
                 a = acc.setdefault(r.holder or r.category, [0, 0])
                 a[0] += 1
                 a[1] += r.nbytes
-        return sorted(((k, v[0], v[1]) for k, v in acc.items()), key=lambda x: -x[2])[:n]
+        unsearched = acc.pop(NOT_SEARCHED, None)
+        top = sorted(((k, v[0], v[1]) for k, v in acc.items()), key=lambda x: -x[2])[:n]
+        if unsearched is not None:
+            top.append((NOT_SEARCHED, unsearched[0], unsearched[1]))
+        return top
 
     def to_dict(self) -> dict[str, Any]:
         return {

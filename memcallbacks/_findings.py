@@ -88,8 +88,12 @@ class FindingLog:
     """Keeps one :class:`Finding` per ``key``, in first-seen order.
 
     ``add`` returns True the first time a key is seen (the caller announces it, e.g. logs a
-    warning); later adds of the same key update the stored finding's numbers (step, bytes,
-    message, details and, when given, holders) and bump ``count`` without announcing again.
+    warning); later adds of the same key update the stored finding (step, bytes and message are
+    replaced; holders are replaced when the update has any) and bump ``count`` without announcing
+    again. ``details`` are merged: the update's entries win, and entries only an earlier report
+    had are kept - a growth finding reports its census cost once, with the holders, and keeps it
+    through the later updates that carry only new rates. The log stores copies: changing a
+    finding after adding it does not change the log.
     """
 
     def __init__(self, *, max_findings: int = 1000) -> None:
@@ -107,12 +111,15 @@ class FindingLog:
             if len(self._by_key) >= self.max_findings:
                 self.dropped += 1
                 return False
-            self._by_key[finding.key] = copy.copy(finding)
+            stored = copy.copy(finding)
+            stored.details = dict(finding.details)  # not shared: updates merge into this dict
+            stored.holders = list(finding.holders)
+            self._by_key[finding.key] = stored
             return True
         old.step = finding.step
         old.message = finding.message
         old.bytes = finding.bytes
-        old.details = dict(finding.details)
+        old.details.update(finding.details)
         if finding.holders:
             old.holders = list(finding.holders)
         old.count += finding.count

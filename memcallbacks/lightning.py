@@ -27,6 +27,7 @@ memory/val/...(GiB)             validation (test/..., predict/...) allocated at 
 
 from __future__ import annotations
 
+import copy
 import importlib
 import importlib.util
 import logging
@@ -47,6 +48,8 @@ if TYPE_CHECKING:  # pragma: no cover
 log = logging.getLogger(__name__)
 
 __all__ = ["MemoryMonitor"]
+
+_DEFAULT_PREFIX = MonitorConfig.__dataclass_fields__["prefix"].default
 
 
 def _callback_bases() -> tuple[type, ...]:
@@ -84,6 +87,9 @@ class MemoryMonitor(CoreResults, *_callback_bases()):  # type: ignore[misc]
     After fit, ``output_dir`` holds ``history.csv``, ``report.json`` and ``memory.png``
     (``.rank{r}`` in the names under distributed training; rank zero's ``report.json`` also
     summarises every rank).
+
+    Several monitors may share a Trainer when each has its own ``prefix`` (its logged keys and
+    its checkpoint :attr:`state_key`) and, when they write files, its own ``output_dir``.
     """
 
     def __init__(self, config: MonitorConfig | dict[str, Any] | None = None, **kwargs: Any) -> None:
@@ -123,19 +129,50 @@ class MemoryMonitor(CoreResults, *_callback_bases()):  # type: ignore[misc]
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=step)
 
+    def _default_dir(self, trainer: "pl.Trainer") -> Path | None:
+        """The folder for the files when ``output_dir`` is None: ``memcallbacks`` in the trainer's log dir."""
+        if not self.config.write_files or self.config.output_dir is not None:
+            return None
+        try:
+            base = trainer.log_dir
+        except Exception:
+            base = None
+        return Path(base or trainer.default_root_dir or os.getcwd()) / "memcallbacks"
+
+    def _files_folder(self, trainer: "pl.Trainer") -> str | None:
+        """The folder the files will go to (as ``MonitorCore.start`` picks it); None without files."""
+        if not self.config.write_files:
+            return None
+        folder = self.config.output_dir or self._default_dir(trainer) or os.path.join(os.getcwd(), "memcallbacks_output")
+        return os.path.realpath(folder)
+
+    def _check_siblings(self, trainer: "pl.Trainer") -> None:
+        """Refuse, before training, a second MemoryMonitor that would overwrite this one's files.
+
+        Two monitors with the same ``prefix`` never get here: their ``state_key`` is the same, and
+        the Trainer refuses them when it is built.
+        """
+        mine = self._files_folder(trainer)
+        if mine is None:
+            return
+        for other in trainer.callbacks:
+            if other is self or not isinstance(other, MemoryMonitor):
+                continue
+            if other._files_folder(trainer) == mine:
+                raise ValueError(
+                    f"MemoryMonitor(output_dir={self.config.output_dir!r}, prefix={self.config.prefix!r}): the "
+                    f"MemoryMonitor with prefix={other.config.prefix!r} in the same Trainer writes its files to the "
+                    f"same folder, {mine}, so one would overwrite the other's history.csv, report.json and "
+                    "memory.png. Give each monitor its own output_dir=..., or write_files=False to all but one."
+                )
+
     def _start(self, trainer: "pl.Trainer") -> None:
         core = self._core
         self._trainer = trainer
         if self._started_for == id(trainer) and core.engine.backend is not None:
             return
         self._started_for = id(trainer)
-        default_dir = None
-        if self.config.write_files and self.config.output_dir is None:
-            try:
-                base = trainer.log_dir
-            except Exception:
-                base = None
-            default_dir = Path(base or trainer.default_root_dir or os.getcwd()) / "memcallbacks"
+        default_dir = self._default_dir(trainer)
         if not trainer.loggers:
             core.warn_once(
                 "no-logger",
@@ -157,7 +194,9 @@ class MemoryMonitor(CoreResults, *_callback_bases()):  # type: ignore[misc]
         if stage == "fit":
             self._core.reset()
             self._started_for = None
-        # environment problems (an unwritable output_dir) propagate: they must stop the run before training
+        # environment problems (an unwritable output_dir, two monitors on one folder) propagate:
+        # they must stop the run before training
+        self._check_siblings(trainer)
         self._start(trainer)
 
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -287,8 +326,45 @@ class MemoryMonitor(CoreResults, *_callback_bases()):  # type: ignore[misc]
             self._core.stop()
 
     # ------------------------------------------------------------------ checkpointing
+    @property
+    def state_key(self) -> str:
+        """Where this monitor's state goes in ``checkpoint["callbacks"]``: one key per ``prefix``.
+
+        With the default prefix it is the class name, the key every monitor had before, so
+        checkpoints with a default monitor load either way; another prefix gives
+        ``MemoryMonitor{'prefix': 'gpu_mem'}`` (Lightning's ``_generate_state_key``), so monitors
+        with different prefixes keep apart in one Trainer and in its checkpoints. ``output_dir``
+        is not part of the key: a run resumed into a new folder still restores its history.
+        """
+        if self.config.prefix == _DEFAULT_PREFIX:
+            return type(self).__qualname__
+        return self._generate_state_key(prefix=self.config.prefix)
+
     def state_dict(self) -> dict[str, Any]:
         return self._core.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._core.load_state_dict(state_dict)
+
+    def on_load_checkpoint(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", checkpoint: dict[str, Any]) -> None:
+        """Restore a state saved under another key, when which one is ours is unambiguous.
+
+        Lightning calls ``load_state_dict`` with ``checkpoint["callbacks"][self.state_key]`` right
+        after this hook. A checkpoint saved when every monitor was keyed by the class name, or
+        before ``prefix`` was changed, has the state under another key: with one monitor in the
+        Trainer and one monitor state in the checkpoint, that state is this monitor's.
+        """
+        states = checkpoint.get("callbacks") or {}
+        if self.state_key in states:
+            return
+        name = type(self).__qualname__
+        saved = [k for k in states if isinstance(k, str) and (k == name or k.startswith(name + "{"))]
+        monitors = [cb for cb in trainer.callbacks if isinstance(cb, MemoryMonitor)]
+        if len(saved) == 1 and len(monitors) == 1 and states[saved[0]]:
+            log.info("MemoryMonitor(prefix=%r): restoring the history saved under the checkpoint key %r.", self.config.prefix, saved[0])
+            self.load_state_dict(copy.deepcopy(states[saved[0]]))
+        elif saved:
+            log.info(
+                "MemoryMonitor(prefix=%r): the checkpoint has no state under %r (it has %s); the history starts afresh.",
+                self.config.prefix, self.state_key, saved,
+            )

@@ -281,6 +281,43 @@ def test_census_reports_cost_and_truncates_at_budget():
     del keep
 
 
+PINNED_TENSOR = None  # a module global: a root, which even a census out of time looks at
+
+
+def test_top_holders_put_named_holders_before_the_unsearched_rest():
+    """A census out of time still names the holders it reached; the larger unsearched rest comes last."""
+    global PINNED_TENSOR
+    gc.collect()
+    PINNED_TENSOR = torch.zeros(2 * MiB)  # 8 MiB, module global
+    held = torch.zeros(1 * MiB)  # 4 MiB, a local of this test
+    hidden = [torch.zeros(1 * MiB) for _ in range(16)]  # 64 MiB, one level below the roots: not reached
+    try:
+        quick = take_census(time_budget_s=1e-9)  # the search stops after the roots themselves
+        assert quick.truncated
+        top = quick.top_holders(2)
+        assert top[:2] == [
+            ("module test_census: global PINNED_TENSOR", 1, 8 * MiB),
+            ("test_top_holders_put_named_holders_before_the_unsearched_rest() local held", 1, 4 * MiB),
+        ]
+        assert len(top) == 3 and top[2][0] == NOT_SEARCHED and top[2][1] >= 16 and top[2][2] >= 64 * MiB
+        assert [h for h, _, _ in quick.top_holders(50)][-1] == NOT_SEARCHED
+
+        # what grew between two truncated censuses: the named holder first, the unsearched growth after it
+        grown = torch.zeros(1 * MiB)
+        hidden += [torch.zeros(1 * MiB) for _ in range(16)]
+        later = take_census(time_budget_s=1e-9)
+        growth = [d for d in later.diff(quick) if d.bytes > 0]
+        assert growth[0].holder == "test_top_holders_put_named_holders_before_the_unsearched_rest() local grown"
+        assert growth[0].bytes == 4 * MiB
+        assert growth[-1].holder == NOT_SEARCHED and growth[-1].bytes >= 64 * MiB
+
+        full = take_census(time_budget_s=BUDGET)  # in time: no unsearched group at all
+        assert not full.truncated and NOT_SEARCHED not in [h for h, _, _ in full.top_holders(50)]
+    finally:
+        PINNED_TENSOR = None
+    del held, hidden, grown
+
+
 def test_census_does_not_keep_frame_locals_alive():
     def step():
         x = torch.randn(1000)

@@ -59,6 +59,21 @@ def test_finding_log_one_entry_per_key_updated_in_place():
     json.dumps(log.to_list())
 
 
+def test_finding_log_update_merges_details_and_keeps_its_own_copies():
+    log = FindingLog()
+    first = Finding(kind="growth", step=10, message="a", bytes=1, details={"rate": 1})
+    log.add(first)
+    first.details["rate"] = 99  # the detector's object changing later does not change the log
+    first.holders.append("late")
+    assert log.get("growth").details == {"rate": 1} and log.get("growth").holders == []
+    log.add(Finding(kind="growth", step=26, message="b", bytes=2, holders=["Net.cache grew by 16 tensors / 8.0 MiB"],
+                    details={"rate": 2, "census_cost_s": 0.4}))
+    log.add(Finding(kind="growth", step=30, message="c", bytes=3, details={"rate": 3}))  # a later block: new rate only
+    g = log.get("growth")
+    assert g.details == {"rate": 3, "census_cost_s": 0.4}
+    assert g.holders == ["Net.cache grew by 16 tensors / 8.0 MiB"] and g.count == 3 and g.step == 30
+
+
 def test_format_bytes():
     assert format_bytes(512) == "512 B"
     assert format_bytes(256 * KiB) == "256.0 KiB"
@@ -258,6 +273,51 @@ def test_growth_real_clean_loop_with_noise_has_no_finding(tmp_path):
 def test_growth_real_clean_loop_with_dataloader_workers_has_no_finding(tmp_path):
     found, _ = _train(120, leak_bytes=0, tmp_path=tmp_path, workers=2)
     assert found == []
+
+
+class KeepsActivations(nn.Module):
+    """Keeps every step's hidden activation (512 KiB) on a list: a growth leak."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.head = nn.Linear(256, 512), nn.Linear(512, 1)
+        self.kept: list[torch.Tensor] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.inp(x))
+        self.kept.append(h.detach())
+        return self.head(h).pow(2).mean()
+
+
+@needs_mallinfo
+def test_growth_finding_keeps_census_cost_and_holders_through_later_updates(tmp_path):
+    """The holders and the census cost come with the second census; the growth updates after it carry
+    only new rates, and the finding in the report keeps all of them."""
+    from memcallbacks import Monitor
+    from memcallbacks._watch import GROWTH_CENSUS_GAP
+
+    gc.collect()
+    model = KeepsActivations()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = Monitor(model, opt, output_dir=str(tmp_path), sample_every_n_steps=1, log_every_n_steps=1, plot=False)
+    batches = [torch.randn(256, 256, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    for batch in monitor.track(batches[i % 4] for i in range(64)):
+        model(batch).backward()
+        opt.step()
+        opt.zero_grad()
+    monitor.close()
+
+    (finding,) = monitor.findings
+    assert finding.kind == "growth"
+    assert finding.step > finding.first_step + GROWTH_CENSUS_GAP  # updated after the holders came
+    assert finding.holders and finding.holders[0].startswith("KeepsActivations.kept grew by 16 tensors / ")
+    assert 0 < finding.details["census_cost_s"] < 60
+    assert finding.details["rate_bytes_per_step"] >= 256 * KiB
+    report = json.loads((tmp_path / "report.json").read_text())
+    (saved,) = report["findings"]
+    assert saved["holders"] == finding.holders and saved["step"] == finding.step
+    assert saved["details"]["census_cost_s"] == finding.details["census_cost_s"]
+    del model.kept[:]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -460,6 +460,100 @@ def test_resume_from_checkpoint_continues_the_history(tmp_path):
     assert pd.read_csv(tmp_path / "resumed" / "history.csv")["step"].tolist() == list(range(8))
 
 
+def _logged_with_prefix(logged: dict, prefix: str) -> dict:
+    """``logged`` with ``prefix/...`` keys renamed to the documented ``memory/...`` ones."""
+    return {"memory/" + k[len(prefix) + 1:]: v for k, v in logged.items() if k.startswith(prefix + "/")}
+
+
+def _ckpt_states(path: Path) -> dict:
+    return torch.load(str(path), map_location="cpu", weights_only=False)["callbacks"]
+
+
+def test_two_monitors_in_one_trainer_log_and_checkpoint_apart(tmp_path):
+    """Each monitor has its own prefix (its keys, its state_key) and output_dir; a resumed fit gives each its own history back."""
+    every = MemoryMonitor(log_every_n_steps=1, sample_every_n_steps=1, output_dir=str(tmp_path / "every"))
+    second = MemoryMonitor(prefix="mem2", log_every_n_steps=2, sample_every_n_steps=2, output_dir=str(tmp_path / "second"))
+    assert every.state_key == "MemoryMonitor"  # the key of earlier releases: their checkpoints still load
+    assert second.state_key == "MemoryMonitor{'prefix': 'mem2'}"
+    ckpt = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_last=True)
+    csv_logger = CSVLogger(str(tmp_path), name="csv", version=0)
+    fit(tmp_path, every, max_steps=4, callbacks=[every, second, ckpt], logger=csv_logger, enable_checkpointing=True)
+
+    assert list(every.history["step"]) == [0, 1, 2, 3]
+    assert list(second.history["step"]) == [1, 3]
+    csv = csv_metrics(tmp_path / "csv" / "version_0" / "metrics.csv")
+    assert_matches_history(_logged_with_prefix(csv, "memory"), every.history, [0, 1, 2, 3], rel=1e-12)
+    assert_matches_history(_logged_with_prefix(csv, "mem2"), second.history, [1, 3], rel=1e-12)
+    for name, monitor in (("every", every), ("second", second)):
+        assert monitor.output_dir == tmp_path / name
+        assert pd.read_csv(tmp_path / name / "history.csv")["step"].tolist() == list(monitor.history["step"])
+    states = _ckpt_states(tmp_path / "ckpt" / "last.ckpt")
+    assert {"MemoryMonitor", "MemoryMonitor{'prefix': 'mem2'}"} <= set(states)
+
+    # resume with the monitors in the other order, into new folders: each state finds its monitor
+    every2 = MemoryMonitor(log_every_n_steps=1, sample_every_n_steps=1, output_dir=str(tmp_path / "every2"))
+    second2 = MemoryMonitor(prefix="mem2", log_every_n_steps=2, sample_every_n_steps=2, output_dir=str(tmp_path / "second2"))
+    trainer = fit(
+        tmp_path, every2, max_steps=6, callbacks=[second2, every2, ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_last=True)],
+        enable_checkpointing=True, ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"),
+    )
+    assert trainer.global_step == 6
+    assert list(every2.history["step"]) == [0, 1, 2, 3, 4, 5]
+    assert list(second2.history["step"]) == [1, 3, 5]
+    pd.testing.assert_frame_equal(every2.history.iloc[:4], every.history)
+    pd.testing.assert_frame_equal(second2.history.iloc[:2], second.history)
+
+
+def test_resume_restores_a_state_saved_under_the_old_key(tmp_path):
+    """Earlier releases keyed every monitor by the class name: a monitor with another prefix still gets its history back."""
+    first = MemoryMonitor(prefix="gpu_mem", log_every_n_steps=1, sample_every_n_steps=1, write_files=False)
+    ckpt = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_last=True)
+    fit(tmp_path, first, max_steps=3, callbacks=[first, ckpt], enable_checkpointing=True)
+    checkpoint = torch.load(str(tmp_path / "ckpt" / "last.ckpt"), map_location="cpu", weights_only=False)
+    checkpoint["callbacks"]["MemoryMonitor"] = checkpoint["callbacks"].pop("MemoryMonitor{'prefix': 'gpu_mem'}")
+    old = tmp_path / "old_key.ckpt"
+    torch.save(checkpoint, str(old))
+
+    second = MemoryMonitor(prefix="gpu_mem", log_every_n_steps=1, sample_every_n_steps=1, write_files=False)
+    with pytest.warns(UserWarning, match="callbacks used to create the checkpoint"):  # Lightning's own note on the unknown key
+        fit(tmp_path, second, max_steps=5, ckpt_path=str(old))
+    assert list(second.history["step"]) == [0, 1, 2, 3, 4]
+    pd.testing.assert_frame_equal(second.history.iloc[:3], first.history)
+
+
+@pytest.mark.parametrize("output_dir", [None, "shared"])
+def test_two_monitors_writing_to_one_folder_are_refused_before_training(tmp_path, output_dir):
+    folder = None if output_dir is None else str(tmp_path / output_dir)
+    first = MemoryMonitor(output_dir=folder)
+    second = MemoryMonitor(prefix="mem2", output_dir=folder)
+    model = BoringModel()
+    with pytest.raises(ValueError) as info:
+        fit(tmp_path, first, model, callbacks=[first, second], logger=loggers(tmp_path))
+    message = str(info.value)
+    assert f"output_dir={folder!r}" in message and "prefix='mem2'" in message
+    assert "its own output_dir=" in message and "write_files=False" in message
+    want = tmp_path / "tb" / "version_0" / "memcallbacks" if folder is None else tmp_path / output_dir
+    assert os.path.realpath(want) in message
+    assert model.training_steps_run == 0 and first.history.empty and second.history.empty
+
+    # one of them without files is fine
+    quiet = MemoryMonitor(prefix="mem2", output_dir=folder, write_files=False, log_every_n_steps=1, sample_every_n_steps=1)
+    fit(tmp_path / "ok", first, max_steps=2, callbacks=[first, quiet])
+    assert len(quiet.history) == 2 and len(first.history) > 0
+
+
+def test_two_monitors_with_one_prefix_are_refused_by_either_trainer(tmp_path):
+    import pytorch_lightning as pl
+
+    for trainer_cls in (L.Trainer, pl.Trainer):
+        same = [MemoryMonitor(output_dir=str(tmp_path / "a")), MemoryMonitor(output_dir=str(tmp_path / "b"))]
+        with pytest.raises(RuntimeError, match="state_key"):
+            trainer_cls(**trainer_kwargs(tmp_path, callbacks=same))
+        apart = [MemoryMonitor(output_dir=str(tmp_path / "a")), MemoryMonitor(prefix="b", output_dir=str(tmp_path / "b"))]
+        trainer = trainer_cls(**trainer_kwargs(tmp_path, callbacks=apart))
+        assert [cb.state_key for cb in trainer.callbacks if isinstance(cb, MemoryMonitor)] == ["MemoryMonitor", "MemoryMonitor{'prefix': 'b'}"]
+
+
 # ---------------------------------------------------------------------- 8. LightningCLI
 def _cli_config(tmp_path, init_args: str) -> Path:
     path = tmp_path / "config.yaml"
