@@ -9,6 +9,8 @@ framework-free; adapters hand over the batch, the loss and the training objects.
 
 from __future__ import annotations
 
+import copy
+
 import logging
 from typing import Any, Callable
 
@@ -116,7 +118,8 @@ class LeakWatch:
             if self._growth_census_countdown > 0:
                 self._growth_census_countdown -= 1
             if self._growth_census_countdown == 0:
-                return self._name_growth(step, batch)
+                # the holders arrive on a step the detector did not report: an update, not a new sighting
+                return self._name_growth(step, batch, sighting=False)
             return []
         first = self._growth_finding is None
         self._growth_finding = finding
@@ -130,7 +133,7 @@ class LeakWatch:
             return self._name_growth(step, batch)
         return [finding]
 
-    def _name_growth(self, step: int, batch: Any) -> list[Finding]:
+    def _name_growth(self, step: int, batch: Any, sighting: bool = True) -> list[Finding]:
         self._growth_census_countdown = -1
         finding, before = self._growth_finding, self._growth_census
         self._growth_census = None
@@ -142,6 +145,9 @@ class LeakWatch:
         deltas = [d for d in after.diff(before) if d.bytes > 0]
         finding.holders = [str(d) for d in deltas[:5]]
         finding.details["census_cost_s"] = round(before.seconds + after.seconds, 3)
+        if not sighting:
+            finding = copy.copy(finding)
+            finding.count = 0  # FindingLog.add: merge the holders, leave the count alone
         return [finding]
 
     # ------------------------------------------------------------------ at step end
