@@ -36,6 +36,15 @@ PEAK_SAMPLED = "sampled"
 """No resettable peak exists: the peak is the largest value seen at phase boundaries."""
 
 
+def _allocator_counters(stats: dict[str, Any], inactive_split_bytes: Any) -> dict[str, int]:
+    """``counters()`` of a caching allocator's statistics (the keys CUDA and XPU share)."""
+    return {
+        "alloc_retries": int(stats.get("num_alloc_retries", 0)),
+        "ooms": int(stats.get("num_ooms", 0)),
+        "inactive_split_bytes": int(inactive_split_bytes),
+    }
+
+
 class MemoryBackend:
     """Reads one device's memory. Subclasses implement the three reads; all return bytes.
 
@@ -110,11 +119,7 @@ class CudaBackend(MemoryBackend):
         stats = self._last
         if not stats:
             return {}
-        return {
-            "alloc_retries": int(stats.get("num_alloc_retries", 0)),
-            "ooms": int(stats.get("num_ooms", 0)),
-            "inactive_split_bytes": int(stats.get("inactive_split_bytes", {}).get("all", {}).get("current", 0)),
-        }
+        return _allocator_counters(stats, stats.get("inactive_split_bytes", {}).get("all", {}).get("current", 0))
 
     def capacity(self) -> int | None:
         if self._capacity is None:
@@ -209,11 +214,7 @@ class AcceleratorBackend(MemoryBackend):
         stats = self._last
         if not stats:
             return {}
-        return {
-            "alloc_retries": int(stats.get("num_alloc_retries", 0)),
-            "ooms": int(stats.get("num_ooms", 0)),
-            "inactive_split_bytes": int(stats.get("inactive_split_bytes.all.current", 0)),
-        }
+        return _allocator_counters(stats, stats.get("inactive_split_bytes.all.current", 0))
 
     def capacity(self) -> int | None:
         accel = getattr(torch, "accelerator", None)
