@@ -206,3 +206,37 @@ def test_cuda_threshold_with_armed_history(tmp_path):
     snap = pickle.loads(Path(records[0]["files"]["snapshot"]).read_bytes())
     assert snap["device_traces"][0], "armed recording captured allocator history before the dump"
     assert os.path.getsize(records[0]["files"]["snapshot"]) > 0
+
+
+def test_oom_observer_dump_is_accounted_and_rendered_when_the_error_arrives(tmp_path, caplog):
+    """The CUDA OOM observer writes its pickle inside the failing allocation (nothing else may run
+    there); the dump is accounted against the budget and rendered when the error reaches the hooks.
+    The observer's own call is replayed with a real snapshot file (the CUDA test does it for real)."""
+    from memcallbacks._autosnap import OBSERVER_TRIGGER, AutoSnapshot
+    from memcallbacks._config import MonitorConfig
+
+    caplog.set_level(logging.WARNING, logger="memcallbacks")
+    snap = AutoSnapshot(MonitorConfig(auto_snapshot=True), device_kind="cuda", capacity=80 << 30, output_dir=tmp_path, rank=1, world_size=2)
+    snap.folder.mkdir(parents=True)
+    snap.step = 7
+    path = snap._oom_path()  # what the observer asks for, inside the failing allocation
+    assert path.name == "memory_snapshot_oom_step7.rank1.pickle"
+    path.write_bytes((Path(__file__).parent / "data" / "cuda_like_snapshot.pickle").read_bytes())
+    snap.on_exception(torch.OutOfMemoryError("CUDA out of memory."), 7)
+    (record,) = snap.records  # no second dump from the hook
+    assert record["trigger"] == OBSERVER_TRIGGER and record["step"] == 7
+    assert record["bytes"] >= path.stat().st_size and {"snapshot", "html", "png"} <= set(record["files"])
+    assert Path(record["files"]["html"]).is_file() and snap._bytes == record["bytes"]
+    snap.stop()  # finishing twice does not count it twice
+    assert snap._bytes == record["bytes"]
+
+
+def test_oom_observer_dump_that_failed_is_reported_not_counted(tmp_path):
+    from memcallbacks._autosnap import AutoSnapshot
+    from memcallbacks._config import MonitorConfig
+
+    snap = AutoSnapshot(MonitorConfig(auto_snapshot=True), device_kind="cuda", capacity=80 << 30, output_dir=tmp_path)
+    snap._oom_path()  # the observer's dump then failed: no file
+    snap.stop()  # an OOM the training code caught: the run ends normally
+    (record,) = snap.records
+    assert record["bytes"] == 0 and record["files"] == {} and "failed" in record["error"]
