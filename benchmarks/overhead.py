@@ -35,7 +35,6 @@ import gc
 import json
 import logging
 import os
-import platform
 import random
 import resource
 import statistics
@@ -53,12 +52,14 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback, DeviceStatsMonitor
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
-import memcallbacks
 from memcallbacks import MemoryMonitor
 from memcallbacks import _devices
 from memcallbacks._devices import CpuBackend, host_rss_reader, select_backend
 
-BARE = "bare"
+# benchmarks/_common.py: run as a script, this file's folder is sys.path[0]
+from _common import BARE, TARGET_LOG_EVERY, TARGET_RATIO, TARGET_US_PER_STEP
+from _common import base_environment, interleaved_runs, is_logged, load_average, mlp_layers, monitor_self_us, paired_with_bare, quantile, robust_mean, robust_step_us
+
 NOOP = "empty Callback"
 DEVICE_STATS = "DeviceStatsMonitor"
 MONITOR = "MemoryMonitor"
@@ -67,10 +68,6 @@ VARIANTS = (BARE, NOOP, DEVICE_STATS, MONITOR, MONITOR_EVERY_STEP)
 FIT_VARIANTS = (BARE, DEVICE_STATS, MONITOR, MONITOR_EVERY_STEP)
 AB_VARIANTS = (NOOP, DEVICE_STATS, MONITOR, MONITOR_EVERY_STEP)
 
-TARGET_LOG_EVERY = 50
-TARGET_US_PER_STEP = 30.0
-TARGET_RATIO = 1.03
-
 
 # ---------------------------------------------------------------------------- the workload
 class MLP(pl.LightningModule):
@@ -78,7 +75,7 @@ class MLP(pl.LightningModule):
 
     def __init__(self, d_in: int, hidden: int, n_classes: int = 10) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(d_in, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, n_classes))
+        self.net = mlp_layers(d_in, hidden, n_classes)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
@@ -210,35 +207,9 @@ def fit(callbacks: list[Callback], log_every: int, steps: int, args: argparse.Na
     return trainer, timer, fit_s
 
 
-# ---------------------------------------------------------------------------- statistics
-def _quantile(values: list[float], q: float) -> float:
-    values = sorted(values)
-    pos = (len(values) - 1) * q
-    lo, hi = int(pos), min(int(pos) + 1, len(values) - 1)
-    return values[lo] + (values[hi] - values[lo]) * (pos - lo)
-
-
-def robust_mean(durations: list[float], logged: list[bool]) -> float:
-    """Mean step time with each class of step (logged / not logged) at its median, weighted by its count.
-
-    On a shared machine a step now and then loses milliseconds to another process; a median per
-    class drops those, while the class weights keep the rarer, costlier logged steps in.
-    """
-    total = 0.0
-    for flag in (True, False):
-        members = [d for d, f in zip(durations, logged) if f is flag]
-        if members:
-            total += len(members) * statistics.median(members)
-    return total / len(durations)
-
-
-def is_logged(step: int, log_every: int) -> bool:
-    """Lightning logs (and the monitor samples, on CPU) the step with ``global_step == step`` when this holds."""
-    return (step + 1) % log_every == 0
-
-
+# ---------------------------------------------------------------------------- statistics (more in _common)
 def spread(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "q25": _quantile(values, 0.25), "q75": _quantile(values, 0.75), "min": min(values), "max": max(values)}
+    return {"median": statistics.median(values), "q25": quantile(values, 0.25), "q75": quantile(values, 0.75), "min": min(values), "max": max(values)}
 
 
 # ---------------------------------------------------------------------------- 1. interleaved fits
@@ -248,22 +219,18 @@ def run_fit(variant: str, log_every: int, args: argparse.Namespace, batches: tup
     extra = make_callback(variant, os.path.join(run_dir, "memcallbacks"))
     _, timer, fit_s = fit([extra] if extra is not None else [], log_every, args.steps, args, batches, run_dir)
     durations = timer.durations()
-    logged = [is_logged(args.skip_steps + i, log_every) for i in range(len(durations))]
     window_s = timer.stamps[-1] - timer.stamps[0]
     out: dict[str, Any] = {
         "variant": variant,
         "log_every": log_every,
         "steps": args.steps,
         "step_us_mean": window_s / args.steps * 1e6,
-        "step_us_robust": robust_mean(durations, logged) * 1e6,
+        "step_us_robust": robust_step_us(durations, args.skip_steps, log_every),
         "outside_steps_s": fit_s - window_s,
     }
     if isinstance(extra, MemoryMonitor):
-        summary = extra.summary()
-        cost = summary.get("monitor_time_per_step_us") or {"mean": float("nan")}
         # the engine times itself on sampled steps only (begin_step .. end_step: not the adapter, the logging or unsampled steps)
-        out["engine_us_per_sampled_step"] = cost["mean"]
-        out["engine_us_per_step"] = cost["mean"] * summary["steps_sampled"] / max(summary["steps_seen"], 1)
+        out["engine_us_per_sampled_step"], out["engine_us_per_step"] = monitor_self_us(extra.summary())
         out["monitor_enabled"] = extra.enabled
     return out
 
@@ -271,22 +238,17 @@ def run_fit(variant: str, log_every: int, args: argparse.Namespace, batches: tup
 def summarize_fits(runs: list[dict[str, Any]], log_settings: list[int], variants: list[str]) -> list[dict[str, Any]]:
     """Per (variant, log setting): medians over repeats of same-repeat comparisons with the bare fit."""
     rows = []
-    for log_every in log_settings:
-        bare = {r["repeat"]: r for r in runs if r["variant"] == BARE and r["log_every"] == log_every}
-        for variant in variants:
-            mine = [r for r in runs if r["variant"] == variant and r["log_every"] == log_every and r["repeat"] in bare]
-            if not mine:
-                continue
-            row: dict[str, Any] = {"variant": variant, "log_every": log_every, "repeats": len(mine), "step_us": statistics.median(r["step_us_mean"] for r in mine)}
-            for kind in ("mean", "robust"):
-                key = f"step_us_{kind}"
-                row[f"ratio_{kind}"] = spread([r[key] / bare[r["repeat"]][key] for r in mine])
-                row[f"delta_us_{kind}"] = statistics.median(r[key] - bare[r["repeat"]][key] for r in mine)
-            row["one_off_ms"] = statistics.median((r["outside_steps_s"] - bare[r["repeat"]]["outside_steps_s"]) * 1e3 for r in mine)
-            if "engine_us_per_step" in mine[0]:
-                row["engine_us_per_step"] = statistics.median(r["engine_us_per_step"] for r in mine)
-                row["engine_us_per_sampled_step"] = statistics.median(r["engine_us_per_sampled_step"] for r in mine)
-            rows.append(row)
+    for log_every, variant, mine, bare in paired_with_bare(runs, log_settings, variants):
+        row: dict[str, Any] = {"variant": variant, "log_every": log_every, "repeats": len(mine), "step_us": statistics.median(r["step_us_mean"] for r in mine)}
+        for kind in ("mean", "robust"):
+            key = f"step_us_{kind}"
+            row[f"ratio_{kind}"] = spread([r[key] / bare[r["repeat"]][key] for r in mine])
+            row[f"delta_us_{kind}"] = statistics.median(r[key] - bare[r["repeat"]][key] for r in mine)
+        row["one_off_ms"] = statistics.median((r["outside_steps_s"] - bare[r["repeat"]]["outside_steps_s"]) * 1e3 for r in mine)
+        if "engine_us_per_step" in mine[0]:
+            row["engine_us_per_step"] = statistics.median(r["engine_us_per_step"] for r in mine)
+            row["engine_us_per_sampled_step"] = statistics.median(r["engine_us_per_sampled_step"] for r in mine)
+        rows.append(row)
     return rows
 
 
@@ -400,8 +362,7 @@ class HookClock:
 
     def step_us(self, hook: str, log_every: int) -> float:
         """µs per step spent in ``hook``: logged and other steps each at their median (one call per step)."""
-        calls = self.calls[hook]
-        return robust_mean(calls, [is_logged(i, log_every) for i in range(len(calls))]) * 1e6
+        return robust_step_us(self.calls[hook], 0, log_every)
 
     def mean_step_us(self) -> float:
         return sum(sum(self.calls[h]) for h in STEP_HOOKS) / len(self.calls[STEP_HOOKS[0]]) * 1e6
@@ -450,8 +411,7 @@ def hook_accounting(log_every: int, args: argparse.Namespace, batches: tuple[tor
     wrapper = {h: clocks[NOOP].step_us(h, log_every) for h in STEP_HOOKS}
     dispatch = dispatch_us_per_callback(trainer)
     # the timed window's steps, less everything the four extra callbacks cost: what a bare step would take
-    durations = timer.durations()
-    step_us = robust_mean(durations, [is_logged(args.skip_steps + i, log_every) for i in range(len(durations))]) * 1e6
+    step_us = robust_step_us(timer.durations(), args.skip_steps, log_every)
     inside = sum(clock.step_us(h, log_every) for clock in clocks.values() for h in STEP_HOOKS)
     out: dict[str, Any] = {
         "log_every": log_every,
@@ -525,7 +485,7 @@ def _time_calls(fn: Callable[[], Any], n: int, before: Callable[[], Any] | None 
         t0 = clock()
         fn()
         samples.append(clock() - t0)
-    return {"median_us": _quantile(samples, 0.5) * 1e6, "p90_us": _quantile(samples, 0.9) * 1e6}
+    return {"median_us": quantile(samples, 0.5) * 1e6, "p90_us": quantile(samples, 0.9) * 1e6}
 
 
 def micro_benchmarks(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -613,7 +573,7 @@ def judge(runs: list[dict[str, Any]], fit_rows: list[dict[str, Any]], ab_rows: l
                 key = "step_us_robust"
                 by = {(r["variant"], r["repeat"]): r[key] for r in runs if r["log_every"] == log_every}
                 diffs = [by[(MONITOR, k)] - by[(DEVICE_STATS, k)] for (v, k) in by if v == MONITOR and (DEVICE_STATS, k) in by]
-                outcome = _three_way(_quantile(diffs, 0.25), _quantile(diffs, 0.75), 0.0, "zero") if diffs else "no pairs"
+                outcome = _three_way(quantile(diffs, 0.25), quantile(diffs, 0.75), 0.0, "zero") if diffs else "no pairs"
                 detail = f"{MONITOR} − {DEVICE_STATS} per repeat: median {statistics.median(diffs):+.0f} µs/step" if diffs else ""
             else:
                 a, b = mm[ratio_key], ds[ratio_key]
@@ -651,24 +611,11 @@ def _source_state() -> str | None:
 
 
 def environment(args: argparse.Namespace) -> dict[str, Any]:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
     env = {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "lightning": pl.__version__,
-        "memcallbacks": memcallbacks.__version__,
-        "platform": platform.platform(),
-        "cpu": cpu,
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
+        **base_environment(lightning=pl.__version__),
         "device": args.device,
         "logger": args.logger,
-        "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
+        "load_average": load_average(),
         "source": _source_state(),
     }
     if args.device == "cuda":
@@ -731,7 +678,6 @@ def main(argv: list[str] | None = None) -> int:
           f"A/B: {args.ab_pairs} pairs of {args.block}-step blocks; hooks: {args.hook_repeats} fits per log setting", flush=True)
     began = time.perf_counter()
     batches = make_data(args)
-    runs: list[dict[str, Any]] = []
     ab: list[dict[str, Any]] = []
     accounts: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="memcallbacks-bench-") as workdir:
@@ -740,15 +686,13 @@ def main(argv: list[str] | None = None) -> int:
         for variant in args.variants:
             run_fit(variant, max(args.log_every), warm, batches, workdir)
 
-        order = random.Random(args.seed)
-        pairs = [(v, n) for v in args.variants for n in args.log_every]
-        for repeat in range(args.repeats):
-            order.shuffle(pairs)
-            for variant, log_every in pairs:
-                runs.append({**run_fit(variant, log_every, args, batches, workdir), "repeat": repeat})
-            bare = sorted((r for r in runs if r["repeat"] == repeat and r["variant"] == BARE), key=lambda r: r["log_every"])
+        def progress(repeat: int, bare: list[dict[str, Any]]) -> None:
             print(f"interleaved repeat {repeat + 1}/{args.repeats} ({time.perf_counter() - began:.0f} s): bare step "
                   + ", ".join(f"{r['step_us_mean']:.0f} µs at log_every={r['log_every']}" for r in bare), flush=True)
+
+        order = random.Random(args.seed)
+        runs = interleaved_runs(lambda variant, log_every: run_fit(variant, log_every, args, batches, workdir),
+                                args.variants, args.log_every, args.repeats, order, progress)
         t_fits = time.perf_counter()
 
         if args.ab_pairs:
@@ -791,7 +735,7 @@ def main(argv: list[str] | None = None) -> int:
     end = time.perf_counter()
     timings = {"interleaved_s": t_fits - began, "ab_s": t_ab - t_fits, "hooks_s": t_hooks - t_ab, "micro_s": end - t_hooks, "total_s": end - began}
     print("\nwall time: " + ", ".join(f"{k} {v:.0f}" for k, v in timings.items())
-          + f"; load average at end: {os.getloadavg() if hasattr(os, 'getloadavg') else '?'}")
+          + f"; load average at end: {load_average() or '?'}")
     if args.json:
         payload = {"environment": env, "args": vars(args), "timings": timings, "verdicts": verdicts, "interleaved": {"runs": runs, "summary": fit_rows},
                    "ab": ab, "hooks": {"runs": accounts, "summary": hook_rows}, "micro": micro}

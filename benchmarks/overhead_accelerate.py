@@ -25,7 +25,6 @@ import gc
 import json
 import logging
 import os
-import platform
 import random
 import statistics
 import tempfile
@@ -40,16 +39,16 @@ import accelerate
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState, GradientState
 
-import memcallbacks
 from memcallbacks import MonitorConfig
 from memcallbacks.accelerate import AccelerateMemoryMonitor
 
-BARE, MONITOR, MONITOR_EVERY_STEP = "bare", "AccelerateMemoryMonitor", "AccelerateMemoryMonitor(sample_every_n_steps=1)"
+# benchmarks/_common.py: run as a script, this file's folder is sys.path[0]
+from _common import BARE, TARGET_LOG_EVERY, TARGET_RATIO, TARGET_US_PER_STEP
+from _common import base_environment, interleaved_runs, load_average, mlp_layers, monitor_self_us, paired_with_bare, quantile, robust_step_us
+
+MONITOR, MONITOR_EVERY_STEP = "AccelerateMemoryMonitor", "AccelerateMemoryMonitor(sample_every_n_steps=1)"
 VARIANTS = (BARE, MONITOR, MONITOR_EVERY_STEP)
-TARGET_VARIANT = MONITOR
-TARGET_LOG_EVERY = 50
-TARGET_US_PER_STEP = 30.0  # the Lightning adapter's target, benchmarks/overhead.py
-TARGET_RATIO = 1.03
+TARGET_VARIANT = MONITOR  # held to the Lightning adapter's targets (_common, benchmarks/overhead.py)
 CLOCKS = {
     "robust": "wall time per step, each class of step (logged / not logged) at its median, weighted by its count",
     "cpu": "process CPU time (user + system) over the timed steps",
@@ -60,7 +59,7 @@ CLOCKS = {
 class MLP(nn.Module):
     def __init__(self, d_in: int, hidden: int, n_classes: int = 10) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(d_in, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, n_classes))
+        self.net = mlp_layers(d_in, hidden, n_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
@@ -97,14 +96,6 @@ class TimedMonitor(AccelerateMemoryMonitor):
                 self._depth = 0
 
         return timed
-
-
-def robust_step_us(durations: list[float], first_step: int, log_every: int) -> float:
-    """Mean step time with each class of step (logged / not logged) represented by its median."""
-    logged = [d for i, d in enumerate(durations) if (first_step + i + 1) % log_every == 0]
-    plain = [d for i, d in enumerate(durations) if (first_step + i + 1) % log_every != 0]
-    total = sum(len(c) * statistics.median(c) for c in (logged, plain) if c)
-    return total / len(durations) * 1e6
 
 
 def run(variant: str, log_every: int, args: argparse.Namespace, batches: list[tuple[torch.Tensor, torch.Tensor]], workdir: str, timed: bool = False) -> dict[str, Any]:
@@ -180,9 +171,7 @@ def run(variant: str, log_every: int, args: argparse.Namespace, batches: list[tu
         summary = monitor.summary()
         if len(monitor.history) == 0 or not monitor.enabled:
             raise RuntimeError(f"{variant}: the monitor recorded nothing (enabled={monitor.enabled}); the benchmark is broken")
-        cost = summary.get("monitor_time_per_step_us") or {"mean": float("nan")}
-        out["monitor_self_us_per_sampled_step"] = cost["mean"]
-        out["monitor_self_us_per_step"] = cost["mean"] * summary["steps_sampled"] / max(summary["steps_seen"], 1)
+        out["monitor_self_us_per_sampled_step"], out["monitor_self_us_per_step"] = monitor_self_us(summary)
         out["steps_sampled"] = summary["steps_sampled"]
     if timed:
         per_step = [b - a for a, b in zip(spent, spent[1:])]
@@ -191,42 +180,30 @@ def run(variant: str, log_every: int, args: argparse.Namespace, batches: list[tu
     return out
 
 
-def _quantile(values: list[float], q: float) -> float:
-    values = sorted(values)
-    pos = (len(values) - 1) * q
-    lo, hi = int(pos), min(int(pos) + 1, len(values) - 1)
-    return values[lo] + (values[hi] - values[lo]) * (pos - lo)
-
-
 def summarize(runs: list[dict[str, Any]], log_settings: list[int], clock: str) -> list[dict[str, Any]]:
     """Per (variant, log setting): medians over repeats of paired (same-repeat) comparisons with bare."""
     key = f"step_us_{clock}"
     rows = []
-    for log_every in log_settings:
-        bare = {r["repeat"]: r[key] for r in runs if r["variant"] == BARE and r["log_every"] == log_every}
-        for variant in VARIANTS:
-            mine = [r for r in runs if r["variant"] == variant and r["log_every"] == log_every and r["repeat"] in bare]
-            if not mine:
-                continue
-            ratios = [r[key] / bare[r["repeat"]] for r in mine]
-            deltas = [r[key] - bare[r["repeat"]] for r in mine]
-            row: dict[str, Any] = {
-                "variant": variant,
-                "log_every": log_every,
-                "clock": clock,
-                "repeats": len(mine),
-                "step_us_median": statistics.median(r[key] for r in mine),
-                "ratio_median": statistics.median(ratios),
-                "ratio_q25": _quantile(ratios, 0.25),
-                "ratio_q75": _quantile(ratios, 0.75),
-                "delta_us_median": statistics.median(deltas),
-                "setup_ms_median": statistics.median(r["setup_s"] for r in mine) * 1e3,
-                "close_ms_median": statistics.median(r["close_s"] for r in mine) * 1e3,
-            }
-            if "monitor_self_us_per_step" in mine[0]:
-                row["monitor_self_us_per_step"] = statistics.median(r["monitor_self_us_per_step"] for r in mine)
-                row["monitor_self_us_per_sampled_step"] = statistics.median(r["monitor_self_us_per_sampled_step"] for r in mine)
-            rows.append(row)
+    for log_every, variant, mine, bare in paired_with_bare(runs, log_settings, VARIANTS):
+        ratios = [r[key] / bare[r["repeat"]][key] for r in mine]
+        deltas = [r[key] - bare[r["repeat"]][key] for r in mine]
+        row: dict[str, Any] = {
+            "variant": variant,
+            "log_every": log_every,
+            "clock": clock,
+            "repeats": len(mine),
+            "step_us_median": statistics.median(r[key] for r in mine),
+            "ratio_median": statistics.median(ratios),
+            "ratio_q25": quantile(ratios, 0.25),
+            "ratio_q75": quantile(ratios, 0.75),
+            "delta_us_median": statistics.median(deltas),
+            "setup_ms_median": statistics.median(r["setup_s"] for r in mine) * 1e3,
+            "close_ms_median": statistics.median(r["close_s"] for r in mine) * 1e3,
+        }
+        if "monitor_self_us_per_step" in mine[0]:
+            row["monitor_self_us_per_step"] = statistics.median(r["monitor_self_us_per_step"] for r in mine)
+            row["monitor_self_us_per_sampled_step"] = statistics.median(r["monitor_self_us_per_sampled_step"] for r in mine)
+        rows.append(row)
     return rows
 
 
@@ -275,24 +252,11 @@ def judge(rows: list[dict[str, Any]], clock: str) -> list[str]:
 
 
 def environment(args: argparse.Namespace) -> dict[str, Any]:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
     return {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "accelerate": accelerate.__version__,
-        "memcallbacks": memcallbacks.__version__,
-        "platform": platform.platform(),
-        "cpu": cpu,
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
+        **base_environment(accelerate=accelerate.__version__),
         "tracker": args.tracker,
         "leak_detection": not args.no_detection,
-        "load_average_at_start": os.getloadavg() if hasattr(os, "getloadavg") else None,
+        "load_average_at_start": load_average(),
     }
 
 
@@ -334,22 +298,17 @@ def main(argv: list[str] | None = None) -> int:
     g = torch.Generator().manual_seed(0)
     batches = [(torch.randn(args.batch_size, args.d_in, generator=g), torch.randint(0, 10, (args.batch_size,), generator=g)) for _ in range(16)]
     began = time.perf_counter()
-    runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="memcallbacks-bench-acc-") as workdir:
         warm = argparse.Namespace(**{**vars(args), "steps": max(args.log_every)})
         for variant in VARIANTS if args.repeats else ():  # imports, first-run costs, matplotlib's font cache; discarded
             run(variant, max(args.log_every), warm, batches, workdir)
-        order = random.Random(args.seed)
-        pairs = [(v, n) for v in VARIANTS for n in args.log_every]
-        for repeat in range(args.repeats):
-            order.shuffle(pairs)
-            for variant, log_every in pairs:
-                result = run(variant, log_every, args, batches, workdir)
-                result["repeat"] = repeat
-                runs.append(result)
-            bare = sorted((r for r in runs if r["repeat"] == repeat and r["variant"] == BARE), key=lambda r: r["log_every"])
+
+        def progress(repeat: int, bare: list[dict[str, Any]]) -> None:
             print(f"repeat {repeat + 1}/{args.repeats} ({time.perf_counter() - began:.0f} s; bare step "
                   + ", ".join(f"L={r['log_every']}: {r['step_us_wall']:.0f} µs" for r in bare) + ")", flush=True)
+
+        runs = interleaved_runs(lambda variant, log_every: run(variant, log_every, args, batches, workdir),
+                                VARIANTS, args.log_every, args.repeats, random.Random(args.seed), progress)
         accounts = []
         for _ in range(args.hook_repeats):
             for variant in VARIANTS[1:]:

@@ -1,17 +1,21 @@
-"""Shared pytest setup: ``helpers`` importable, the ``cuda`` marker skipped without a GPU, offline loggers."""
+"""Shared pytest setup: ``helpers`` importable, the ``cuda`` marker skipped without a GPU, offline loggers.
+
+Fixtures a test module opts into with ``pytestmark = pytest.mark.usefixtures(...)``: ``one_thread``,
+``collected_heap``, ``fresh_accelerate_state``."""
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import sys
+from typing import Any, Iterator
 
 import pytest
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 if TESTS_DIR not in sys.path:
     sys.path.insert(0, TESTS_DIR)
-
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -49,3 +53,42 @@ def _quiet_and_offline(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     monkeypatch.setenv("GIT_PYTHON_REFRESH", "quiet")
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     logging.getLogger("pytorch_lightning").setLevel(logging.WARNING)
+
+
+@pytest.fixture(scope="module")
+def one_thread() -> Iterator[None]:
+    """One intra-op thread for the whole module: tiny models on a shared 2-core box, where intra-op
+    threads only add contention."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture
+def collected_heap() -> None:
+    """Earlier tests' trainers and models wait in reference cycles for the collector; without this
+    the census would also see (and spend its time budget searching for) their tensors."""
+    gc.collect()
+
+
+@pytest.fixture
+def fresh_accelerate_state() -> Iterator[Any]:
+    """Accelerate keeps process-wide singletons (a ``transformers.Trainer`` builds an Accelerator too);
+    every test starts from a clean one.
+
+    One intra-op thread: on a busy 2-core machine, OpenMP threads spinning against other processes
+    make these tiny steps 10x slower."""
+    import torch
+    from accelerate.state import AcceleratorState, GradientState
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    torch.set_num_threads(threads)

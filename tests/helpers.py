@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
+import socket
 import struct
 import time
 import zlib
@@ -21,6 +23,7 @@ __all__ = [
     "MIB",
     "touch_temporary",
     "BackwardTemporary",
+    "TemporaryNet",
     "RandomDataset",
     "RandomDataModule",
     "BoringModel",
@@ -32,10 +35,15 @@ __all__ = [
     "wandb_offline_history",
     "mlflow_metrics",
     "is_png",
+    "FOUND",
+    "announced",
+    "free_port",
+    "set_rank_environment",
 ]
 
 GIB = 2**30
 MIB = 2**20
+FOUND = "found a memory problem"  # in the warning the monitor logs for each new finding
 
 
 def touch_temporary(mib: int, device: torch.device | str = "cpu") -> int:
@@ -67,6 +75,20 @@ class BackwardTemporary(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         touch_temporary(ctx.mib, grad.device)
         return grad, None
+
+
+class TemporaryNet(nn.Module):
+    """A small MLP with a forward temporary and/or a backward temporary of known size (CPU)."""
+
+    def __init__(self, forward_mib: int = 0, backward_mib: int = 0, dim: int = 32) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(dim, dim), nn.ReLU(), nn.Linear(dim, 1))
+        self.forward_mib, self.backward_mib = forward_mib, backward_mib
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        touch_temporary(self.forward_mib)
+        out = self.net(x)
+        return BackwardTemporary.apply(out, self.backward_mib) if self.backward_mib else out
 
 
 class RandomDataset(Dataset):
@@ -213,6 +235,29 @@ def trainer_kwargs(tmp_path: str | os.PathLike[str], **overrides: Any) -> dict[s
     )
     kwargs.update(overrides)
     return kwargs
+
+
+def announced(caplog: Any) -> list[logging.LogRecord]:
+    """The records in ``caplog`` (a ``pytest.LogCaptureFixture``) that announce a finding."""
+    return [r for r in caplog.records if FOUND in r.getMessage()]
+
+
+# ---------------------------------------------------------------------- processes
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now (for a process group's rendezvous)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def set_rank_environment(rank: int, world_size: int, port: int) -> None:
+    """In a forked rank: the environment ``env://`` rendezvous reads (one node, ``port`` on 127.0.0.1),
+    and one intra-op thread."""
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1",
+    )
+    torch.set_num_threads(1)
 
 
 # ---------------------------------------------------------------------- reading logs back from disk

@@ -7,10 +7,8 @@ The 2-process test spawns two ranks with ``torch.multiprocessing`` (gloo); each 
 from __future__ import annotations
 
 import dataclasses
-import glob
 import logging
-import os
-import socket
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -19,68 +17,17 @@ import pytest
 import torch
 from torch import nn
 
+from helpers import GIB, MIB, BackwardTemporary, TemporaryNet, free_port, set_rank_environment, tensorboard_scalars, touch_temporary
 from memcallbacks import MonitorConfig
 from memcallbacks.accelerate import AccelerateMemoryMonitor
 
 accelerate = pytest.importorskip("accelerate")
 from accelerate import Accelerator  # noqa: E402
-from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 
-MIB = 2**20
-GIB = 2**30
+pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
+
 TEMP_MIB = 64
 CPU = dict(cpu_mmap_threshold=1 << 20, sample_every_n_steps=1)
-
-
-@pytest.fixture(autouse=True)
-def fresh_accelerate_state() -> Any:
-    """Accelerate keeps process-wide singletons; every test starts from a clean one.
-
-    One intra-op thread: on a busy 2-core machine, OpenMP threads spinning against other processes
-    make these tiny steps 10x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    torch.set_num_threads(threads)
-
-
-def touch_temporary(mib: int) -> None:
-    """Allocate ``mib`` MiB, make every page resident, free it (raises the RSS high-water mark only)."""
-    if mib > 0:
-        temp = torch.ones(mib * MIB, dtype=torch.uint8)
-        assert int(temp[::4096].sum()) == mib * MIB // 4096
-        del temp
-
-
-class BackwardTemporary(torch.autograd.Function):
-    """Identity; its backward allocates and frees a touched temporary."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, mib: int) -> torch.Tensor:
-        ctx.mib = mib
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        touch_temporary(ctx.mib)
-        return grad, None
-
-
-class Net(nn.Module):
-    """A small MLP whose forward allocates (and frees) a touched temporary of ``forward_mib`` MiB."""
-
-    def __init__(self, forward_mib: int = 0, dim: int = 32) -> None:
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(dim, dim), nn.ReLU(), nn.Linear(dim, 1))
-        self.forward_mib = forward_mib
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        touch_temporary(self.forward_mib)
-        return self.net(x)
 
 
 def loader(batches: int, dim: int = 32) -> torch.utils.data.DataLoader:
@@ -88,44 +35,21 @@ def loader(batches: int, dim: int = 32) -> torch.utils.data.DataLoader:
     return torch.utils.data.DataLoader(data, batch_size=4)
 
 
-def tensorboard_scalars(log_dir: str | os.PathLike[str]) -> dict[str, list[tuple[int, float]]]:
-    """Every scalar of every event file under ``log_dir``: ``{tag: [(step, value), ...]}``."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    files = glob.glob(os.path.join(str(log_dir), "**", "events.out.tfevents.*"), recursive=True)
-    assert files, f"no TensorBoard event file under {log_dir}"
-    out: dict[str, list[tuple[int, float]]] = {}
-    for path in files:
-        acc = EventAccumulator(path, size_guidance={"scalars": 0})
-        acc.Reload()
-        for tag in acc.Tags()["scalars"]:
-            out.setdefault(tag, []).extend((e.step, float(e.value)) for e in acc.Scalars(tag))
-    return {tag: sorted(points) for tag, points in out.items()}
-
-
 def run_loop(accelerator: Accelerator, model: nn.Module, optimizer: Any, data: Any, monitor: AccelerateMemoryMonitor | None, accumulate: bool = False) -> None:
     items = monitor.track(data) if monitor is not None else data
     for batch in items:
-        with accelerator.accumulate(model) if accumulate else _null():
+        with accelerator.accumulate(model) if accumulate else nullcontext():
             loss = model(batch).pow(2).mean()
             accelerator.backward(loss)
             optimizer.step()
             optimizer.zero_grad()
 
 
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
-
-
 # ---------------------------------------------------------------------- one process
 def test_tensorboard_tracker_receives_per_phase_peaks(tmp_path: Path) -> None:
     accelerator = Accelerator(cpu=True, log_with="tensorboard", project_dir=str(tmp_path))
     accelerator.init_trackers("exp")
-    model = Net(forward_mib=TEMP_MIB)
+    model = TemporaryNet(forward_mib=TEMP_MIB)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     model, optimizer, data = accelerator.prepare(model, optimizer, loader(6))
     monitor = AccelerateMemoryMonitor(accelerator, log_every_n_steps=2, plot=False, **CPU)  # models found in accelerator._models
@@ -154,7 +78,7 @@ def test_loss_backward_counts_as_backward_through_accelerator_backward() -> None
     # the temporary is in the loss's backward, before the gradient reaches the model's output: only
     # the accelerator.backward wrapper (not the output-tensor hook) can put it in peak_backward
     accelerator = Accelerator(cpu=True)
-    model = Net()
+    model = TemporaryNet()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     model, optimizer = accelerator.prepare(model, optimizer)
     monitor = AccelerateMemoryMonitor(accelerator, model, write_files=False, **CPU)
@@ -175,7 +99,7 @@ def test_gradient_accumulation_one_row_per_optimizer_step() -> None:
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
-    model = Net(forward_mib=TEMP_MIB // 2)
+    model = TemporaryNet(forward_mib=TEMP_MIB // 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     model, optimizer, data = accelerator.prepare(model, optimizer, loader(8))
     inner_steps: list[int] = []
@@ -198,7 +122,7 @@ def test_gradient_accumulation_one_row_per_optimizer_step() -> None:
 
 def test_auto_mode_without_track() -> None:
     accelerator = Accelerator(cpu=True)
-    model = Net(forward_mib=TEMP_MIB // 2)
+    model = TemporaryNet(forward_mib=TEMP_MIB // 2)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     model, optimizer, data = accelerator.prepare(model, optimizer, loader(3))
     monitor = AccelerateMemoryMonitor(accelerator, write_files=False, **CPU)
@@ -251,7 +175,7 @@ def test_close_twice_removes_hooks_and_backward_wrapper() -> None:
 
     pre_hooks = len(optim_module._global_optimizer_pre_hooks)
     accelerator = Accelerator(cpu=True)
-    model = Net()
+    model = TemporaryNet()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     model, optimizer, data = accelerator.prepare(model, optimizer, loader(4))
     monitor = AccelerateMemoryMonitor(accelerator, write_files=False)
@@ -269,7 +193,7 @@ def test_close_twice_removes_hooks_and_backward_wrapper() -> None:
 
 def test_no_tracker_warns_once_and_keeps_files(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     accelerator = Accelerator(cpu=True, project_dir=str(tmp_path))
-    model = Net()
+    model = TemporaryNet()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     model, optimizer, data = accelerator.prepare(model, optimizer, loader(3))
     monitor = AccelerateMemoryMonitor(accelerator, log_every_n_steps=1, plot=False)
@@ -297,23 +221,13 @@ def test_arguments() -> None:
 RANK_TEMP_MIB = 96
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _rank_main(rank: int, world_size: int, port: int, out: str) -> None:
     """One rank of the 2-process run: its own Accelerator(cpu=True) from the environment (gloo)."""
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1",
-    )
-    torch.set_num_threads(1)
+    set_rank_environment(rank, world_size, port)
     accelerator = Accelerator(cpu=True, log_with="tensorboard", project_dir=out)
     assert accelerator.num_processes == world_size and accelerator.process_index == rank
     accelerator.init_trackers("exp")
-    model = Net(forward_mib=RANK_TEMP_MIB if rank == 1 else 0)
+    model = TemporaryNet(forward_mib=RANK_TEMP_MIB if rank == 1 else 0)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     model, optimizer, data = accelerator.prepare(model, optimizer, loader(6))  # DDP; 3 batches per rank
     monitor = AccelerateMemoryMonitor(accelerator, log_every_n_steps=1, plot=False, **CPU)
@@ -329,7 +243,7 @@ def test_two_processes_log_max_over_ranks(tmp_path: Path) -> None:
 
     # fork: the ranks inherit the imports (a spawned rank spends ~10 s importing torch, accelerate and
     # torch._dynamo); they run single-threaded, so the parent's OpenMP pool does not matter
-    mp.start_processes(_rank_main, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True, start_method="fork")
+    mp.start_processes(_rank_main, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True, start_method="fork")
 
     mem = tmp_path / "memcallbacks"
     ranks = [pd.read_csv(mem / f"history.rank{r}.csv").set_index("step") for r in (0, 1)]

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import socket
 from pathlib import Path
 
 import lightning.pytorch as L
@@ -27,7 +26,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from helpers import csv_metrics
+from helpers import csv_metrics, free_port
 from memcallbacks import MemoryMonitor, Monitor
 from memcallbacks._snapshot import load_snapshot, summarize_snapshot
 
@@ -257,12 +256,6 @@ def test_policies_on_a_threshold_crossing(tmp_path, policy):
 
 
 # ---------------------------------------------------------------------- two ranks, one GPU
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _two_rank_worker(rank: int, world: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)  # NCCL refuses two ranks on one GPU
@@ -299,7 +292,7 @@ def _two_rank_worker(rank: int, world: int, port: int, out: str) -> None:
 
 
 def test_two_ranks_only_the_rank_that_crossed_dumps(tmp_path):
-    mp.spawn(_two_rank_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_two_rank_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
     r0, r1 = (json.loads((tmp_path / f"result.rank{r}.json").read_text()) for r in (0, 1))
     assert r0["steps"] == r1["steps"] == list(range(10))  # nobody waited forever, nobody skipped a step
     assert r0["snapshots"] == []

@@ -28,13 +28,7 @@ from memcallbacks._census import (
 KiB, MiB = 1024, 1024 * 1024
 BUDGET = 30.0  # generous: a shared CI box must not truncate the searches under test
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class Scratch(nn.Module):

@@ -19,14 +19,7 @@ from memcallbacks._findings import Finding, FindingLog, format_bytes
 
 KiB, MiB = 1024, 1024 * 1024
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models on a shared 2-core box: intra-op threads only add contention."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ----------------------------------------------------------------------------------------------

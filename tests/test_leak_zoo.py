@@ -8,7 +8,6 @@ and names holders from a census diff 16 sampled steps later, so growth fits run 
 
 from __future__ import annotations
 
-import gc
 import json
 import logging
 import os
@@ -26,30 +25,16 @@ from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from helpers import MIB, csv_metrics, trainer_kwargs
+from helpers import FOUND, MIB, announced, csv_metrics, trainer_kwargs
 from memcallbacks import MemoryMonitor
 
-pytestmark = pytest.mark.filterwarnings("ignore:You defined a `validation_step` but have no `val_dataloader`")
+pytestmark = [
+    pytest.mark.usefixtures("one_thread", "collected_heap"),
+    pytest.mark.filterwarnings("ignore:You defined a `validation_step` but have no `val_dataloader`"),
+]
 
 SCRIPTS = Path(__file__).parent / "scripts"
 BATCH, DIM, HIDDEN = 256, 256, 512  # one hidden activation: 256x512 float32 = 512 KiB
-FOUND = "found a memory problem"
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models on a shared 2-core box: intra-op threads only add contention."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(autouse=True)
-def _collected_heap():
-    """Earlier tests' trainers and models wait in reference cycles for the collector; the census
-    would otherwise see their tensors too."""
-    gc.collect()
 
 
 class Vectors(Dataset):
@@ -228,10 +213,6 @@ def monitored_fit(tmp_path: Path, model: L.LightningModule, loader: DataLoader, 
     trainer = L.Trainer(**kwargs)
     trainer.fit(model, loader)
     return monitor, trainer
-
-
-def announced(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
-    return [r for r in caplog.records if FOUND in r.getMessage()]
 
 
 @pytest.fixture

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+from contextlib import nullcontext
 from typing import Any
 
 import pandas as pd
@@ -16,12 +17,14 @@ import pytest
 import torch
 from torch import nn
 
+from helpers import GIB, MIB, TemporaryNet, touch_temporary
 from memcallbacks import Monitor, MonitorConfig
 
-MIB = 2**20
-GIB = 2**30
 TEMP_MIB = 64
 CPU = dict(cpu_mmap_threshold=1 << 20, sample_every_n_steps=1)
+# earlier tests' garbage (cycles holding tensors) freed by a collection inside a phase would lower
+# the RSS while a temporary raises it: collect before each test
+pytestmark = pytest.mark.usefixtures("collected_heap")
 CPU_KEYS = {
     "memory/allocated(GiB)",
     "memory/reserved(GiB)",
@@ -36,42 +39,6 @@ CPU_KEYS = {
 }
 
 
-def touch_temporary(mib: int) -> None:
-    """Allocate ``mib`` MiB, make every page resident, free it (raises the RSS high-water mark only)."""
-    if mib > 0:
-        temp = torch.ones(mib * MIB, dtype=torch.uint8)
-        assert int(temp[::4096].sum()) == mib * MIB // 4096
-        del temp
-
-
-class BackwardTemporary(torch.autograd.Function):
-    """Identity; its backward allocates and frees a touched temporary."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, mib: int) -> torch.Tensor:
-        ctx.mib = mib
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        touch_temporary(ctx.mib)
-        return grad, None
-
-
-class Net(nn.Module):
-    """A small MLP with a forward temporary and/or a backward temporary of known size."""
-
-    def __init__(self, forward_mib: int = 0, backward_mib: int = 0, dim: int = 32) -> None:
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(dim, dim), nn.ReLU(), nn.Linear(dim, 1))
-        self.forward_mib, self.backward_mib = forward_mib, backward_mib
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        touch_temporary(self.forward_mib)
-        out = self.net(x)
-        return BackwardTemporary.apply(out, self.backward_mib) if self.backward_mib else out
-
-
 def batches(n: int, dim: int = 32) -> list[torch.Tensor]:
     return list(torch.randn(n, 4, dim, generator=torch.Generator().manual_seed(0)))
 
@@ -80,7 +47,7 @@ def train(monitor: Monitor | None, model: nn.Module, optimizer: torch.optim.Opti
     """One loop, three ways of marking steps: ``track`` (iterator), ``step`` (context manager), ``auto`` (hooks only)."""
     items = monitor.track(data) if mode == "track" else data
     for i, x in enumerate(items):
-        ctx = monitor.step() if mode == "step" else _null()
+        ctx = monitor.step() if mode == "step" else nullcontext()
         with ctx:
             model(x).pow(2).mean().backward()
             if (i + 1) % accumulate == 0:
@@ -88,12 +55,13 @@ def train(monitor: Monitor | None, model: nn.Module, optimizer: torch.optim.Opti
                 optimizer.zero_grad()
 
 
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
+def manual_sgd_step(model: nn.Module, x: torch.Tensor) -> None:
+    """Backward, then the weights updated by hand: no optimizer steps."""
+    model(x).pow(2).mean().backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= 0.01 * p.grad
+            p.grad = None
 
 
 def above_start(history: pd.DataFrame, column: str) -> pd.Series:
@@ -104,7 +72,7 @@ def above_start(history: pd.DataFrame, column: str) -> pd.Series:
 # ---------------------------------------------------------------------- phases
 @pytest.mark.parametrize("mode", ["track", "step", "auto"])
 def test_forward_temporary_lands_in_peak_forward(tmp_path: Any, mode: str) -> None:
-    model = Net(forward_mib=TEMP_MIB)
+    model = TemporaryNet(forward_mib=TEMP_MIB)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     monitor = Monitor(model, optimizer, output_dir=str(tmp_path), plot=False, **CPU)
     train(monitor, model, optimizer, batches(4), mode)
@@ -123,7 +91,7 @@ def test_forward_temporary_lands_in_peak_forward(tmp_path: Any, mode: str) -> No
 
 
 def test_backward_temporary_lands_in_peak_backward() -> None:
-    model = Net(backward_mib=TEMP_MIB)
+    model = TemporaryNet(backward_mib=TEMP_MIB)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     monitor = Monitor(model, optimizer, write_files=False, **CPU)
     train(monitor, model, optimizer, batches(3), "track")
@@ -180,7 +148,7 @@ def test_explicit_step_and_phase_without_model() -> None:
 
 # ---------------------------------------------------------------------- steps and accumulation
 def test_track_with_gradient_accumulation_counts_micro_batches() -> None:
-    model = Net()
+    model = TemporaryNet()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     monitor = Monitor(model, optimizer, write_files=False, **CPU)
     train(monitor, model, optimizer, batches(12), "track", accumulate=2)
@@ -197,7 +165,7 @@ def test_track_with_gradient_accumulation_counts_micro_batches() -> None:
 
 
 def test_track_with_gradient_accumulation_first_window_is_one_row() -> None:
-    model = Net()
+    model = TemporaryNet()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     monitor = Monitor(model, optimizer, write_files=False, **CPU)
     train(monitor, model, optimizer, batches(8), "track", accumulate=2)
@@ -215,7 +183,7 @@ def test_track_with_gradient_accumulation_first_window_is_one_row() -> None:
 )
 def test_track_accumulation_rows_and_logged_steps(accumulate: int, n: int, micro_batches: list[int], optimizer_steps: list[int]) -> None:
     calls: list[int] = []
-    model = Net()
+    model = TemporaryNet()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     monitor = Monitor(model, optimizer, lambda metrics, step: calls.append(step), log_every_n_steps=1, write_files=False, **CPU)
     train(monitor, model, optimizer, batches(n), "track", accumulate=accumulate)
@@ -234,7 +202,7 @@ def test_track_accumulation_rows_and_logged_steps(accumulate: int, n: int, micro
 def test_track_accumulation_logged_steps_when_only_logged_steps_are_sampled() -> None:
     # CPU default: only logged steps are sampled, the others take the fast path and only count
     calls: list[int] = []
-    model = Net()
+    model = TemporaryNet()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     monitor = Monitor(model, optimizer, lambda metrics, step: calls.append(step), log_every_n_steps=2, write_files=False, cpu_mmap_threshold=1 << 20)
     train(monitor, model, optimizer, batches(12), "track", accumulate=2)
@@ -248,7 +216,7 @@ def test_track_accumulation_logged_steps_when_only_logged_steps_are_sampled() ->
 
 
 def test_track_close_inside_a_window_writes_its_row() -> None:
-    model = Net()
+    model = TemporaryNet()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     monitor = Monitor(model, optimizer, write_files=False, **CPU)
     for i, x in enumerate(monitor.track(batches(12))):
@@ -266,7 +234,7 @@ def test_track_close_inside_a_window_writes_its_row() -> None:
 
 def test_track_without_optimizer_argument_splits_only_the_first_window() -> None:
     # the optimizer's global hooks make it known at its first step only: a batch before that is a row
-    model = Net()
+    model = TemporaryNet()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     monitor = Monitor(model, write_files=False, **CPU)
     train(monitor, model, optimizer, batches(8), "track", accumulate=2)
@@ -277,18 +245,14 @@ def test_track_without_optimizer_argument_splits_only_the_first_window() -> None
 
 @pytest.mark.parametrize("loop", ["evaluation", "manual_sgd"])
 def test_track_loop_without_optimizer_gives_a_row_per_batch(loop: str) -> None:
-    model = Net()
+    model = TemporaryNet()
     monitor = Monitor(model, write_files=False, **CPU)
     for x in monitor.track(batches(5)):
         if loop == "evaluation":
             with torch.no_grad():
                 model(x)
         else:
-            model(x).pow(2).mean().backward()
-            with torch.no_grad():
-                for p in model.parameters():
-                    p -= 0.01 * p.grad
-                    p.grad = None
+            manual_sgd_step(model, x)
     monitor.close()
     h = monitor.history
     assert list(h["micro_batches"]) == [1] * 5 and list(h["optimizer_steps"]) == [0] * 5
@@ -304,11 +268,7 @@ def test_track_optimizer_that_never_steps_is_bounded() -> None:
     monitor = Monitor(model, optimizer, lambda metrics, step: calls.append(step), log_every_n_steps=1, write_files=False, **CPU)
     assert monitor.max_micro_batches == 256
     for x in monitor.track(list(torch.randn(300, 4, 8))):
-        model(x).pow(2).mean().backward()
-        with torch.no_grad():
-            for p in model.parameters():
-                p -= 0.01 * p.grad
-                p.grad = None
+        manual_sgd_step(model, x)
     monitor.close()
     h = monitor.history
     assert list(h["micro_batches"]) == [256] + [1] * 44
@@ -317,7 +277,7 @@ def test_track_optimizer_that_never_steps_is_bounded() -> None:
 
 
 def test_track_idle_optimizer_then_accumulation_resumes() -> None:
-    model = Net()
+    model = TemporaryNet()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     monitor = Monitor(model, optimizer, write_files=False, **CPU)
     monitor.max_micro_batches = 4
@@ -337,7 +297,7 @@ def test_track_idle_optimizer_then_accumulation_resumes() -> None:
 def test_track_accumulation_longer_than_max_micro_batches_is_learned() -> None:
     # the first window is split at max_micro_batches; its length, known at the first step, then
     # raises the bound (to twice the longest window), so later windows are one row each
-    model = Net()
+    model = TemporaryNet()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     monitor = Monitor(model, optimizer, write_files=False, **CPU)
     monitor.max_micro_batches = 3
@@ -349,7 +309,7 @@ def test_track_accumulation_longer_than_max_micro_batches_is_learned() -> None:
 
 
 def test_track_without_optimizer_gives_a_row_per_item() -> None:
-    model = Net()
+    model = TemporaryNet()
     monitor = Monitor(model, write_files=False, **CPU)
     for x in monitor.track(batches(3)):
         model(x).sum().backward()
@@ -359,7 +319,7 @@ def test_track_without_optimizer_gives_a_row_per_item() -> None:
 
 
 def test_auto_mode_rows_per_optimizer_step() -> None:
-    model = Net(forward_mib=TEMP_MIB // 2)
+    model = TemporaryNet(forward_mib=TEMP_MIB // 2)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     monitor = Monitor(model, optimizer, write_files=False, **CPU)
     train(monitor, model, optimizer, batches(6), "auto", accumulate=2)
@@ -375,7 +335,7 @@ def test_auto_mode_rows_per_optimizer_step() -> None:
 
 
 def test_evaluate_is_recorded_apart_from_training() -> None:
-    model = Net()
+    model = TemporaryNet()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     monitor = Monitor(model, optimizer, write_files=False, **CPU)
     train(monitor, model, optimizer, batches(2), "track")
@@ -392,7 +352,7 @@ def test_evaluate_is_recorded_apart_from_training() -> None:
 # ---------------------------------------------------------------------- logging
 def test_log_fn_gets_documented_keys_on_logged_steps() -> None:
     calls: list[tuple[int, dict[str, float]]] = []
-    model = Net(forward_mib=TEMP_MIB // 2)
+    model = TemporaryNet(forward_mib=TEMP_MIB // 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     monitor = Monitor(model, optimizer, lambda metrics, step: calls.append((step, metrics)), log_every_n_steps=2, write_files=False, cpu_mmap_threshold=1 << 20)
     train(monitor, model, optimizer, batches(6), "track")
@@ -422,7 +382,7 @@ def test_prefix_renames_every_key() -> None:
 
 # ---------------------------------------------------------------------- failures and cleanup
 def test_oom_inside_step_writes_report_and_propagates(tmp_path: Any) -> None:
-    model = Net()
+    model = TemporaryNet()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     monitor = Monitor(model, optimizer, output_dir=str(tmp_path), plot=False, sample_every_n_steps=1)
     with monitor.step():
@@ -456,7 +416,7 @@ def test_close_twice_removes_every_hook() -> None:
 
     pre_hooks = len(optim_module._global_optimizer_pre_hooks)
     post_hooks = len(optim_module._global_optimizer_post_hooks)
-    model = Net()
+    model = TemporaryNet()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     monitor = Monitor(model, optimizer, write_files=False, **CPU)
     assert len(optim_module._global_optimizer_pre_hooks) == pre_hooks + 1
@@ -472,7 +432,7 @@ def test_close_twice_removes_every_hook() -> None:
 
 
 def test_context_manager_closes() -> None:
-    model = Net()
+    model = TemporaryNet()
     with Monitor(model, write_files=False):
         model(batches(1)[0])
     assert not model._forward_pre_hooks

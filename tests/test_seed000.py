@@ -10,7 +10,6 @@ the loop variable ``outputs`` keeps all of it until it is rebound, after the nex
 
 from __future__ import annotations
 
-import gc
 import json
 import logging
 from pathlib import Path
@@ -24,28 +23,14 @@ from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.utils.data import DataLoader
 
-from helpers import MIB, csv_metrics, trainer_kwargs
+from helpers import MIB, announced, csv_metrics, trainer_kwargs
 from memcallbacks import MemoryMonitor, Monitor
 
 BATCH, EMB_DIM, ROWS = 256, 512, 4096
 EMB_BYTES = BATCH * EMB_DIM * 4  # one pulled embedding: 512 KiB
 HOLDER_TAIL = "-> autograd graph -> leaf tensor 256x512 float32"
-FOUND = "found a memory problem"
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(autouse=True)
-def _collected_heap():
-    """Earlier tests' trainers and models wait in reference cycles for the collector; the census
-    would otherwise see their tensors too."""
-    gc.collect()
+pytestmark = pytest.mark.usefixtures("one_thread", "collected_heap")
 
 
 class ParameterServer:
@@ -152,7 +137,7 @@ def test_seed_loop_kept_loss_is_lingering_from_the_first_step(tmp_path, caplog):
     assert first.endswith(f"{HOLDER_TAIL} (and its .grad)"), finding.holders
 
     # reported once: one warning, one report entry, and the count in every logged step from step 1
-    records = [r for r in caplog.records if FOUND in r.getMessage()]
+    records = announced(caplog)
     assert len(records) == 1 and "[lingering] step 1:" in records[0].getMessage()
     report = json.loads((tmp_path / "mem" / "report.json").read_text())
     assert [(f["key"], f["holders"]) for f in report["findings"]] == [(finding.key, finding.holders)]
@@ -165,7 +150,7 @@ def test_seed_fixes_find_nothing(tmp_path, caplog, fix):
     caplog.set_level(logging.WARNING, logger="memcallbacks")
     monitor, logged = run_seed_loop(tmp_path, fix=fix)
     assert [str(f) for f in monitor.findings] == []
-    assert not [r for r in caplog.records if FOUND in r.getMessage()]
+    assert not announced(caplog)
     assert {metrics["memory/findings"] for metrics, _ in logged} == {0.0}
 
 
@@ -232,7 +217,7 @@ def test_seed_module_in_lightning(tmp_path, caplog, keep_outputs):
     trainer.fit(SeedModule(ps, keep_outputs), pulling_loader(ps, 12))
     assert len(monitor.history) == 12
     findings = monitor.findings
-    records = [r for r in caplog.records if FOUND in r.getMessage()]
+    records = announced(caplog)
     counts = [v for _, v in csv_metrics(tmp_path / "csv" / "version_0" / "metrics.csv")["memory/findings"]]
     if not keep_outputs:
         assert [str(f) for f in findings] == [] and records == [] and set(counts) == {0.0}

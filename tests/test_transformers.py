@@ -3,9 +3,7 @@ TensorBoard event files written by the Trainer's own ``report_to`` integration r
 
 from __future__ import annotations
 
-import glob
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -13,31 +11,16 @@ import pandas as pd
 import pytest
 import torch
 
+from helpers import GIB, MIB, free_port, set_rank_environment, tensorboard_scalars, touch_temporary
+
 transformers = pytest.importorskip("transformers")
-from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
 from memcallbacks.transformers import MemoryMonitorCallback  # noqa: E402
 
-GIB = 2**30
-MIB = 2**20
 KEYS = {"memory/peak_forward(GiB)", "memory/peak_backward(GiB)", "memory/peak_optimizer(GiB)", "memory/peak_step(GiB)", "memory/allocated(GiB)"}
 
-
-@pytest.fixture(autouse=True)
-def fresh_accelerate_state() -> Any:
-    """The Trainer builds an Accelerator; accelerate keeps process-wide singletons between tests.
-
-    One intra-op thread: on a busy 2-core machine, OpenMP threads spinning against other processes
-    make these tiny steps 10x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")  # the Trainer builds an Accelerator
 
 
 class TokenData(torch.utils.data.Dataset):
@@ -73,20 +56,6 @@ def training_args(tmp_path: Path, **overrides: Any) -> TrainingArguments:
     )
     kwargs.update(overrides)
     return TrainingArguments(**kwargs)
-
-
-def tensorboard_scalars(log_dir: str | os.PathLike[str]) -> dict[str, list[tuple[int, float]]]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    files = glob.glob(os.path.join(str(log_dir), "**", "events.out.tfevents.*"), recursive=True)
-    assert files, f"no TensorBoard event file under {log_dir}"
-    out: dict[str, list[tuple[int, float]]] = {}
-    for path in files:
-        acc = EventAccumulator(path, size_guidance={"scalars": 0})
-        acc.Reload()
-        for tag in acc.Tags()["scalars"]:
-            out.setdefault(tag, []).extend((e.step, float(e.value)) for e in acc.Scalars(tag))
-    return {tag: sorted(points) for tag, points in out.items()}
 
 
 def test_trainer_tensorboard_gets_memory_metrics_with_accumulation(tmp_path: Path) -> None:
@@ -205,26 +174,13 @@ def test_arguments() -> None:
 RANK_TEMP_MIB = 96
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _rank_main(rank: int, world_size: int, port: int, out: str) -> None:
     """One rank of a 2-process Trainer run (DDP over gloo); rank 1's forward allocates a large temporary."""
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1",
-    )
-    torch.set_num_threads(1)
+    set_rank_environment(rank, world_size, port)
     model = tiny_gpt2()
     if rank == 1:
-        def temporary(module: Any, args: Any) -> None:
-            temp = torch.ones(RANK_TEMP_MIB * MIB, dtype=torch.uint8)
-            assert int(temp[::4096].sum()) == RANK_TEMP_MIB * MIB // 4096
+        def temporary(module: Any, args: Any) -> None:  # returns None: the hook leaves the inputs alone
+            touch_temporary(RANK_TEMP_MIB)
 
         model.register_forward_pre_hook(temporary)
     monitor = MemoryMonitorCallback(sample_every_n_steps=1, cpu_mmap_threshold=1 << 20, plot=False)
@@ -240,7 +196,7 @@ def test_two_processes_log_max_over_ranks(tmp_path: Path) -> None:
     import torch.multiprocessing as mp
 
     # fork: the ranks inherit the imports; they run single-threaded
-    mp.start_processes(_rank_main, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True, start_method="fork")
+    mp.start_processes(_rank_main, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True, start_method="fork")
 
     mem = tmp_path / "out" / "memcallbacks"
     ranks = [pd.read_csv(mem / f"history.rank{r}.csv").set_index("step") for r in (0, 1)]

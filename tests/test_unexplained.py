@@ -11,7 +11,6 @@ bookkeeping), hence the 4 MiB tolerance around a planted 64 MiB cache.
 
 from __future__ import annotations
 
-import gc
 import json
 import logging
 import math
@@ -26,7 +25,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.utils.data import DataLoader
 
-from helpers import GIB, MIB, csv_metrics, trainer_kwargs
+from helpers import GIB, MIB, announced, csv_metrics, trainer_kwargs
 from memcallbacks import MemoryMonitor, Monitor
 
 N_PARAMS = 256 * 512 + 512 + 512 + 1  # Net / StateModel
@@ -35,22 +34,8 @@ MARGIN = 16 * MIB
 TOLERANCE = 4 * MIB  # heap noise of a clean fit by step 1 is < 1 MiB (see the module docstring)
 CLEAN_LIMIT = 4 * MIB
 STEPS = 6
-FOUND = "found a memory problem"
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(autouse=True)
-def _collected_heap():
-    """Earlier tests' trainers and models wait in reference cycles for the collector; without this
-    the census would also see (and spend its time budget searching for) their tensors."""
-    gc.collect()
+pytestmark = pytest.mark.usefixtures("one_thread", "collected_heap")
 
 
 def make_optimizer(name: str, params: Any) -> torch.optim.Optimizer:
@@ -162,7 +147,7 @@ def test_expected_and_unexplained_are_logged(tmp_path, caplog, runner, optimizer
     # a clean model: what is left is heap noise, well inside a 16 MiB margin
     assert abs(states["unexplained_bytes"]) < CLEAN_LIMIT
     assert [f.kind for f in monitor.findings] == [] and report["findings"] == []
-    assert not [r for r in caplog.records if FOUND in r.getMessage()]
+    assert not announced(caplog)
 
     # both keys reach the logger from step 1 on (step 0 logs NaN, which the CSV reader drops)
     expected = logged["memory/expected(GiB)"]
@@ -212,7 +197,7 @@ def test_cache_kept_on_the_model_is_unexplained_and_named(tmp_path, caplog, runn
     assert census["parameters"] >= 4 * N_PARAMS
     assert "(single, fp32, world size 1)" in finding.message and "16.0 MiB" in finding.message
 
-    records = [r for r in caplog.records if FOUND in r.getMessage()]
+    records = announced(caplog)
     assert len(records) == 1 and "[unexplained] step 1:" in records[0].getMessage()
     assert [(f["kind"], f["bytes"], f["holders"]) for f in report["findings"]] == [("unexplained", finding.bytes, finding.holders)]
     assert [v for _, v in logged["memory/findings"]] == [0.0] + [1.0] * (STEPS - 1)
