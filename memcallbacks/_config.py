@@ -35,8 +35,10 @@ class MonitorConfig:
     bytes when the monitor starts. glibc keeps freed blocks below its (adaptive, up to 32 MiB)
     threshold in the heap, so the resident set - and hence CPU peaks - stop moving once the heap
     has grown; with e.g. ``1 << 20`` every tensor of 1 MiB or more goes back to the OS when freed
-    and per-phase RSS peaks follow tensor lifetimes. Costs page faults on every large allocation and
-    cannot be undone within the process. ``None`` leaves malloc alone."""
+    and per-phase RSS peaks follow tensor lifetimes. Free heap chunks left from before are given
+    back (``malloc_trim``) at every phase boundary of sampled steps, so tensors placed in them show
+    too (a few µs per boundary when nothing is free). Costs page faults on every large allocation
+    and cannot be undone within the process. ``None`` leaves malloc alone."""
 
     output_dir: str | None = None
     """Folder for ``history.csv``, ``report.json`` and ``memory.png``. ``None``: a ``memcallbacks``

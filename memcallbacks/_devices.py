@@ -253,6 +253,19 @@ def set_mmap_threshold(nbytes: int) -> bool:
         return False
 
 
+def _load_malloc_trim() -> Callable[[], Any] | None:
+    """``malloc_trim(0)`` (glibc), or None: gives the pages of free heap chunks back to the OS."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return None
+    trim.argtypes = [ctypes.c_size_t]
+    return lambda: trim(0)
+
+
 def _load_mallinfo2() -> Callable[[], _MallInfo2] | None:
     if not sys.platform.startswith("linux"):
         return None
@@ -298,9 +311,13 @@ class CpuBackend(MemoryBackend):
 
     kind = "cpu"
 
-    def __init__(self, device: torch.device | None = None) -> None:
+    def __init__(self, device: torch.device | None = None, *, trim_heap: bool = False) -> None:
         super().__init__(device or torch.device("cpu"))
         self._mallinfo2 = _load_mallinfo2()
+        # with cpu_mmap_threshold: free heap chunks (left from before the threshold was fixed) are
+        # given back at every boundary, so a tensor placed in one faults its pages in and shows in
+        # the RSS peak instead of reusing pages that are still resident
+        self._trim = _load_malloc_trim() if trim_heap else None
         self._rss = host_rss_reader()
         self._pid = -1
         self._clear_fd: int | None = None
@@ -331,6 +348,8 @@ class CpuBackend(MemoryBackend):
         return int(data[start : data.index(b"kB", start)]) * 1024
 
     def _hwm_and_reset(self) -> int:
+        if self._trim is not None:
+            self._trim()  # a few µs when nothing is free; before the reset, so it cannot raise the peak
         if self._use_status:
             peak = self._status_hwm()
         else:
@@ -455,7 +474,8 @@ def select_backend(device: torch.device | str | None, *, cpu_mmap_threshold: int
     if device.type == "cpu":
         if cpu_mmap_threshold is not None and not set_mmap_threshold(cpu_mmap_threshold):
             log.warning("memcallbacks: cpu_mmap_threshold=%d could not be applied (mallopt unavailable: not glibc?).", cpu_mmap_threshold)
-        return CpuBackend(device)
+            cpu_mmap_threshold = None
+        return CpuBackend(device, trim_heap=cpu_mmap_threshold is not None)
     if device.type == "cuda":
         return CudaBackend(device)
     return AcceleratorBackend(device)
