@@ -154,6 +154,11 @@ class AccelerateMemoryMonitor(Monitor):
             if self._closed or not core.step_open or self._backward_open:
                 return original(loss, **kwargs)
             self._backward_open = True  # the output-tensor hook then leaves this backward alone (no engine callback)
+            if isinstance(loss, torch.Tensor) and loss.grad_fn is not None:
+                # leak detection marks the user's own loss rather than the model's output: a loop
+                # variable `loss` alive at the next step is then found directly, without the heap
+                # scan that finding it from the output's graph needs
+                self._output = loss
             core.boundary(FORWARD)
             try:
                 return original(loss, **kwargs)

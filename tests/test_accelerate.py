@@ -95,6 +95,27 @@ def test_loss_backward_counts_as_backward_through_accelerator_backward() -> None
     assert ((h["peak_forward"] - h["reserved"]) / MIB < 0.5 * TEMP_MIB).all()
 
 
+def test_leak_detection_marks_the_loss_given_to_accelerator_backward() -> None:
+    # a loop variable `loss` is alive when the next step starts; marking that very tensor (not the
+    # model's output) lets the lingering check find it without scanning the heap for it
+    accelerator = Accelerator(cpu=True)
+    model = TemporaryNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    monitor = AccelerateMemoryMonitor(accelerator, model, write_files=False, **CPU)
+    lingering = monitor._core.watch.lingering
+    for x in monitor.track(list(loader(4))):
+        loss = model(x).pow(2).mean()
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+    monitor.close()
+    assert lingering._loss_ref is not None and lingering._loss_ref() is loss
+    # the graph was alive at each next step (with the batch, which the list keeps), and harmless
+    assert sum(n for k, n in lingering.occurrences.items() if k.startswith("seen:") and "graph" in k) >= 3
+    assert monitor.findings == []
+
+
 def test_gradient_accumulation_one_row_per_optimizer_step() -> None:
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
