@@ -215,6 +215,12 @@ class MonitorCore:
         adapters skip their per-step extras (output hooks, loss capture) otherwise."""
         return self.engine.sampling or self.current_count < LINGERING_EVERY_STEP_UNTIL
 
+    @property
+    def lingering_pending(self) -> bool:
+        """The previous step left marks (batch references, a marked graph) for the lingering check."""
+        lingering = self.watch.lingering if self.watch is not None else None
+        return lingering is not None and lingering.pending
+
     def wants_sample(self, count: int, log: bool) -> bool:
         """Whether the step after ``count`` steps is measured in full: logged steps, every
         ``sample_every``-th step, and the step where the theory check is due."""

@@ -384,6 +384,11 @@ class LingeringDetector:
                 self._sentinel_ref = ref(sentinel)
                 self._loss_ref = ref(loss)
 
+    @property
+    def pending(self) -> bool:
+        """``end_step`` left references for the next ``check`` to look at."""
+        return bool(self._batch_refs) or self._sentinel_ref is not None
+
     def check(self, step: int, current_batch: Any = None) -> Finding | None:
         """At the start of ``step``: a Finding if the previous step's batch or graph is alive.
 

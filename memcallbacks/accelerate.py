@@ -114,8 +114,7 @@ class AccelerateMemoryMonitor(Monitor):
             if isinstance(model, nn.Module) and not any(model is m for m in self._hooked):
                 found = True
                 self._hooked.append(model)
-                self._handles.append(model.register_forward_pre_hook(self._forward_pre))
-                self._handles.append(model.register_forward_hook(self._forward_post))
+                self._hook_model(model)
                 if not self._core.title:
                     self._core.title = type(getattr(model, "module", model)).__name__
         if found:

@@ -96,7 +96,13 @@ class Monitor(CoreResults):
         self._core = MonitorCore(self.config, self.framework, type(self).__name__, logging.getLogger(type(self).__module__))
         self._core.log_fn = log_fn
         self._model_ref = weakref.ref(model) if model is not None else None
-        self._handles: list[Any] = []
+        self._handles: list[Any] = []  # the global optimizer hooks
+        # models with forward hooks: always on in auto mode; under track()/step() only on steps that
+        # use them (sampled, or with lingering marks to check), since any module hook sends every
+        # forward through torch's slower hooked call path
+        self._hooked_models: list[nn.Module] = []
+        self._forward_handles: list[Any] = []
+        self._forward_hooks_on = True
         self._step = 0
         self._stepped = False  # an optimizer step happened in the open step
         # track(): True when a batch that ends without an optimizer step is gradient accumulation
@@ -139,8 +145,33 @@ class Monitor(CoreResults):
         self._handles.append(register_optimizer_step_pre_hook(self._optimizer_pre))
         self._handles.append(register_optimizer_step_post_hook(self._optimizer_post))
         if model is not None:
-            self._handles.append(model.register_forward_pre_hook(self._forward_pre))
-            self._handles.append(model.register_forward_hook(self._forward_post))
+            self._hook_model(model)
+
+    def _hook_model(self, model: nn.Module) -> None:
+        self._hooked_models.append(model)
+        if self._forward_hooks_on:
+            self._forward_handles.append(model.register_forward_pre_hook(self._forward_pre))
+            self._forward_handles.append(model.register_forward_hook(self._forward_post))
+
+    def _set_forward_hooks(self, on: bool) -> None:
+        """Install or remove the models' forward hooks (a few µs, only when the need changes)."""
+        if on == self._forward_hooks_on:
+            return
+        self._forward_hooks_on = on
+        if on:
+            models, self._hooked_models = self._hooked_models, []
+            for model in models:
+                self._hook_model(model)
+        else:
+            for handle in self._forward_handles:
+                handle.remove()
+            self._forward_handles = []
+
+    def _explicit_step_opened(self) -> None:
+        """track()/step() opened a step: forward hooks only where they do something (sampled steps,
+        the first steps, a step whose start checks the previous step's marks)."""
+        core = self._core
+        self._set_forward_hooks(core.detailed_step or core.lingering_pending)
 
     # ------------------------------------------------------------------ hooks (never raise)
     def _forward_pre(self, module: nn.Module, args: Any) -> None:
@@ -244,6 +275,7 @@ class Monitor(CoreResults):
                 # the caller's loop variable still holds the previous batch until this yield returns:
                 # check for lingering references at the step's first forward/optimizer hook instead
                 self._begin(batch_idx=batch_idx, batch=item, defer_lingering=True)
+                self._explicit_step_opened()
             self._batch = item
             del item
             yield self._batch
@@ -257,6 +289,7 @@ class Monitor(CoreResults):
         if self._core.step_open:
             self._end()
         self._begin()
+        self._explicit_step_opened()
         try:
             yield
         except BaseException as exc:
@@ -307,6 +340,8 @@ class Monitor(CoreResults):
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        self._set_forward_hooks(False)
+        self._hooked_models = []
         self._core.finish(gather=gather)
         self._core.stop()
 

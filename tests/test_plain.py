@@ -461,3 +461,44 @@ def test_accepts_every_config_field_as_keyword() -> None:
     monitor = Monitor(**{**fields, "write_files": False})
     assert monitor.config == MonitorConfig(**{**fields, "write_files": False})
     monitor.close()
+
+
+@pytest.mark.parametrize("mode", ["track", "step"])
+def test_forward_hooks_only_on_steps_that_use_them(mode) -> None:
+    # any module hook sends every forward through torch's slower hooked call path: under track() /
+    # step() the model's hooks are on for sampled steps, the first steps (lingering marks) and the
+    # step after a marked one, and off otherwise; auto mode keeps them (they open the steps)
+    model = TemporaryNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = Monitor(model, optimizer, write_files=False, log_every_n_steps=10)  # CPU: steps 9, 19, ... sampled
+    seen: list[bool] = []
+    items = monitor.track(batches(40)) if mode == "track" else batches(40)
+    for x in items:
+        with monitor.step() if mode == "step" else nullcontext():
+            seen.append(bool(model._forward_pre_hooks) and bool(model._forward_hooks))
+            model(x).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    monitor.close()
+    assert not model._forward_pre_hooks and not model._forward_hooks
+    # the first 20 steps are marked; sampled steps 29 and 39 measure phases. Under track() the step
+    # after a marked one checks the marks at its first forward (the caller's loop variable holds the
+    # previous batch until then), so steps 20 and 30 keep the hooks; step() checks when it opens.
+    after_marked = mode == "track"
+    assert all(seen[:20]) and seen[20] == after_marked
+    assert not any(seen[21:29]) and seen[29] and seen[30] == after_marked and not any(seen[31:39]) and seen[39]
+    assert list(monitor.history["step"]) == [1, 9, 19, 29, 39]  # step 1: the theory check's sample
+    assert (monitor.history["peak_forward"] == monitor.history["peak_forward"]).all()  # measured where sampled
+
+
+def test_auto_mode_keeps_its_forward_hooks() -> None:
+    model = TemporaryNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = Monitor(model, optimizer, write_files=False, log_every_n_steps=10)
+    for x in batches(30):
+        model(x).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        assert model._forward_pre_hooks
+    monitor.close()
+    assert len(monitor.history) == 4
