@@ -242,37 +242,45 @@ class _MallInfo2(ctypes.Structure):
 _M_MMAP_THRESHOLD = -3
 
 
+_libc_handle: list[Any] = []  # [the C library or None], loaded on first use
+
+
+def _libc() -> Any:
+    """glibc through ctypes (one handle for the process), or None off Linux / when it cannot load."""
+    if not _libc_handle:
+        libc = None
+        if sys.platform.startswith("linux"):
+            try:
+                libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            except OSError:
+                pass
+        _libc_handle.append(libc)
+    return _libc_handle[0]
+
+
+def _libc_function(name: str) -> Any:
+    libc = _libc()
+    return getattr(libc, name, None) if libc is not None else None
+
+
 def set_mmap_threshold(nbytes: int) -> bool:
     """Fix glibc's mmap threshold (``mallopt``); True on success. Process-wide and not reversible."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return bool(libc.mallopt(_M_MMAP_THRESHOLD, ctypes.c_int(nbytes)))
-    except (OSError, AttributeError):
-        return False
+    mallopt = _libc_function("mallopt")
+    return mallopt is not None and bool(mallopt(_M_MMAP_THRESHOLD, ctypes.c_int(nbytes)))
 
 
 def _load_malloc_trim() -> Callable[[], Any] | None:
     """``malloc_trim(0)`` (glibc), or None: gives the pages of free heap chunks back to the OS."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        trim = libc.malloc_trim
-    except (OSError, AttributeError):
+    trim = _libc_function("malloc_trim")
+    if trim is None:
         return None
     trim.argtypes = [ctypes.c_size_t]
     return lambda: trim(0)
 
 
 def _load_mallinfo2() -> Callable[[], _MallInfo2] | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        fn = libc.mallinfo2  # glibc >= 2.33; the older mallinfo() overflows past 2 GiB
-    except (OSError, AttributeError):
+    fn = _libc_function("mallinfo2")  # glibc >= 2.33; the older mallinfo() overflows past 2 GiB
+    if fn is None:
         return None
     fn.restype = _MallInfo2
     fn.argtypes = []

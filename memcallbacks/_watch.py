@@ -10,7 +10,6 @@ framework-free; adapters hand over the batch, the loss and the training objects.
 from __future__ import annotations
 
 import copy
-
 import logging
 from typing import Any, Callable
 

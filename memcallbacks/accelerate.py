@@ -81,13 +81,11 @@ class AccelerateMemoryMonitor(Monitor):
                 "pass the Accelerator your loop uses."
             )
         self._accelerator = accelerator
-        self._hooked: list[nn.Module] = []
         self._discover = model is None  # hook what accelerator.prepare has seen
         self._warned_no_tracker = False
         super().__init__(model, optimizer, log_fn or self._log_to_trackers, device=accelerator.device, config=config, **kwargs)
         self._optimizer = optimizer
-        if model is not None:
-            self._hooked.append(model)
+        if model is not None:  # hooked by Monitor.__init__
             self._core.title = type(model).__name__
             self._set_training_objects()
         else:
@@ -111,9 +109,8 @@ class AccelerateMemoryMonitor(Monitor):
             return
         found = False
         for model in getattr(self._accelerator, "_models", []):
-            if isinstance(model, nn.Module) and not any(model is m for m in self._hooked):
+            if isinstance(model, nn.Module) and not any(model is m for m in self._hooked_models):
                 found = True
-                self._hooked.append(model)
                 self._hook_model(model)
                 if not self._core.title:
                     self._core.title = type(getattr(model, "module", model)).__name__
@@ -127,7 +124,7 @@ class AccelerateMemoryMonitor(Monitor):
         if optimizer is None and len(getattr(accelerator, "_optimizers", [])) == 1:
             optimizer = accelerator._optimizers[0]
         optimizer = getattr(optimizer, "optimizer", optimizer)  # the AcceleratedOptimizer's inner one
-        model = self._hooked[0] if len(self._hooked) == 1 else None
+        model = self._hooked_models[0] if len(self._hooked_models) == 1 else None
         # accelerator._models keeps the bare module under DDP, so the strategy is named here
         kind = str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type))
         strategy: str | None = None
@@ -228,7 +225,6 @@ class AccelerateMemoryMonitor(Monitor):
         if accelerator.__dict__.get("backward") is self._backward:
             del accelerator.__dict__["backward"]
         super().close()
-        self._hooked = []
 
     @property
     def accelerator(self) -> "Accelerator":

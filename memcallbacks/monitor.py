@@ -148,10 +148,14 @@ class Monitor(CoreResults):
             self._hook_model(model)
 
     def _hook_model(self, model: nn.Module) -> None:
+        """Watch ``model``'s forward passes (its hooks are installed now unless they are off)."""
         self._hooked_models.append(model)
         if self._forward_hooks_on:
-            self._forward_handles.append(model.register_forward_pre_hook(self._forward_pre))
-            self._forward_handles.append(model.register_forward_hook(self._forward_post))
+            self._register_forward_hooks(model)
+
+    def _register_forward_hooks(self, model: nn.Module) -> None:
+        self._forward_handles.append(model.register_forward_pre_hook(self._forward_pre))
+        self._forward_handles.append(model.register_forward_hook(self._forward_post))
 
     def _set_forward_hooks(self, on: bool) -> None:
         """Install or remove the models' forward hooks (a few µs, only when the need changes)."""
@@ -159,9 +163,8 @@ class Monitor(CoreResults):
             return
         self._forward_hooks_on = on
         if on:
-            models, self._hooked_models = self._hooked_models, []
-            for model in models:
-                self._hook_model(model)
+            for model in self._hooked_models:
+                self._register_forward_hooks(model)
         else:
             for handle in self._forward_handles:
                 handle.remove()

@@ -54,17 +54,14 @@ class _TrainerMonitor(Monitor):
 
     def _install_hooks(self, model: nn.Module | None) -> None:
         if model is not None:
-            self._handles.append(model.register_forward_pre_hook(self._forward_pre))
-            self._handles.append(model.register_forward_hook(self._forward_post))
+            self._hook_model(model)
 
     def abandon(self) -> None:
         """Remove the hooks and release the device handles without a collective (an exception is unwinding)."""
         if self._closed:
             return
         self._closed = True
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+        self._set_forward_hooks(False)
         self._core.stop()
 
 
