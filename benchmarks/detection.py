@@ -15,8 +15,8 @@ import warnings
 import torch
 from torch import nn
 
-from memcallbacks._census import find_holders, take_census
-from memcallbacks._detect import GrowthDetector, LingeringDetector, heap_in_use_bytes
+from memcallbacks.leaks.census import find_holders, take_census
+from memcallbacks.leaks.detectors import GrowthDetector, LingeringDetector, heap_in_use_bytes
 
 KiB, MiB = 1024, 1024 * 1024
 

@@ -39,7 +39,7 @@ from torch import nn
 
 import memcallbacks
 from memcallbacks import Monitor
-from memcallbacks import _snapshot
+from memcallbacks.snapshot import core as _snapshot
 
 VARIANTS = ["bare", "monitor", "off", "armed", "always", "armed (recording)"]
 

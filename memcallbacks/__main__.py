@@ -1,5 +1,5 @@
 """``python -m memcallbacks`` runs the command line."""
 
-from memcallbacks._cli import main
+from memcallbacks.cli import main
 
 raise SystemExit(main())

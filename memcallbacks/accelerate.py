@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 from memcallbacks._config import MonitorConfig
-from memcallbacks._core import LogFn
-from memcallbacks._engine import BACKWARD, FORWARD
+from memcallbacks._runtime.session import LogFn
+from memcallbacks._runtime.sampling import BACKWARD, FORWARD
 from memcallbacks.monitor import Monitor
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -38,9 +38,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from memcallbacks._config import MonitorConfig, check_config_names, resolve_config
-from memcallbacks._core import CoreResults, MonitorCore
-from memcallbacks._engine import BACKWARD, FORWARD, OPTIMIZER, OTHER
-from memcallbacks._watch import strategy_name
+from memcallbacks._runtime.session import CoreResults, MonitorCore
+from memcallbacks._runtime.sampling import BACKWARD, FORWARD, OPTIMIZER, OTHER
+from memcallbacks.leaks.watch import strategy_name
 
 if TYPE_CHECKING:  # pragma: no cover
     import lightning.pytorch as pl

@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from memcallbacks._config import MonitorConfig, resolve_config
-from memcallbacks._core import CoreResults, LogFn, MonitorCore
-from memcallbacks._engine import BACKWARD, FORWARD, OPTIMIZER, OTHER, PHASES
+from memcallbacks._runtime.session import CoreResults, LogFn, MonitorCore
+from memcallbacks._runtime.sampling import BACKWARD, FORWARD, OPTIMIZER, OTHER, PHASES
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     ) from exc
 
 from memcallbacks._config import MonitorConfig, resolve_config
-from memcallbacks._engine import COLUMNS, OPTIMIZER, OTHER
+from memcallbacks._runtime.sampling import COLUMNS, OPTIMIZER, OTHER
 from memcallbacks.monitor import Monitor
 
 if TYPE_CHECKING:  # pragma: no cover

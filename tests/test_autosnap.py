@@ -212,7 +212,7 @@ def test_oom_observer_dump_is_accounted_and_rendered_when_the_error_arrives(tmp_
     """The CUDA OOM observer writes its pickle inside the failing allocation (nothing else may run
     there); the dump is accounted against the budget and rendered when the error reaches the hooks.
     The observer's own call is replayed with a real snapshot file (the CUDA test does it for real)."""
-    from memcallbacks._autosnap import OBSERVER_TRIGGER, AutoSnapshot
+    from memcallbacks.snapshot.auto import OBSERVER_TRIGGER, AutoSnapshot
     from memcallbacks._config import MonitorConfig
 
     caplog.set_level(logging.WARNING, logger="memcallbacks")
@@ -232,7 +232,7 @@ def test_oom_observer_dump_is_accounted_and_rendered_when_the_error_arrives(tmp_
 
 
 def test_oom_observer_dump_that_failed_is_reported_not_counted(tmp_path):
-    from memcallbacks._autosnap import AutoSnapshot
+    from memcallbacks.snapshot.auto import AutoSnapshot
     from memcallbacks._config import MonitorConfig
 
     snap = AutoSnapshot(MonitorConfig(auto_snapshot=True), device_kind="cuda", capacity=80 << 30, output_dir=tmp_path)

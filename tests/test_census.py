@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from memcallbacks._census import (
+from memcallbacks.leaks.census import (
     NO_ROOT,
     NOT_SEARCHED,
     find_holders,

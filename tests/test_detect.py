@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch import nn
 
-from memcallbacks._census import find_holders
-from memcallbacks._detect import GarbageCollector, GrowthDetector, LingeringDetector, heap_in_use_bytes
+from memcallbacks.leaks.census import find_holders
+from memcallbacks.leaks.detectors import GarbageCollector, GrowthDetector, LingeringDetector, heap_in_use_bytes
 from memcallbacks._findings import Finding, FindingLog, format_bytes
 
 KiB, MiB = 1024, 1024 * 1024
@@ -287,7 +287,7 @@ def test_growth_finding_keeps_census_cost_and_holders_through_later_updates(tmp_
     """The holders and the census cost come with the second census; the growth updates after it carry
     only new rates, and the finding in the report keeps all of them."""
     from memcallbacks import Monitor
-    from memcallbacks._watch import GROWTH_CENSUS_GAP
+    from memcallbacks.leaks.watch import GROWTH_CENSUS_GAP
 
     gc.collect()
     model = KeepsActivations()

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from helpers import MIB, touch_temporary
-from memcallbacks._devices import CpuBackend, CudaBackend, host_rss_reader, select_backend
+from memcallbacks._runtime.devices import CpuBackend, CudaBackend, host_rss_reader, select_backend
 
 linux_hwm = pytest.mark.skipif(
     not sys.platform.startswith("linux") or not os.access("/proc/self/clear_refs", os.W_OK),

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from memcallbacks import _estimate_cli
+from memcallbacks.cli import estimate as _estimate_cli
 from memcallbacks.estimate import (
     GB,
     GiB,
@@ -655,7 +655,7 @@ def test_cli_errors_exit_2_with_one_line(argv, needle, capsys) -> None:
 
 
 def test_main_cli_dispatches_to_estimate(capsys) -> None:
-    cli = pytest.importorskip("memcallbacks._cli")
+    cli = pytest.importorskip("memcallbacks.cli")
     code = cli.main(["estimate", "--params", "4e9", "--largest-layer", "1e9", "--precision", "bf16-mixed",
                      "--strategies", "fsdp2", "--world-sizes", "8", "--unit", "GB", "--format", "csv"])
     out = capsys.readouterr().out

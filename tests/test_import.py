@@ -22,7 +22,7 @@ def test_import_pulls_in_no_framework():
         f"""
         import json, sys
         import memcallbacks
-        import memcallbacks._config, memcallbacks._devices, memcallbacks._engine, memcallbacks._outputs, memcallbacks._distributed
+        import memcallbacks._config, memcallbacks._runtime.devices, memcallbacks._runtime.sampling, memcallbacks._runtime.outputs, memcallbacks._runtime.distributed
         config = memcallbacks.MonitorConfig(log_every_n_steps=2)
         print(json.dumps({{
             "frameworks": [m for m in {FRAMEWORKS!r} if m in sys.modules],

@@ -31,7 +31,7 @@ from helpers import (
     wandb_offline_history,
 )
 from memcallbacks import MemoryMonitor
-from memcallbacks._engine import COLUMNS
+from memcallbacks._runtime.sampling import COLUMNS
 
 # documented key -> history column it is computed from (bytes / 2**30)
 STEP_KEY_COLUMNS = {

@@ -18,9 +18,9 @@ import pytest
 import torch
 from torch import nn
 
-from memcallbacks import _torch_private
-from memcallbacks._cli import main
-from memcallbacks._snapshot import (
+from memcallbacks._runtime import torch_private as _torch_private
+from memcallbacks.cli import main
+from memcallbacks.snapshot.core import (
     CPU_SNAPSHOT_FILE,
     META_KEY,
     CpuCapture,

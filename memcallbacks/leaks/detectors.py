@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import torch
 
-from memcallbacks._census import _edge, describe_tensor, graph_tensors, is_parameter, iter_tensors, storage_keys
+from memcallbacks.leaks.census import _edge, describe_tensor, graph_tensors, is_parameter, iter_tensors, storage_keys
 from memcallbacks._findings import Finding, format_bytes
 
 log = logging.getLogger(__name__)
@@ -37,7 +37,7 @@ MiB = 1024 * 1024
 
 
 # one implementation, in the device seam; re-exported here for the detectors' users
-from memcallbacks._devices import heap_in_use_bytes  # noqa: E402
+from memcallbacks._runtime.devices import heap_in_use_bytes  # noqa: E402
 
 
 # ----------------------------------------------------------------------------------------------

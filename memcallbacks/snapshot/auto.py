@@ -77,8 +77,8 @@ class AutoSnapshot:
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
-        from memcallbacks import _snapshot
-        from memcallbacks._outputs import check_writable
+        from memcallbacks.snapshot import core as _snapshot
+        from memcallbacks._runtime.outputs import check_writable
 
         check_writable(self.folder, "auto_snapshot")  # before training: an environment problem stops the run
         if self.kind != "cuda":
@@ -91,7 +91,7 @@ class AutoSnapshot:
             self.log.exception("memcallbacks: could not set up CUDA memory snapshots; continuing without them.")
 
     def stop(self) -> None:
-        from memcallbacks import _snapshot
+        from memcallbacks.snapshot import core as _snapshot
 
         if self._capture is not None and self._capture.active:
             try:
@@ -126,12 +126,12 @@ class AutoSnapshot:
         return ok
 
     def _path(self, template: str, step: int) -> Path:
-        from memcallbacks._snapshot import snapshot_file_name
+        from memcallbacks.snapshot.core import snapshot_file_name
 
         return self.folder / snapshot_file_name(template, step, rank=self.rank, world_size=self.world_size)
 
     def _oom_path(self) -> Path:
-        from memcallbacks._snapshot import OOM_SNAPSHOT_FILE
+        from memcallbacks.snapshot.core import OOM_SNAPSHOT_FILE
 
         path = self._path(OOM_SNAPSHOT_FILE, self.step)
         self.records.append({"trigger": OBSERVER_TRIGGER, "step": self.step, "files": {"snapshot": str(path)}})
@@ -139,14 +139,14 @@ class AutoSnapshot:
 
     # ------------------------------------------------------------------ recording (CUDA)
     def _record(self) -> None:
-        from memcallbacks import _snapshot
+        from memcallbacks.snapshot import core as _snapshot
 
         if not _snapshot.is_recording():
             _snapshot.start_recording(self.config.snapshot_max_entries)
             self._recording_ours = True
 
     def _dump(self, reason: str, step: int) -> None:
-        from memcallbacks import _snapshot
+        from memcallbacks.snapshot import core as _snapshot
 
         path = self._path(_snapshot.SNAPSHOT_FILE, step)
         written = _snapshot.dump_snapshot(path, max_bytes=self._remaining(), trigger=reason)
@@ -154,7 +154,7 @@ class AutoSnapshot:
 
     def _render(self, path: Path) -> dict[str, str]:
         """The offline HTML/PNG beside a snapshot pickle (a failed render leaves the pickle alone)."""
-        from memcallbacks import _snapshot
+        from memcallbacks.snapshot import core as _snapshot
 
         try:
             rendered = _snapshot.render_snapshot(_snapshot.load_snapshot(path), path.with_suffix(".html"), source=str(path))
@@ -250,7 +250,7 @@ class AutoSnapshot:
         if key in self._fired or self.busy or not self._room():
             return
         self._fired.add(key)
-        from memcallbacks import _snapshot
+        from memcallbacks.snapshot import core as _snapshot
 
         try:
             if self.kind == "cuda":
@@ -276,7 +276,7 @@ class AutoSnapshot:
 
     def on_exception(self, exc: BaseException, step: int) -> None:
         """An OOM is ending the run: write what can still be written (the error propagates afterwards)."""
-        from memcallbacks import _snapshot
+        from memcallbacks.snapshot import core as _snapshot
 
         try:
             if self._capture is not None and self._capture.active:
@@ -290,8 +290,8 @@ class AutoSnapshot:
                     self._account("oom", step, {"snapshot": str(path)})
             elif self._room():
                 # CPU: no history to dump; the census says who held what when memory ran out
-                from memcallbacks._census import take_census
-                from memcallbacks._outputs import write_json
+                from memcallbacks.leaks.census import take_census
+                from memcallbacks._runtime.outputs import write_json
 
                 census = take_census(time_budget_s=self.config.census_time_budget_s)
                 path = self.folder / f"memory_census_oom_step{step}{'' if self.world_size <= 1 else f'.rank{self.rank}'}.json"

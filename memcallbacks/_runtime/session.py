@@ -15,13 +15,13 @@ from typing import Any, Callable
 
 import torch
 
-from memcallbacks import _distributed
+from memcallbacks._runtime import distributed as _distributed
 from memcallbacks._config import MonitorConfig
-from memcallbacks._engine import GIB, OPTIMIZER, MemoryEngine
+from memcallbacks._runtime.sampling import GIB, OPTIMIZER, MemoryEngine
 from memcallbacks._findings import Finding, FindingLog
-from memcallbacks._outputs import check_writable, write_json, write_outputs
-from memcallbacks._autosnap import AutoSnapshot
-from memcallbacks._watch import LeakWatch, StateCheck
+from memcallbacks._runtime.outputs import check_writable, write_json, write_outputs
+from memcallbacks.snapshot.auto import AutoSnapshot
+from memcallbacks.leaks.watch import LeakWatch, StateCheck
 
 log = logging.getLogger(__name__)
 
@@ -486,7 +486,7 @@ class MonitorCore:
         self.engine.stop()
 
     def format_report(self) -> str:
-        from memcallbacks._report import format_report
+        from memcallbacks._runtime.report import format_report
 
         return format_report(self.report(), self.engine.history_frame())
 

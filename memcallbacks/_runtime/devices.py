@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import torch
 
-from memcallbacks import _torch_private
+from memcallbacks._runtime import torch_private as _torch_private
 
 log = logging.getLogger(__name__)
 

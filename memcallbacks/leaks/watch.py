@@ -1,7 +1,7 @@
 """Leak watching and the theory check, wired to step boundaries: what MonitorCore calls around each step.
 
-``LeakWatch`` runs the detectors of :mod:`memcallbacks._detect` (lingering references, baseline
-growth, periodic garbage collection) and, when one fires, the census of :mod:`memcallbacks._census`
+``LeakWatch`` runs the detectors of :mod:`memcallbacks.leaks.detectors` (lingering references, baseline
+growth, periodic garbage collection) and, when one fires, the census of :mod:`memcallbacks.leaks.census`
 to name the holders. ``StateCheck`` compares the step-start baseline with what
 :mod:`memcallbacks.estimate` says params, grads and optimizer state should take. Both are
 framework-free; adapters hand over the batch, the loss and the training objects.
@@ -26,7 +26,7 @@ GROWTH_CENSUS_GAP = 16
 
 def batch_bytes(batch: Any) -> int:
     """Bytes of the distinct storages of the tensors in ``batch`` (nested containers)."""
-    from memcallbacks._census import iter_tensors, storage_keys
+    from memcallbacks.leaks.census import iter_tensors, storage_keys
 
     seen: dict[Any, int] = {}
     for tensor in iter_tensors(batch):
@@ -39,7 +39,7 @@ class LeakWatch:
     """Per-step leak detection. Each method is cheap unless something is wrong."""
 
     def __init__(self, config: MonitorConfig, allocated_now: Callable[[], int | None], ignore: list[Any]) -> None:
-        from memcallbacks._detect import GarbageCollector, GrowthDetector, LingeringDetector
+        from memcallbacks.leaks.detectors import GarbageCollector, GrowthDetector, LingeringDetector
 
         self.config = config
         self._ignore = ignore  # our own objects, never reported as holders
@@ -158,7 +158,7 @@ class LeakWatch:
     def lingering_holders(self) -> list[str]:
         """Who keeps the previous step alive: the reference to the graph first (the cause — a kept
         loss), rendered through the autograd graph to the leaves it holds; then the other paths."""
-        from memcallbacks._census import describe_tensor, find_holders
+        from memcallbacks.leaks.census import describe_tensor, find_holders
 
         assert self.lingering is not None
         targets = self.lingering.alive_tensors()
@@ -175,7 +175,7 @@ class LeakWatch:
         return holders + self.holders_of(targets)[: max(0, 5 - len(holders))]
 
     def holders_of(self, tensors: list[Any]) -> list[str]:
-        from memcallbacks._census import find_holders
+        from memcallbacks.leaks.census import find_holders
 
         if not tensors:
             return []
@@ -192,7 +192,7 @@ class LeakWatch:
 
     def census(self, batch: Any = None) -> Any:
         """A census now (for ``explain()``)."""
-        from memcallbacks._census import take_census
+        from memcallbacks.leaks.census import take_census
 
         return take_census(
             model=self.model,

@@ -14,9 +14,9 @@ import math
 import time
 from typing import Any, Callable
 
-from memcallbacks import _distributed
+from memcallbacks._runtime import distributed as _distributed
 from memcallbacks._config import MonitorConfig
-from memcallbacks._devices import MemoryBackend, host_rss_reader, select_backend
+from memcallbacks._runtime.devices import MemoryBackend, host_rss_reader, select_backend
 
 log = logging.getLogger(__name__)
 

@@ -34,9 +34,9 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import numpy as np
 import torch
 
-from memcallbacks import _torch_private as _tp
+from memcallbacks._runtime import torch_private as _tp
 from memcallbacks._findings import format_bytes
-from memcallbacks._outputs import atomic_write, write_json
+from memcallbacks._runtime.outputs import atomic_write, write_json
 
 log = logging.getLogger(__name__)
 
@@ -405,7 +405,7 @@ class CpuCapture:
         self.snapshot: dict[str, Any] | None = None
         """The converted snapshot once :attr:`finished`."""
         self.census: Any = None
-        """The :class:`memcallbacks._census.Census` taken at the end, when enabled and it succeeded."""
+        """The :class:`memcallbacks.leaks.census.Census` taken at the end, when enabled and it succeeded."""
         self._prof: Any = None
         self._labels: list[str] = []
         self._first_step: int | None = None
@@ -508,7 +508,7 @@ class CpuCapture:
 
     def _take_census(self) -> dict[int, dict[str, Any]]:
         try:
-            from memcallbacks._census import take_census
+            from memcallbacks.leaks.census import take_census
 
             self.census = take_census(step=self._first_step, time_budget_s=self.census_time_budget_s, ignore=[self])
         except Exception:

@@ -10,7 +10,7 @@ from typing import Sequence
 __all__ = ["main", "build_parser"]
 
 # each module defines ``register(subparsers)``, adding its sub-command with ``set_defaults(func=...)``
-_SUBCOMMAND_MODULES = ("memcallbacks._estimate_cli", "memcallbacks._report_cli", "memcallbacks._snapshot_cli")
+_SUBCOMMAND_MODULES = ("memcallbacks.cli.estimate", "memcallbacks.cli.report", "memcallbacks.cli.snapshot")
 
 
 def build_parser() -> argparse.ArgumentParser:

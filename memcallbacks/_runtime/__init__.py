@@ -1,0 +1,1 @@
+"""The session every adapter drives: devices, phase sampling, distributed, outputs (private)."""

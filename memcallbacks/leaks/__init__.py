@@ -1,0 +1,1 @@
+"""Leak detection and attribution: growth, lingering references, cycles, the tensor census."""

@@ -1,0 +1,1 @@
+"""Memory snapshots: CUDA recording, CPU capture, summary, offline render, auto-snapshot policy."""
