@@ -7,24 +7,13 @@ import logging
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterator
 
+from memcallbacks._units import format_bytes
+
 log = logging.getLogger(__name__)
 
-__all__ = ["Finding", "FindingLog", "format_bytes"]
+__all__ = ["Finding", "FindingLog"]
 
 KINDS = ("growth", "lingering", "cycle", "unexplained")
-
-
-def format_bytes(n: int | float | None) -> str:
-    """``1536`` -> ``"1.5 KiB"``; binary units, as in the rest of memcallbacks."""
-    if n is None:
-        return "unknown"
-    sign = "-" if n < 0 else ""
-    value = float(abs(n))
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024.0 or unit == "TiB":
-            return f"{sign}{value:.0f} {unit}" if unit == "B" else f"{sign}{value:.1f} {unit}"
-        value /= 1024.0
-    raise AssertionError("unreachable")
 
 
 @dataclass

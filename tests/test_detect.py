@@ -15,7 +15,8 @@ from torch import nn
 
 from memcallbacks.leaks.census import find_holders
 from memcallbacks.leaks.detectors import GarbageCollector, GrowthDetector, LingeringDetector, heap_in_use_bytes
-from memcallbacks._findings import Finding, FindingLog, format_bytes
+from memcallbacks._findings import Finding, FindingLog
+from memcallbacks._units import format_bytes, format_delta
 
 KiB, MiB = 1024, 1024 * 1024
 
@@ -71,7 +72,10 @@ def test_format_bytes():
     assert format_bytes(512) == "512 B"
     assert format_bytes(256 * KiB) == "256.0 KiB"
     assert format_bytes(-3 * MiB) == "-3.0 MiB"
-    assert format_bytes(None) == "unknown"
+    assert format_bytes(None) == "-"
+    assert format_bytes(float("nan"), missing="unknown") == "unknown"
+    assert format_delta(-208 * KiB) == "-208.0 KiB"
+    assert format_delta(3 * MiB) == "+3.0 MiB"
 
 
 # ----------------------------------------------------------------------------------------------

@@ -10,11 +10,14 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
+from memcallbacks._units import GiB, MiB
+
 log = logging.getLogger(__name__)
 
-__all__ = ["atomic_write", "check_writable", "write_outputs", "plot_history", "file_names"]
+__all__ = ["REPORT_VERSION", "atomic_write", "check_writable", "write_outputs", "plot_history", "file_names"]
 
 REPORT_VERSION = 1
+"""``report.json``'s ``version``: bumped when a key changes meaning or goes away."""
 
 
 def atomic_write(path: str | os.PathLike[str], write: Callable[[Any], None], mode: str = "w") -> Path:
@@ -124,7 +127,7 @@ def plot_history(history: Any, path: Path, *, title: str = "", peak_source: str 
             _warned_no_matplotlib = True
         return None
 
-    gib, mib = float(2**30), float(2**20)
+    gib, mib = float(GiB), float(MiB)
     x = history["step"].to_numpy()
     fig = Figure(figsize=(10, 7.5), dpi=100)
     ax, ax2 = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [3, 2]})

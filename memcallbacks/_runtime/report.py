@@ -7,19 +7,9 @@ import math
 from pathlib import Path
 from typing import Any
 
-__all__ = ["format_report", "load_output_dir", "human_bytes"]
+from memcallbacks._units import format_bytes, format_delta
 
-
-def human_bytes(n: float | int | None) -> str:
-    """``1536`` -> ``'1.5 KiB'``; None/NaN -> ``'-'``."""
-    if n is None or (isinstance(n, float) and math.isnan(n)):
-        return "-"
-    n = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} TiB"  # pragma: no cover
+__all__ = ["format_report", "load_output_dir"]
 
 
 def load_output_dir(folder: str | Path) -> tuple[dict[str, Any], Any]:
@@ -55,31 +45,31 @@ def format_report(report: dict[str, Any], history: Any = None) -> str:
     lines.append(f"memcallbacks report — {device.get('device', '?')} ({device.get('peak_source', '?')} peaks), "
                  f"{s.get('steps_seen', 0)} steps, {s.get('steps_recorded', 0)} rows")
     if s.get("capacity_bytes"):
-        lines.append(f"  device capacity            {human_bytes(s['capacity_bytes'])}")
-    lines.append(f"  peak over the run          {human_bytes(s.get('max_allocated_bytes'))} allocated, "
-                 f"{human_bytes(s.get('max_reserved_bytes'))} reserved")
+        lines.append(f"  device capacity            {format_bytes(s['capacity_bytes'])}")
+    lines.append(f"  peak over the run          {format_bytes(s.get('max_allocated_bytes'))} allocated, "
+                 f"{format_bytes(s.get('max_reserved_bytes'))} reserved")
     base = "reserved (RSS)" if peak_note else "allocated"
     lines.append(f"  per-phase peaks{peak_note}, and the most each rose above {base} at step start:")
     for phase in ("forward", "backward", "optimizer"):
-        lines.append(f"    {phase:<10} {human_bytes(s.get(f'peak_{phase}_bytes')):>12}   +{human_bytes(s.get(f'peak_{phase}_above_baseline_bytes'))}")
+        lines.append(f"    {phase:<10} {format_bytes(s.get(f'peak_{phase}_bytes')):>12}   {format_delta(s.get(f'peak_{phase}_above_baseline_bytes'))}")
     first, last = s.get("first_allocated_bytes"), s.get("last_allocated_bytes")
     if first is not None and last is not None:
-        lines.append(f"  allocated at step start    {human_bytes(first)} (first row) -> {human_bytes(last)} (last row), "
-                     f"change {human_bytes(last - first)}")
+        lines.append(f"  allocated at step start    {format_bytes(first)} (first row) -> {format_bytes(last)} (last row), "
+                     f"change {format_bytes(last - first)}")
     if history is not None and len(history) and "peak_forward" in history:
         top = history.loc[history["peak_allocated"].idxmax()]
-        lines.append(f"  largest step peak          step {int(top['step'])}: {human_bytes(top['peak_allocated'])} "
-                     f"(forward {human_bytes(top['peak_forward'])}, backward {human_bytes(top['peak_backward'])}, "
-                     f"optimizer {human_bytes(top['peak_optimizer'])})")
+        lines.append(f"  largest step peak          step {int(top['step'])}: {format_bytes(top['peak_allocated'])} "
+                     f"(forward {format_bytes(top['peak_forward'])}, backward {format_bytes(top['peak_backward'])}, "
+                     f"optimizer {format_bytes(top['peak_optimizer'])})")
     for stage, e in (s.get("eval") or {}).items():
-        lines.append(f"  {stage:<26} {e['runs']} run(s), peak {human_bytes(e['peak_allocated_bytes'])}")
+        lines.append(f"  {stage:<26} {e['runs']} run(s), peak {format_bytes(e['peak_allocated_bytes'])}")
     states = report.get("model_states") or {}
     if states.get("expected_steady_bytes") is not None:
         exp = states.get("expected", {})
-        lines.append(f"  model states (theory)      {human_bytes(states['expected_steady_bytes'])} expected at step {states.get('step')} "
+        lines.append(f"  model states (theory)      {format_bytes(states['expected_steady_bytes'])} expected at step {states.get('step')} "
                      f"({states.get('strategy')}, {states.get('precision')}, world size {states.get('world_size')}: params "
-                     f"{human_bytes(exp.get('params'))}, grads {human_bytes(exp.get('grads'))}, optimizer {human_bytes(exp.get('optimizer'))}); "
-                     f"unexplained {human_bytes(states.get('unexplained_bytes'))}")
+                     f"{format_bytes(exp.get('params'))}, grads {format_bytes(exp.get('grads'))}, optimizer {format_bytes(exp.get('optimizer'))}); "
+                     f"unexplained {format_bytes(states.get('unexplained_bytes'))}")
     snaps = report.get("snapshots") or []
     if snaps:
         lines.append(f"  snapshots                  {len(snaps)}: " + "; ".join(f"step {r.get('step')} ({r.get('trigger')})" for r in snaps[:3]))

@@ -16,13 +16,16 @@ from typing import Any, Callable
 
 from memcallbacks._runtime import distributed as _distributed
 from memcallbacks._config import MonitorConfig
+from memcallbacks._units import GiB
 from memcallbacks._runtime.devices import MemoryBackend, host_rss_reader, select_backend
 
 log = logging.getLogger(__name__)
 
 __all__ = ["MemoryEngine", "FORWARD", "BACKWARD", "OPTIMIZER", "OTHER", "PHASES", "COLUMNS", "EVAL_COLUMNS", "GIB"]
 
-GIB = float(2**30)
+GIB = float(GiB)
+STATE_VERSION = 1
+"""Version of the checkpointed monitor state (``state_dict()``)."""
 
 FORWARD, BACKWARD, OPTIMIZER, OTHER = range(4)
 PHASES = ("forward", "backward", "optimizer", "other")
@@ -402,7 +405,7 @@ class MemoryEngine:
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:
         return {
-            "version": 1,
+            "version": STATE_VERSION,
             "columns": list(COLUMNS),
             "rows": [list(r) for r in self.rows],
             "eval_rows": [list(r) for r in self.eval_rows],
@@ -414,7 +417,7 @@ class MemoryEngine:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if not state or state.get("version") != 1:
+        if not state or state.get("version") != STATE_VERSION:
             log.warning("memcallbacks: ignoring memory-monitor state of unknown version %r in the checkpoint.", state.get("version") if state else None)
             return
         columns = state["columns"]

@@ -19,7 +19,8 @@ from memcallbacks._runtime import distributed as _distributed
 from memcallbacks._config import MonitorConfig
 from memcallbacks._runtime.sampling import GIB, OPTIMIZER, MemoryEngine
 from memcallbacks._findings import Finding, FindingLog
-from memcallbacks._runtime.outputs import check_writable, write_json, write_outputs
+from memcallbacks._units import format_bytes
+from memcallbacks._runtime.outputs import REPORT_VERSION, check_writable, write_json, write_outputs
 from memcallbacks.snapshot.auto import AutoSnapshot
 from memcallbacks.leaks.watch import LeakWatch, StateCheck
 
@@ -293,7 +294,7 @@ class MonitorCore:
                 finding = self._check_state(step, baseline, batch)
                 if finding is not None and watch is not None:
                     census = watch.census(batch)
-                    finding.holders = [f"{holder} ({n_tensors} tensors, {nbytes / 2**20:.1f} MiB)" for holder, n_tensors, nbytes in census.top_holders(5)]
+                    finding.holders = [f"{holder} ({n_tensors} tensors, {format_bytes(nbytes)})" for holder, n_tensors, nbytes in census.top_holders(5)]
                     finding.details["census"] = {k: int(v) for k, v in census.bytes_by_category.items()}
                 if finding is not None:
                     found.append(finding)
@@ -427,7 +428,7 @@ class MonitorCore:
         from memcallbacks import __version__
 
         return {
-            "version": 1,
+            "version": REPORT_VERSION,
             "memcallbacks_version": __version__,
             "framework": self.framework,
             "config": self.config.to_dict(),

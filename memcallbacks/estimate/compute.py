@@ -29,6 +29,10 @@ from typing import TYPE_CHECKING, Any, Union
 import torch
 from torch import nn
 
+from memcallbacks._storage import distinct_bytes, local_tensor
+from memcallbacks._units import GB, GiB
+from memcallbacks._units import UNITS as _UNITS
+
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
 
@@ -50,10 +54,6 @@ __all__ = [
     "measure_model_states",
 ]
 
-GB = 10**9
-"""One gigabyte, 1e9 bytes (the unit of seed 000's arithmetic: 1B params x 2 bytes = 2 GB)."""
-GiB = 2**30
-"""One gibibyte, 2**30 bytes (the unit torch and DeepSpeed print as "GB")."""
 
 STRATEGIES = ("single", "ddp", "fsdp", "fsdp2", "zero1", "zero2", "zero3")
 """Canonical strategy names accepted by :func:`estimate`."""
@@ -1063,21 +1063,13 @@ def measure_model_states(model: nn.Module, optimizer: torch.optim.Optimizer | No
     ``host_{params,grads,optimizer}`` (tensors in CPU memory), ``params``, ``grads``,
     ``optimizer`` (both) and ``total``. Cost: one pass over parameters and state, no allocation.
     """
-    seen: set[tuple[str, int | None, int, int]] = set()
+    seen: dict[Any, int] = {}
     out = dict.fromkeys([f"{where}_{kind}" for where in ("device", "host") for kind in _MEASURE_KINDS], 0)
 
     def add(tensor: Any, kind: str) -> None:
         if isinstance(tensor, torch.Tensor):
-            local = _local_tensor(tensor)
-            if local.device.type == "meta":
-                return
-            storage = local.untyped_storage()
-            key = (local.device.type, local.device.index, storage.data_ptr(), storage.nbytes())
-            if key in seen:
-                return
-            seen.add(key)
-            where = "host" if local.device.type == "cpu" else "device"
-            out[f"{where}_{kind}"] += storage.nbytes()
+            where = "host" if local_tensor(tensor).device.type == "cpu" else "device"
+            out[f"{where}_{kind}"] += distinct_bytes([tensor], seen)
         elif isinstance(tensor, Mapping):
             for value in tensor.values():
                 add(value, kind)
@@ -1104,18 +1096,9 @@ def measure_model_states(model: nn.Module, optimizer: torch.optim.Optimizer | No
     return out
 
 
-def _local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    to_local = getattr(tensor, "to_local", None)
-    if to_local is not None and type(tensor).__name__ == "DTensor":
-        with torch.no_grad():
-            return to_local()
-    return tensor
-
-
 # ----------------------------------------------------------------------------------------------
 # tables
 
-_UNITS = {"bytes": 1, "B": 1, "KB": 10**3, "KiB": 2**10, "MB": 10**6, "MiB": 2**20, "GB": GB, "GiB": GiB}
 
 
 def _unit_scale(unit: str, func: str) -> int:

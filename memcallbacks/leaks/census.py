@@ -19,7 +19,9 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
-from memcallbacks._findings import format_bytes
+from memcallbacks._storage import StorageKey, storage_keys
+
+from memcallbacks._units import format_bytes
 
 log = logging.getLogger(__name__)
 
@@ -64,43 +66,11 @@ _CO_OPTIMIZED = 0x1
 _MODULE_DICT_KEYS = ("_modules", "_parameters", "_buffers")
 _INTERNAL_MODULES = ("memcallbacks", "torch", "gc", "sys", "threading")
 
-StorageKey = tuple  # (device, data_ptr)
 
 
 # ----------------------------------------------------------------------------------------------
 # Small helpers shared with the detectors
 # ----------------------------------------------------------------------------------------------
-
-
-def storage_keys(t: torch.Tensor) -> list[tuple[StorageKey, int]]:
-    """``[(key, nbytes)]`` of the storages behind ``t``; ``[]`` for meta/empty/odd tensors.
-
-    Sparse tensors report their index and value storages; anything that cannot expose a
-    storage (fake, functional or wrapper subclasses without data) reports nothing.
-    """
-    try:
-        layout = t.layout
-        if layout is not torch.strided:
-            if layout is torch.sparse_coo:
-                parts = [t._indices(), t._values()]
-            elif layout in (torch.sparse_csr, torch.sparse_bsr):
-                parts = [t.crow_indices(), t.col_indices(), t.values()]
-            elif layout in (torch.sparse_csc, torch.sparse_bsc):
-                parts = [t.ccol_indices(), t.row_indices(), t.values()]
-            else:
-                return []
-            out: list[tuple[StorageKey, int]] = []
-            for p in parts:
-                out += storage_keys(p)
-            return out
-        st = t.untyped_storage()
-        ptr = st.data_ptr()
-        nbytes = st.nbytes()
-        if not ptr or not nbytes:
-            return []
-        return [((t.device, ptr), int(nbytes))]
-    except Exception:
-        return []
 
 
 def describe_tensor(t: Any) -> str:

@@ -15,7 +15,8 @@ from typing import Any, Callable
 import torch
 
 from memcallbacks.leaks.census import _edge, describe_tensor, graph_tensors, is_parameter, iter_tensors, storage_keys
-from memcallbacks._findings import Finding, format_bytes
+from memcallbacks._findings import Finding
+from memcallbacks._units import KiB, MiB, format_bytes
 
 log = logging.getLogger(__name__)
 
@@ -27,8 +28,6 @@ __all__ = [
     "heap_in_use_bytes",
 ]
 
-KiB = 1024
-MiB = 1024 * 1024
 
 
 # ----------------------------------------------------------------------------------------------

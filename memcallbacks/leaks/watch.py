@@ -13,8 +13,10 @@ import copy
 import logging
 from typing import Any, Callable
 
+from memcallbacks._storage import distinct_bytes
 from memcallbacks._config import MonitorConfig
-from memcallbacks._findings import Finding, format_bytes
+from memcallbacks._findings import Finding
+from memcallbacks._units import format_bytes
 
 log = logging.getLogger(__name__)
 
@@ -26,13 +28,9 @@ GROWTH_CENSUS_GAP = 16
 
 def batch_bytes(batch: Any) -> int:
     """Bytes of the distinct storages of the tensors in ``batch`` (nested containers)."""
-    from memcallbacks.leaks.census import iter_tensors, storage_keys
+    from memcallbacks.leaks.census import iter_tensors
 
-    seen: dict[Any, int] = {}
-    for tensor in iter_tensors(batch):
-        for key, nbytes in storage_keys(tensor):
-            seen[key] = nbytes
-    return sum(seen.values())
+    return distinct_bytes(iter_tensors(batch))
 
 
 class LeakWatch:

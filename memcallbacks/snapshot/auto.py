@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from memcallbacks._config import MonitorConfig
-from memcallbacks._findings import format_bytes
+from memcallbacks._units import format_bytes
 
 log = logging.getLogger(__name__)
 

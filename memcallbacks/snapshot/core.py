@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from memcallbacks._runtime import torch_private as _tp
-from memcallbacks._findings import format_bytes
+from memcallbacks._units import GiB, MiB, format_bytes
 from memcallbacks._runtime.outputs import atomic_write, write_json
 
 log = logging.getLogger(__name__)
@@ -1228,7 +1228,7 @@ def render_snapshot(
 
 
 def _unit(peak: float) -> tuple[float, str]:
-    return (float(2**30), "GiB") if peak >= 2 * 2**30 else (float(2**20), "MiB")
+    return (float(GiB), "GiB") if peak >= 2 * GiB else (float(MiB), "MiB")
 
 
 def _downsample(y: Any, max_points: int = 4000) -> tuple[Any, Any]:
