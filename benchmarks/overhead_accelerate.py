@@ -77,7 +77,7 @@ class TimedMonitor(AccelerateMemoryMonitor):
         for name in self._TIMED:
             setattr(self, name, self._timed(getattr(self, name)))
         super().__init__(*args, **kwargs)
-        core = self._core
+        core = self._session
         for name in ("boundary", "begin_step", "end_step"):
             setattr(core, name, self._timed(getattr(core, name)))
 

@@ -91,7 +91,7 @@ def run_block(variant: str, model: nn.Module, optimizer: torch.optim.Optimizer, 
             kwargs.update(auto_snapshot=True, snapshot_policy=policy, snapshot_capacity_fraction=0.99)
         monitor = Monitor(model, optimizer, **kwargs)
         if variant == "armed (recording)" and device.type == "cuda":
-            monitor._core.snap._record()  # what a step above 80% of the threshold does
+            monitor._session.snap._record()  # what a step above 80% of the threshold does
     try:
         train_steps(model, optimizer, data, args.warmup)
         sync(device)

@@ -86,7 +86,7 @@ class AccelerateMemoryMonitor(Monitor):
         super().__init__(model, optimizer, log_fn or self._log_to_trackers, device=accelerator.device, config=config, **kwargs)
         self._optimizer = optimizer
         if model is not None:  # hooked by Monitor.__init__
-            self._core.title = type(model).__name__
+            self._session.title = type(model).__name__
             self._set_training_objects()
         else:
             self._hook_prepared_models()
@@ -96,7 +96,7 @@ class AccelerateMemoryMonitor(Monitor):
     def _start(self, device: torch.device) -> None:
         accelerator = self._accelerator
         base = accelerator.project_dir or accelerator.logging_dir
-        self._core.start(
+        self._session.start(
             device,
             rank=int(accelerator.process_index),
             world_size=int(accelerator.num_processes),
@@ -112,8 +112,8 @@ class AccelerateMemoryMonitor(Monitor):
             if isinstance(model, nn.Module) and not any(model is m for m in self._hooked_models):
                 found = True
                 self._hook_model(model)
-                if not self._core.title:
-                    self._core.title = type(getattr(model, "module", model)).__name__
+                if not self._session.title:
+                    self._session.title = type(getattr(model, "module", model)).__name__
         if found:
             self._set_training_objects()
 
@@ -138,7 +138,7 @@ class AccelerateMemoryMonitor(Monitor):
             strategy = "ddp"
         precision = {"fp16": "16-mixed", "bf16": "bf16-mixed"}.get(str(accelerator.mixed_precision))
         world_size = int(accelerator.num_processes) if strategy is not None else None
-        self._core.set_training_objects(model, optimizer, precision=precision, strategy=strategy, world_size=world_size)
+        self._session.set_training_objects(model, optimizer, precision=precision, strategy=strategy, world_size=world_size)
 
     def _install_backward_wrapper(self) -> None:
         # the instance attribute shadows Accelerator.backward; close() deletes it again
@@ -146,8 +146,8 @@ class AccelerateMemoryMonitor(Monitor):
         original = accelerator.backward
 
         def backward(loss: Any, **kwargs: Any) -> Any:
-            core = self._core
-            if self._closed or not core.step_open or self._backward_open:
+            session = self._session
+            if self._closed or not session.step_open or self._backward_open:
                 return original(loss, **kwargs)
             self._backward_open = True  # the output-tensor hook then leaves this backward alone (no engine callback)
             if isinstance(loss, torch.Tensor) and loss.grad_fn is not None:
@@ -155,12 +155,12 @@ class AccelerateMemoryMonitor(Monitor):
                 # variable `loss` alive at the next step is then found directly, without the heap
                 # scan that finding it from the output's graph needs
                 self._output = loss
-            core.boundary(FORWARD)
+            session.boundary(FORWARD)
             try:
                 return original(loss, **kwargs)
             finally:
                 self._backward_open = False
-                core.boundary(BACKWARD)
+                session.boundary(BACKWARD)
 
         self._backward = backward
         accelerator.backward = backward
@@ -204,7 +204,7 @@ class AccelerateMemoryMonitor(Monitor):
         # step ends (it ends when ``_stepped``, or while no optimizer step has ever been seen): the
         # accelerator knows better whether an accumulation window is still open.
         for item in iterable:
-            if self._core.step_open and not self._stepped:
+            if self._session.step_open and not self._stepped:
                 if self._step_complete():
                     self._stepped = True  # a gradient-sync batch whose optimizer step was skipped
                 else:

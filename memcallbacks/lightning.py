@@ -38,9 +38,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from memcallbacks._config import MonitorConfig, check_config_names, resolve_config
-from memcallbacks._runtime.session import CoreResults, MonitorCore
+from memcallbacks._runtime.results import SessionResults
+from memcallbacks._runtime.session import Session
 from memcallbacks._runtime.sampling import BACKWARD, FORWARD, OPTIMIZER, OTHER
-from memcallbacks.leaks.watch import strategy_name
 
 if TYPE_CHECKING:  # pragma: no cover
     import lightning.pytorch as pl
@@ -70,7 +70,28 @@ def _callback_bases() -> tuple[type, ...]:
     return tuple(bases)
 
 
-class MemoryMonitor(CoreResults, *_callback_bases()):  # type: ignore[misc]
+# Lightning's strategies by class name, in memcallbacks.estimate's names (others: detected from the model).
+_LIGHTNING_STRATEGIES = {
+    "SingleDeviceStrategy": "single",
+    "SingleDeviceXLAStrategy": "single",
+    "DDPStrategy": "ddp",
+    "FSDPStrategy": "fsdp",
+    "ModelParallelStrategy": "fsdp2",
+}
+
+
+def _strategy_name(strategy: Any) -> str | None:
+    """Map a Lightning strategy object to :func:`memcallbacks.estimate.estimate`'s names (None: detect from the model)."""
+    name = type(strategy).__name__
+    if name in _LIGHTNING_STRATEGIES:
+        return _LIGHTNING_STRATEGIES[name]
+    if name == "DeepSpeedStrategy":
+        stage = (getattr(strategy, "config", None) or {}).get("zero_optimization", {}).get("stage", 0)
+        return f"zero{stage}" if stage in (1, 2, 3) else "ddp"
+    return None
+
+
+class MemoryMonitor(SessionResults, *_callback_bases()):  # type: ignore[misc]
     """Per-phase memory peaks on every training step, logged through the trainer's loggers.
 
     Args:
@@ -99,21 +120,15 @@ class MemoryMonitor(CoreResults, *_callback_bases()):  # type: ignore[misc]
             self.config = MonitorConfig(**kwargs)
         else:
             self.config = resolve_config(config, kwargs, "MemoryMonitor")
-        self._core = MonitorCore(self.config, "lightning", "MemoryMonitor", log)
+        self._session = Session(self.config, "lightning", "MemoryMonitor", log)
         self._stepped = False
         self._automatic = True
         self._optimizer_hooks: list[Any] = []
         self._started_for: int | None = None
         self._trainer: Any = None
         self._loss: Any = None  # this step's loss, held only until the step ends
-        self._has_loggers = False
 
     # ------------------------------------------------------------------ helpers
-    def _will_log(self, count: int) -> bool:
-        """Whether the step after ``count`` batches-that-stepped is logged: every ``log_every_n_steps``
-        (the monitor's, else the Trainer's), as Lightning's own callbacks decide."""
-        return self._has_loggers and (count + 1) % self._core.log_every == 0
-
     @staticmethod
     def _log_step(trainer: "pl.Trainer") -> int:
         """Batches that stepped so far: Lightning's own logging axis (``global_step`` counts every
@@ -140,7 +155,7 @@ class MemoryMonitor(CoreResults, *_callback_bases()):  # type: ignore[misc]
         return Path(base or trainer.default_root_dir or os.getcwd()) / "memcallbacks"
 
     def _files_folder(self, trainer: "pl.Trainer") -> str | None:
-        """The folder the files will go to (as ``MonitorCore.start`` picks it); None without files."""
+        """The folder the files will go to (as ``Session.start`` picks it); None without files."""
         if not self.config.write_files:
             return None
         folder = self.config.output_dir or self._default_dir(trainer) or os.path.join(os.getcwd(), "memcallbacks_output")
@@ -167,32 +182,32 @@ class MemoryMonitor(CoreResults, *_callback_bases()):  # type: ignore[misc]
                 )
 
     def _start(self, trainer: "pl.Trainer") -> None:
-        core = self._core
+        session = self._session
         self._trainer = trainer
-        if self._started_for == id(trainer) and core.engine.backend is not None:
+        if self._started_for == id(trainer) and session.engine.backend is not None:
             return
         self._started_for = id(trainer)
         default_dir = self._default_dir(trainer)
         if not trainer.loggers:
-            core.warn_once(
+            session.warn_once(
                 "no-logger",
                 "MemoryMonitor: the Trainer has no logger (logger=False); memory metrics are not logged, but "
                 "`monitor.history` and the files in output_dir are still kept.",
             )
-        core.log_fn = self._emit
-        self._has_loggers = bool(trainer.loggers) and int(trainer.log_every_n_steps or 0) > 0
-        core.start(
+        session.log_fn = self._emit
+        session.start(
             trainer.strategy.root_device,
             rank=trainer.global_rank,
             world_size=trainer.world_size,
             default_output_dir=default_dir,
             framework_log_every=trainer.log_every_n_steps,
+            logs=bool(trainer.loggers) and int(trainer.log_every_n_steps or 0) > 0,
         )
 
     # ------------------------------------------------------------------ lifecycle hooks
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         if stage == "fit":
-            self._core.reset()
+            self._session.reset()
             self._started_for = None
         # environment problems (an unwritable output_dir, two monitors on one folder) propagate:
         # they must stop the run before training
@@ -202,17 +217,17 @@ class MemoryMonitor(CoreResults, *_callback_bases()):  # type: ignore[misc]
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._automatic = bool(pl_module.automatic_optimization)
         self._stepped = False
-        self._core.step_open = False
-        self._core.title = f"{type(pl_module).__name__}"
+        self._session.step_open = False
+        self._session.title = f"{type(pl_module).__name__}"
         optimizers = list(trainer.optimizers)
-        self._core.set_training_objects(
+        self._session.set_training_objects(
             trainer.strategy.model or pl_module,
             optimizers[0] if len(optimizers) == 1 else None,
             precision=str(getattr(trainer, "precision", "")) or None,
-            strategy=strategy_name(trainer.strategy),
+            strategy=_strategy_name(trainer.strategy),
             world_size=trainer.world_size,
         )
-        if not self._automatic and self._core.enabled and not self._optimizer_hooks:
+        if not self._automatic and self._session.enabled and not self._optimizer_hooks:
             # manual optimization: the optimizer's own hooks bound the optimizer phase exactly
             from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
@@ -227,31 +242,31 @@ class MemoryMonitor(CoreResults, *_callback_bases()):  # type: ignore[misc]
         self._optimizer_hooks = []
 
     def _optimizer_pre_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self._core.step_open:
-            self._core.boundary(OTHER)
+        if self._session.step_open:
+            self._session.boundary(OTHER)
 
     def _optimizer_post_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self._core.step_open:
-            self._core.boundary(OPTIMIZER)
+        if self._session.step_open:
+            self._session.boundary(OPTIMIZER)
 
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int) -> None:
-        core = self._core
-        if core.step_open:  # a further micro-batch of the open step (gradient accumulation)
-            core.begin_step(0)
+        session = self._session
+        if session.step_open:  # a further micro-batch of the open step (gradient accumulation)
+            session.begin_step(0)
             return
         count = self._log_step(trainer)
-        log_now = self._will_log(count)
-        if core.enabled and core.wants_sample(count, log_now):
-            core.begin_step(trainer.global_step, trainer.current_epoch, batch_idx, log=log_now, count=count, batch=batch, sample=True)
+        log_now = session.will_log(count)
+        if session.enabled and session.wants_sample(count, log_now):
+            session.begin_step(trainer.global_step, trainer.current_epoch, batch_idx, log=log_now, count=count, batch=batch, sample=True)
         else:  # unsampled: skip reading Lightning's (comparatively slow) step/epoch properties
-            core.begin_step(count, 0, batch_idx, log=log_now, count=count, batch=batch, sample=False)
+            session.begin_step(count, 0, batch_idx, log=log_now, count=count, batch=batch, sample=False)
 
     def on_before_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: torch.Tensor) -> None:
-        self._core.boundary(FORWARD)
+        self._session.boundary(FORWARD)
         self._loss = loss
 
     def on_after_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        self._core.boundary(BACKWARD)
+        self._session.boundary(BACKWARD)
 
     def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: Any) -> None:
         # automatic optimization: from here to batch end is the optimizer phase (clipping included)
@@ -260,27 +275,27 @@ class MemoryMonitor(CoreResults, *_callback_bases()):  # type: ignore[misc]
     def on_train_batch_end(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        core = self._core
+        session = self._session
         loss, self._loss = self._loss, None
         if self._stepped or not self._automatic:
-            log_step = self._log_step(trainer) if core.log_this_step else None
-            core.end_step(OPTIMIZER if self._automatic else OTHER, log_step=log_step, batch=batch, loss=loss)
+            log_step = self._log_step(trainer) if session.log_this_step else None
+            session.end_step(OPTIMIZER if self._automatic else OTHER, log_step=log_step, batch=batch, loss=loss)
         else:  # accumulating gradients: the step goes on with the next batch
-            core.boundary(OTHER)
+            session.boundary(OTHER)
         self._stepped = False
 
     # ------------------------------------------------------------------ evaluation loops
     def _eval_start(self, trainer: "pl.Trainer", stage: str) -> None:
-        self._core.begin_eval("sanity_check" if trainer.sanity_checking else stage, trainer.global_step, trainer.current_epoch)
+        self._session.begin_eval("sanity_check" if trainer.sanity_checking else stage, trainer.global_step, trainer.current_epoch)
 
     def _eval_end(self, trainer: "pl.Trainer") -> None:
-        self._core.end_eval(log_step=self._log_step(trainer), emit=bool(trainer.loggers) and not trainer.sanity_checking)
+        self._session.end_eval(log_step=self._log_step(trainer), emit=bool(trainer.loggers) and not trainer.sanity_checking)
 
     def on_validation_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._eval_start(trainer, "validate")
 
     def on_validation_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
-        self._core.eval_batch()
+        self._session.eval_batch()
 
     def on_validation_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._eval_end(trainer)
@@ -289,7 +304,7 @@ class MemoryMonitor(CoreResults, *_callback_bases()):  # type: ignore[misc]
         self._eval_start(trainer, "test")
 
     def on_test_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
-        self._core.eval_batch()
+        self._session.eval_batch()
 
     def on_test_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._eval_end(trainer)
@@ -298,7 +313,7 @@ class MemoryMonitor(CoreResults, *_callback_bases()):  # type: ignore[misc]
         self._eval_start(trainer, "predict")
 
     def on_predict_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
-        self._core.eval_batch()
+        self._session.eval_batch()
 
     def on_predict_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._eval_end(trainer)
@@ -306,24 +321,24 @@ class MemoryMonitor(CoreResults, *_callback_bases()):  # type: ignore[misc]
     # ------------------------------------------------------------------ end of fit, failures
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._remove_optimizer_hooks()
-        core = self._core
-        if core.step_open:  # a step cut short (max_steps mid-accumulation)
-            core.end_step(OTHER, log_step=self._log_step(trainer))
+        session = self._session
+        if session.step_open:  # a step cut short (max_steps mid-accumulation)
+            session.end_step(OTHER, log_step=self._log_step(trainer))
 
     def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        self._core.finish(gather=True)
+        self._session.finish(gather=True)
 
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
         self._remove_optimizer_hooks()
         self._loss = None
-        self._core.record_exception(exception, trainer.global_step)
+        self._session.record_exception(exception, trainer.global_step)
         # no collectives here: other ranks may not be failing
-        self._core.finish(gather=False)
+        self._session.finish(gather=False)
 
     def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         self._remove_optimizer_hooks()
         if stage == "fit":
-            self._core.stop()
+            self._session.stop()
 
     # ------------------------------------------------------------------ checkpointing
     @property
@@ -341,10 +356,10 @@ class MemoryMonitor(CoreResults, *_callback_bases()):  # type: ignore[misc]
         return self._generate_state_key(prefix=self.config.prefix)
 
     def state_dict(self) -> dict[str, Any]:
-        return self._core.state_dict()
+        return self._session.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._core.load_state_dict(state_dict)
+        self._session.load_state_dict(state_dict)
 
     def on_load_checkpoint(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", checkpoint: dict[str, Any]) -> None:
         """Restore a state saved under another key, when which one is ours is unambiguous.

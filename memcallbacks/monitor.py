@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from memcallbacks._config import MonitorConfig, resolve_config
-from memcallbacks._runtime.session import CoreResults, LogFn, MonitorCore
+from memcallbacks._runtime.results import SessionResults
+from memcallbacks._runtime.session import LogFn, Session
 from memcallbacks._runtime.sampling import BACKWARD, FORWARD, OPTIMIZER, OTHER, PHASES
 
 log = logging.getLogger(__name__)
@@ -44,7 +45,7 @@ def _first_grad_tensors(output: Any, limit: int = 8) -> list[torch.Tensor]:
     return found
 
 
-class Monitor(CoreResults):
+class Monitor(SessionResults):
     """Per-phase memory of a plain PyTorch training loop.
 
     Args:
@@ -93,8 +94,8 @@ class Monitor(CoreResults):
         if log_fn is not None and not callable(log_fn):
             raise TypeError(f"{type(self).__name__}(log_fn={log_fn!r}) must be callable as log_fn(metrics, step) or None.")
         self.config = resolve_config(config, kwargs, type(self).__name__)
-        self._core = MonitorCore(self.config, self.framework, type(self).__name__, logging.getLogger(type(self).__module__))
-        self._core.log_fn = log_fn
+        self._session = Session(self.config, self.framework, type(self).__name__, logging.getLogger(type(self).__module__))
+        self._session.log_fn = log_fn
         self._model_ref = weakref.ref(model) if model is not None else None
         self._handles: list[Any] = []  # the global optimizer hooks
         # models with forward hooks: always on in auto mode; under track()/step() only on steps that
@@ -118,7 +119,7 @@ class Monitor(CoreResults):
         self._closed = False
         self._explicit = False  # track() or step() marks boundaries; the forward hook then leaves steps alone
         self._start(self._device_for(device, model, optimizer))
-        self._core.set_training_objects(model, optimizer)
+        self._session.set_training_objects(model, optimizer)
         self._install_hooks(model)
 
     # ------------------------------------------------------------------ setup
@@ -137,7 +138,7 @@ class Monitor(CoreResults):
         return torch.device("cpu")
 
     def _start(self, device: torch.device) -> None:
-        self._core.start(device)
+        self._session.start(device)
 
     def _install_hooks(self, model: nn.Module | None) -> None:
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
@@ -173,74 +174,74 @@ class Monitor(CoreResults):
     def _explicit_step_opened(self) -> None:
         """track()/step() opened a step: forward hooks only where they do something (sampled steps,
         the first steps, a step whose start checks the previous step's marks)."""
-        core = self._core
-        self._set_forward_hooks(core.detailed_step or core.lingering_pending)
+        session = self._session
+        self._set_forward_hooks(session.detailed_step or session.lingering_pending)
 
     # ------------------------------------------------------------------ hooks (never raise)
     def _forward_pre(self, module: nn.Module, args: Any) -> None:
-        if self._core._lingering_due:
-            self._core.check_lingering(self._batch)
+        if self._session.lingering_due:
+            self._session.check_lingering(self._batch)
         # without track()/step(), a training forward after an optimizer step starts the next step
         if self._explicit or self._closed or not (torch.is_grad_enabled() and module.training):
             return
-        if self._core.step_open and self._stepped:
+        if self._session.step_open and self._stepped:
             self._end()
-        if not self._core.step_open:
+        if not self._session.step_open:
             self._begin()
 
     def _forward_post(self, module: nn.Module, args: Any, output: Any) -> None:
-        core = self._core
-        if not core.step_open or not core.enabled or not core.detailed_step or not torch.is_grad_enabled():
+        session = self._session
+        if not session.step_open or not session.enabled or not session.detailed_step or not torch.is_grad_enabled():
             return
         try:
             tensors = _first_grad_tensors(output)
             if tensors and self._output is None:
                 self._output = tensors[0]  # its graph is what a kept loss would keep alive
-            if core.engine.sampling:  # backward boundaries matter only on sampled steps
+            if session.engine.sampling:  # backward boundaries matter only on sampled steps
                 for tensor in tensors:
                     tensor.register_hook(self._backward_start)
         except Exception as exc:
-            core.engine.fail(exc, "forward hook")
+            session.engine.fail(exc, "forward hook")
 
     def _backward_start(self, grad: torch.Tensor) -> None:
         # fires once per output tensor; only the first one of a backward pass is a boundary
-        if self._backward_open or not self._core.step_open:
+        if self._backward_open or not self._session.step_open:
             return
         self._backward_open = True
-        self._core.boundary(FORWARD)
+        self._session.boundary(FORWARD)
         try:
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
         except Exception as exc:  # pragma: no cover - private API moved
-            self._core.engine.fail(exc, "backward hook")
+            self._session.engine.fail(exc, "backward hook")
 
     def _backward_end(self) -> None:
         self._backward_open = False
-        self._core.boundary(BACKWARD)
+        self._session.boundary(BACKWARD)
 
     def _optimizer_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self._core._lingering_due:
-            self._core.check_lingering(self._batch)
-        if self._core.step_open:
-            self._core.boundary(OTHER)
+        if self._session.lingering_due:
+            self._session.check_lingering(self._batch)
+        if self._session.step_open:
+            self._session.boundary(OTHER)
 
     def _optimizer_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self._ever_stepped = True  # an optimizer exists: batches without a step accumulate
-        if self._core.step_open:
+        if self._session.step_open:
             self._stepped = True
-            self._core.boundary(OPTIMIZER)
+            self._session.boundary(OPTIMIZER)
 
     # ------------------------------------------------------------------ steps
     def _begin(self, epoch: int = 0, batch_idx: int | None = None, batch: Any = None, defer_lingering: bool = False) -> None:
         self._stepped = False
-        self._core.begin_step(
+        self._session.begin_step(
             self._step, epoch, self._step if batch_idx is None else batch_idx, batch=batch, defer_lingering=defer_lingering
         )
 
     def _end(self) -> None:
         batch, output = self._batch, self._output
         self._batch = self._output = None
-        if self._core.step_open:
-            self._core.end_step(OTHER, batch=batch, loss=output)
+        if self._session.step_open:
+            self._session.end_step(OTHER, batch=batch, loss=output)
             self._step += 1
             if self._stepped:
                 if self._window > self._longest_window:
@@ -263,8 +264,8 @@ class Monitor(CoreResults):
         """
         self._explicit = True
         for batch_idx, item in enumerate(iterable):
-            core = self._core
-            if core.step_open:
+            session = self._session
+            if session.step_open:
                 if self._stepped or not self._ever_stepped:
                     self._end()
                 elif self._window >= self.max_micro_batches and self._window >= 2 * self._longest_window:
@@ -272,8 +273,8 @@ class Monitor(CoreResults):
                     self._end()
                     self._ever_stepped = False  # a row per item until an optimizer step is seen again
             self._window += 1
-            if core.step_open:
-                core.begin_step(self._step, 0, batch_idx)  # counts a micro-batch
+            if session.step_open:
+                session.begin_step(self._step, 0, batch_idx)  # counts a micro-batch
             else:
                 # the caller's loop variable still holds the previous batch until this yield returns:
                 # check for lingering references at the step's first forward/optimizer hook instead
@@ -289,7 +290,7 @@ class Monitor(CoreResults):
         """``with monitor.step(): ...`` — one row for exactly this block. An OOM inside is recorded,
         the files are written, and the error propagates."""
         self._explicit = True
-        if self._core.step_open:
+        if self._session.step_open:
             self._end()
         self._begin()
         self._explicit_step_opened()
@@ -307,29 +308,29 @@ class Monitor(CoreResults):
         index = _PHASE_INDEX.get(name)
         if index is None:
             raise ValueError(f"Monitor.phase(name={name!r}) is not one of {', '.join(PHASES)}; pass one of those.")
-        core = self._core
-        if not core.step_open:
+        session = self._session
+        if not session.step_open:
             self._begin()
-        core.boundary(OTHER)
+        session.boundary(OTHER)
         try:
             yield
         finally:
-            core.boundary(index)
+            session.boundary(index)
 
     @contextlib.contextmanager
     def evaluate(self, stage: str = "validate") -> Iterator[None]:
         """``with monitor.evaluate(): ...`` — an evaluation loop, recorded apart from training rows."""
-        self._core.begin_eval(stage, self._step)
+        self._session.begin_eval(stage, self._step)
         try:
             yield
         finally:
-            self._core.end_eval(log_step=self._step)
+            self._session.end_eval(log_step=self._step)
 
     def record_exception(self, exc: BaseException) -> None:
         """Record an exception that is ending training (an OOM becomes an event) and write the files."""
-        self._core.record_exception(exc, self._step)
-        if self._core.events and self._core.events[-1].get("kind") == "oom":
-            self._core.finish(gather=False)
+        self._session.record_exception(exc, self._step)
+        if self._session.events and self._session.events[-1].get("kind") == "oom":
+            self._session.finish(gather=False)
 
     def close(self, gather: bool = True) -> None:
         """End the open step, remove every hook and write the files. Safe to call twice.
@@ -345,22 +346,75 @@ class Monitor(CoreResults):
         self._handles = []
         self._set_forward_hooks(False)
         self._hooked_models = []
-        self._core.finish(gather=gather)
-        self._core.stop()
+        self._session.finish(gather=gather)
+        self._session.stop()
 
     def __enter__(self) -> "Monitor":
         return self
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
         if exc is not None:
-            self._core.record_exception(exc, self._step)
+            self._session.record_exception(exc, self._step)
         self.close(gather=exc is None)  # a failing rank must not wait for the others
 
+    # ------------------------------------------------------------------ driven steps
+    # For adapters whose framework announces steps itself (the Transformers callback): the
+    # framework's events open and close steps; the model hooks still find forward and backward.
+
+    @property
+    def closed(self) -> bool:
+        """True after :meth:`close` (or an adapter's abandon): the hooks are gone."""
+        return self._closed
+
+    @property
+    def step_open(self) -> bool:
+        return self._session.step_open
+
+    def attach(self, *, log_fn: LogFn | None = None, title: str | None = None) -> None:
+        """Where logged metrics go (``log_fn(metrics, step)``) and the title of the report and plot."""
+        self._session.log_fn = log_fn
+        if title is not None:
+            self._session.title = title
+
+    def set_training_objects(self, model: Any, optimizer: Any, **strategy: Any) -> None:
+        """The model and optimizer the census and the theory check look at (``precision``,
+        ``strategy``, ``world_size`` as in :func:`memcallbacks.estimate.estimate`)."""
+        self._session.set_training_objects(model, optimizer, **strategy)
+
+    def will_log(self, count: int) -> bool:
+        """Whether the step after ``count`` steps is a logged step (see ``Session.will_log``)."""
+        return self._session.will_log(count)
+
+    def open_step(self, step: int, epoch: int = 0, batch_idx: int = 0, *, log: bool | None = None) -> None:
+        """The framework started optimizer step ``step``; a further micro-batch if one is open."""
+        if self._session.step_open:
+            self._session.begin_step(step)
+            return
+        self._backward_open = False
+        self._step = step  # for OOM events
+        self._session.begin_step(step, epoch, batch_idx, log=log)
+
+    def end_phase(self, phase: int) -> None:
+        """The framework says a phase ended (``OTHER`` before clipping, ``OPTIMIZER`` after the step)."""
+        if self._session.step_open:
+            self._session.boundary(phase)
+
+    def close_step(self, *, log_step: int | None = None) -> bool:
+        """The framework ended the step: write its row. Returns whether the step was a logged one."""
+        session = self._session
+        if not session.step_open:
+            return False
+        logged = session.log_this_step
+        output, self._output = self._output, None  # the step's forward output, for leak detection
+        session.end_step(OTHER, log_step=log_step, loss=output)
+        del output
+        return logged
+
     def state_dict(self) -> dict[str, Any]:
-        state = self._core.state_dict()
+        state = self._session.state_dict()
         state["step"] = self._step
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._core.load_state_dict(state)
+        self._session.load_state_dict(state)
         self._step = int(state.get("step", self._step))

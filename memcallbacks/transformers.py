@@ -28,7 +28,8 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     ) from exc
 
 from memcallbacks._config import MonitorConfig, resolve_config
-from memcallbacks._runtime.sampling import COLUMNS, OPTIMIZER, OTHER
+from memcallbacks._runtime.columns import OPTIMIZER, OTHER
+from memcallbacks._runtime.results import SessionResults
 from memcallbacks.monitor import Monitor
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -50,7 +51,7 @@ class _TrainerMonitor(Monitor):
         self._explicit = True  # the forward pre-hook never opens steps: on_step_begin does
 
     def _start(self, device: torch.device) -> None:
-        self._core.start(device, **self._start_kwargs)
+        self._session.start(device, **self._start_kwargs)
 
     def _install_hooks(self, model: nn.Module | None) -> None:
         if model is not None:
@@ -62,10 +63,10 @@ class _TrainerMonitor(Monitor):
             return
         self._closed = True
         self._set_forward_hooks(False)
-        self._core.stop()
+        self._session.stop()
 
 
-class MemoryMonitorCallback(TrainerCallback):
+class MemoryMonitorCallback(SessionResults, TrainerCallback):
     """Per-phase memory peaks of a ``transformers.Trainer`` run, logged through the Trainer's own logs.
 
     Args:
@@ -144,6 +145,10 @@ class MemoryMonitorCallback(TrainerCallback):
             self._monitor.abandon()
         strategy = str(getattr(args.logging_strategy, "value", args.logging_strategy))
         framework_log_every = int(state.logging_steps) if strategy == "steps" and state.logging_steps else None
+        # the Trainer logs every logging_steps (and step 1 with logging_first_step) under the
+        # "steps" strategy only; the monitor's own log_every_n_steps logs whatever the strategy
+        logs = self.config.log_every_n_steps is not None or framework_log_every is not None
+        first = self.config.log_every_n_steps is None and logs and bool(getattr(args, "logging_first_step", False))
         default_dir = Path(args.output_dir) / "memcallbacks" if getattr(args, "output_dir", None) else None
         self._monitor = _TrainerMonitor(
             model,
@@ -153,16 +158,17 @@ class MemoryMonitorCallback(TrainerCallback):
                 world_size=int(args.world_size),
                 default_output_dir=default_dir,
                 framework_log_every=framework_log_every,
+                logs=logs,
+                log_first_step=first,
             ),
             config=self.config,
         )
-        core = self._monitor._core
-        core.log_fn = self._stash
-        core.title = type(model).__name__ if model is not None else "Trainer"
+        monitor = self._monitor
+        monitor.attach(log_fn=self._stash, title=type(model).__name__ if model is not None else "Trainer")
         precision = "bf16-mixed" if getattr(args, "bf16", False) else "16-mixed" if getattr(args, "fp16", False) else None
         # the Trainer passes the bare model: name plain data parallelism here, let the estimate detect the rest
         ddp = int(args.world_size) > 1 and not getattr(args, "fsdp", None) and not getattr(args, "deepspeed", None)
-        core.set_training_objects(
+        monitor.set_training_objects(
             model,
             getattr(optimizer, "optimizer", optimizer),
             precision=precision,
@@ -172,49 +178,32 @@ class MemoryMonitorCallback(TrainerCallback):
         self._pending = None
         self._batches = 0
 
-    def _will_log(self, args: "TrainingArguments", state: "TrainerState") -> bool:
-        """Decided when a step starts, identically on every rank (logged steps join a collective)."""
-        done = state.global_step + 1  # the Trainer's global_step once this step ends
-        if self.config.log_every_n_steps is not None:
-            return done % self.config.log_every_n_steps == 0
-        if str(getattr(args.logging_strategy, "value", args.logging_strategy)) != "steps" or not state.logging_steps:
-            return False
-        return done % int(state.logging_steps) == 0 or (bool(args.logging_first_step) and done == 1)
-
     def on_step_begin(self, args: "TrainingArguments", state: "TrainerState", control: "TrainerControl", **kwargs: Any) -> None:
         monitor = self._monitor
         if monitor is None:
             return
-        monitor._backward_open = False
-        monitor._step = state.global_step  # for OOM events
-        epoch = int(state.epoch or 0)
-        monitor._core.begin_step(state.global_step, epoch, self._batches, log=self._will_log(args, state))
+        # decided when the step starts, identically on every rank (logged steps join a collective)
+        monitor.open_step(state.global_step, int(state.epoch or 0), self._batches, log=monitor.will_log(state.global_step))
         self._batches += 1
 
     def on_substep_end(self, args: "TrainingArguments", state: "TrainerState", control: "TrainerControl", **kwargs: Any) -> None:
         # a micro-batch ended without an optimizer step: the next one belongs to the same row
         monitor = self._monitor
-        if monitor is not None and monitor._core.step_open:
-            monitor._core.begin_step(state.global_step)
+        if monitor is not None and monitor.step_open:
+            monitor.open_step(state.global_step)
             self._batches += 1
 
     def on_pre_optimizer_step(self, args: "TrainingArguments", state: "TrainerState", control: "TrainerControl", **kwargs: Any) -> None:
-        if self._monitor is not None and self._monitor._core.step_open:
-            self._monitor._core.boundary(OTHER)  # gradient clipping lands in peak_other
+        if self._monitor is not None:
+            self._monitor.end_phase(OTHER)  # gradient clipping lands in peak_other
 
     def on_optimizer_step(self, args: "TrainingArguments", state: "TrainerState", control: "TrainerControl", **kwargs: Any) -> None:
-        if self._monitor is not None and self._monitor._core.step_open:
-            self._monitor._core.boundary(OPTIMIZER)
+        if self._monitor is not None:
+            self._monitor.end_phase(OPTIMIZER)
 
     def on_step_end(self, args: "TrainingArguments", state: "TrainerState", control: "TrainerControl", **kwargs: Any) -> None:
         monitor = self._monitor
-        if monitor is None or not monitor._core.step_open:
-            return
-        logged = monitor._core.log_this_step
-        output, monitor._output = monitor._output, None  # the step's forward output, for leak detection
-        monitor._core.end_step(OTHER, log_step=state.global_step, loss=output)
-        del output
-        if logged:
+        if monitor is not None and monitor.close_step(log_step=state.global_step):
             control.should_log = True  # every rank: the Trainer's logging gathers the loss across ranks
 
     def _stash(self, metrics: dict[str, float], step: int) -> None:
@@ -242,7 +231,7 @@ class MemoryMonitorCallback(TrainerCallback):
         """Call from ``except`` around ``trainer.train()``: an OOM becomes an event in ``report.json``
         (files written, no collective), and the hooks are removed. Safe when nothing is running."""
         monitor = self._monitor
-        if monitor is None or monitor._closed:
+        if monitor is None or monitor.closed:
             return
         monitor.record_exception(exc)
         monitor.abandon()
@@ -258,55 +247,6 @@ class MemoryMonitorCallback(TrainerCallback):
         """The :class:`~memcallbacks.Monitor` of the current (or last) ``train()`` call."""
         return self._monitor
 
-    @property
-    def history(self) -> Any:
-        """One row per sampled optimizer step (pandas.DataFrame); columns in docs/metrics.md."""
-        if self._monitor is None:
-            import pandas as pd
-
-            return pd.DataFrame(columns=list(COLUMNS))
-        return self._monitor.history
-
-    @property
-    def max_allocated(self) -> int:
-        return self._monitor.max_allocated if self._monitor is not None else 0
-
-    @property
-    def max_reserved(self) -> int:
-        return self._monitor.max_reserved if self._monitor is not None else 0
-
-    @property
-    def enabled(self) -> bool:
-        return self._monitor is not None and self._monitor.enabled
-
-    @property
-    def findings(self) -> list[Any]:
-        return self._monitor.findings if self._monitor is not None else []
-
-    @property
-    def events(self) -> list[dict[str, Any]]:
-        return self._monitor.events if self._monitor is not None else []
-
-    @property
-    def files(self) -> dict[str, str]:
-        return self._monitor.files if self._monitor is not None else {}
-
-    @property
-    def output_dir(self) -> Path | None:
-        return self._monitor._core.output_dir if self._monitor is not None else None
-
-    def summary(self) -> dict[str, Any]:
-        return self._monitor.summary() if self._monitor is not None else {}
-
-    def report(self) -> dict[str, Any]:
-        """What ``report.json`` holds: version, config, summary, findings, events and files."""
-        return self._monitor.report() if self._monitor is not None else {}
-
-    def format_report(self) -> str:
-        return self._monitor.format_report() if self._monitor is not None else "memcallbacks: no training has run yet."
-
-    def explain(self, batch: Any = None) -> Any:
-        """Take a census now: live tensors by category and who holds the suspicious ones (see :meth:`Monitor.explain`)."""
-        if self._monitor is None:
-            raise RuntimeError("MemoryMonitorCallback.explain() needs a model: call it during or after trainer.train().")
-        return self._monitor.explain(batch)
+    def _current_session(self) -> Any:
+        monitor = self._monitor
+        return monitor._current_session() if monitor is not None else None

@@ -612,7 +612,7 @@ def test_lightning_cli_accepts_a_config_mapping(tmp_path, capsys, monkeypatch):
 # ---------------------------------------------------------------------- 10. failures
 def device_backend(monitor: MemoryMonitor):
     """The monitor's device backend object (the one seam fault injection goes through)."""
-    core = getattr(monitor, "_core", None)
+    core = getattr(monitor, "_session", None)
     engine = core.engine if core is not None else monitor._engine
     assert engine.backend is not None, "the backend is chosen in setup()"
     return engine.backend
@@ -743,7 +743,7 @@ def test_contract_construct_refit_and_stop_twice(tmp_path):
 
     for _ in range(2):  # the Trainer already called teardown once; more calls are harmless
         monitor.teardown(second, model, "fit")
-    assert monitor._core.engine.backend is None  # OS handles released at teardown, a later fit picks a new backend
+    assert monitor._session.engine.backend is None  # OS handles released at teardown, a later fit picks a new backend
     assert monitor.events == []
     assert list(monitor.history["step"]) == [0, 1]
 

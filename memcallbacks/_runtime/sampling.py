@@ -21,39 +21,44 @@ from memcallbacks._runtime.devices import MemoryBackend, host_rss_reader, select
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MemoryEngine", "FORWARD", "BACKWARD", "OPTIMIZER", "OTHER", "PHASES", "COLUMNS", "EVAL_COLUMNS", "GIB"]
+__all__ = ["MemoryEngine", "FORWARD", "BACKWARD", "OPTIMIZER", "OTHER", "PHASES", "COLUMNS", "EVAL_COLUMNS", "GIB", "empty_history", "empty_eval_history"]
 
 GIB = float(GiB)
 STATE_VERSION = 1
 """Version of the checkpointed monitor state (``state_dict()``)."""
 
-FORWARD, BACKWARD, OPTIMIZER, OTHER = range(4)
-PHASES = ("forward", "backward", "optimizer", "other")
-
-COLUMNS = (
-    "step",  # optimizer steps completed before this row's step (Lightning's global_step)
-    "epoch",
-    "batch_idx",  # index of the first batch of the step
-    "micro_batches",  # batches in the step (> 1 under gradient accumulation)
-    "optimizer_steps",  # optimizer.step() calls seen in the step
-    "allocated",  # bytes allocated at step start (the baseline)
-    "reserved",
-    "host_rss",
-    "peak_forward",
-    "peak_backward",
-    "peak_optimizer",
-    "peak_other",
-    "peak_allocated",  # max over the step's phases
-    "peak_reserved",
-    "alloc_retries",  # cumulative allocator counters (CUDA/XPU), -1 where the device has none
-    "ooms",
-    "inactive_split",
-    "step_time_s",
-    "monitor_time_s",
+from memcallbacks._runtime.columns import (  # the row layout; re-exported for adapters
+    ALLOCATED,
+    ALLOC_RETRIES,
+    BACKWARD,
+    BATCH_IDX,
+    COLUMNS,
+    EPOCH,
+    EVAL_COLUMNS,
+    E_ALLOCATED,
+    E_ALLOCATED_AFTER,
+    E_BATCHES,
+    E_PEAK_ALLOCATED,
+    E_PEAK_RESERVED,
+    FORWARD,
+    HOST_RSS,
+    INACTIVE_SPLIT,
+    MICRO_BATCHES,
+    MONITOR_TIME_S,
+    OOMS,
+    OPTIMIZER,
+    OPTIMIZER_STEPS,
+    OTHER,
+    PEAK_ALLOCATED,
+    PEAK_BACKWARD,
+    PEAK_FORWARD,
+    PEAK_OPTIMIZER,
+    PEAK_RESERVED,
+    PHASES,
+    RESERVED,
+    STEP,
+    STEP_TIME_S,
 )
-_C = {name: i for i, name in enumerate(COLUMNS)}
-
-EVAL_COLUMNS = ("stage", "step", "epoch", "batches", "allocated", "peak_allocated", "peak_reserved", "allocated_after", "host_rss")
 
 _NAN = math.nan
 
@@ -156,15 +161,15 @@ class MemoryEngine:
             return
         t0 = time.perf_counter()
         row = [_NAN] * len(COLUMNS)
-        row[0], row[1], row[2], row[3], row[4] = step, epoch, batch_idx, 1, 0
-        row[17] = t0
+        row[STEP], row[EPOCH], row[BATCH_IDX], row[MICRO_BATCHES], row[OPTIMIZER_STEPS] = step, epoch, batch_idx, 1, 0
+        row[STEP_TIME_S] = t0
         self._row = row
         sample_ = self.backend.baseline()  # type: ignore[union-attr]
         self._peaks(sample_)
-        row[5], row[6] = sample_[0], sample_[1]
-        row[7] = sample_[1] if self.backend.kind == "cpu" else self._host_rss()  # type: ignore[union-attr,misc]
-        row[12] = row[13] = 0
-        row[18] = time.perf_counter() - t0
+        row[ALLOCATED], row[RESERVED] = sample_[0], sample_[1]
+        row[HOST_RSS] = sample_[1] if self.backend.kind == "cpu" else self._host_rss()  # type: ignore[union-attr,misc]
+        row[PEAK_ALLOCATED] = row[PEAK_RESERVED] = 0
+        row[MONITOR_TIME_S] = time.perf_counter() - t0
 
     def boundary(self, closing: int) -> None:
         """End the current segment, attributing its peak to phase ``closing``, and open the next."""
@@ -180,24 +185,24 @@ class MemoryEngine:
         col = 8 + closing
         if not peak_a <= row[col]:  # NaN-safe max
             row[col] = peak_a
-        if peak_a > row[12]:
-            row[12] = peak_a
-        if peak_r > row[13]:
-            row[13] = peak_r
+        if peak_a > row[PEAK_ALLOCATED]:
+            row[PEAK_ALLOCATED] = peak_a
+        if peak_r > row[PEAK_RESERVED]:
+            row[PEAK_RESERVED] = peak_r
         if peak_a > self.max_allocated:
             self.max_allocated = peak_a
         if peak_r > self.max_reserved:
             self.max_reserved = peak_r
         if closing == OPTIMIZER:
             self._step_opt += 1
-        row[18] += time.perf_counter() - t0
+        row[MONITOR_TIME_S] += time.perf_counter() - t0
 
     def micro_batch(self) -> None:
         """A further batch inside the same optimizer step (gradient accumulation)."""
         row = self._row
         if row is not None and self._sampling:
             self.boundary(OTHER)
-            row[3] += 1
+            row[MICRO_BATCHES] += 1
 
     def end_step(self, closing: int = OTHER) -> list[Any] | None:
         """Close the step's last segment (labelled ``closing``) and append its row to the history."""
@@ -213,18 +218,18 @@ class MemoryEngine:
         self._sampling = False
         t1 = time.perf_counter()
         self._row = None
-        row[4] = self._step_opt
+        row[OPTIMIZER_STEPS] = self._step_opt
         counters = self.backend.counters()  # type: ignore[union-attr]
         if counters:
-            row[14], row[15], row[16] = counters["alloc_retries"], counters["ooms"], counters["inactive_split_bytes"]
-        row[17] = t1 - row[17]
+            row[ALLOC_RETRIES], row[OOMS], row[INACTIVE_SPLIT] = counters["alloc_retries"], counters["ooms"], counters["inactive_split_bytes"]
+        row[STEP_TIME_S] = t1 - row[STEP_TIME_S]
         self._sampled_steps += 1
         if self._sampled_steps % self._stride == 0:
             self.rows.append(row)
             if len(self.rows) > self.config.max_history_rows:
                 self.rows = self.rows[1::2]
                 self._stride *= 2
-        row[18] += time.perf_counter() - t1
+        row[MONITOR_TIME_S] += time.perf_counter() - t1
         return row
 
     @property
@@ -240,12 +245,12 @@ class MemoryEngine:
     def step_baseline(self) -> int | None:
         """Allocated bytes at the start of the open step, if it is sampled."""
         row = self._row
-        return int(row[5]) if row is not None and self._sampling else None
+        return int(row[ALLOCATED]) if row is not None and self._sampling else None
 
     def add_own_time(self, seconds: float) -> None:
         """Charge work done for the open step outside the engine (detection) to its ``monitor_time_s``."""
         if self._row is not None:
-            self._row[18] += seconds
+            self._row[MONITOR_TIME_S] += seconds
 
     # ------------------------------------------------------------------ evaluation loops
     def begin_eval(self, stage: str, step: int, epoch: int) -> None:
@@ -257,7 +262,7 @@ class MemoryEngine:
 
     def eval_batch(self) -> None:
         if self._eval is not None:
-            self._eval[3] += 1
+            self._eval[E_BATCHES] += 1
 
     def end_eval(self) -> list[Any] | None:
         row = self._eval
@@ -266,7 +271,7 @@ class MemoryEngine:
         self._eval = None
         sample = self.backend.baseline()  # type: ignore[union-attr]
         self._peaks(sample)
-        row[5], row[6], row[7] = sample[2], sample[3], sample[0]
+        row[E_PEAK_ALLOCATED], row[E_PEAK_RESERVED], row[E_ALLOCATED_AFTER] = sample[2], sample[3], sample[0]
         self.eval_rows.append(row)
         if len(self.eval_rows) > self.config.max_history_rows:
             self.eval_rows = self.eval_rows[1::2]
@@ -295,19 +300,19 @@ class MemoryEngine:
         if row is None or not self.enabled:
             return [_NAN] * len(self.step_keys())
         values = [
-            row[5] / GIB,
-            row[6] / GIB,
-            row[8] / GIB,
-            row[9] / GIB,
-            row[10] / GIB,
-            row[12] / GIB,
-            row[13] / GIB,
+            row[ALLOCATED] / GIB,
+            row[RESERVED] / GIB,
+            row[PEAK_FORWARD] / GIB,
+            row[PEAK_BACKWARD] / GIB,
+            row[PEAK_OPTIMIZER] / GIB,
+            row[PEAK_ALLOCATED] / GIB,
+            row[PEAK_RESERVED] / GIB,
             self.max_allocated / GIB,
-            row[7] / GIB,
-            row[18] * 1e3,
+            row[HOST_RSS] / GIB,
+            row[MONITOR_TIME_S] * 1e3,
         ]
         if self.device_info.get("kind", "cpu") != "cpu":
-            values += [float(row[14]), float(row[15]), row[16] / GIB]
+            values += [float(row[ALLOC_RETRIES]), float(row[OOMS]), row[INACTIVE_SPLIT] / GIB]
         return values
 
     def reduce(self, keys: list[str], values: list[float], rank_keys: tuple[str, ...] = ()) -> dict[str, float]:
@@ -339,7 +344,7 @@ class MemoryEngine:
         if row is None or not self.enabled:
             values = [_NAN] * 3
         else:
-            values = [row[4] / GIB, row[5] / GIB, row[6] / GIB]
+            values = [row[E_ALLOCATED] / GIB, row[E_PEAK_ALLOCATED] / GIB, row[E_PEAK_RESERVED] / GIB]
         return self.reduce(keys, values, (keys[1],))
 
     # ------------------------------------------------------------------ results
@@ -429,3 +434,16 @@ class MemoryEngine:
         self._sampled_steps = int(state.get("sampled_steps", len(self.rows)))
         self.max_allocated = max(self.max_allocated, int(state.get("max_allocated", 0)))
         self.max_reserved = max(self.max_reserved, int(state.get("max_reserved", 0)))
+
+
+def empty_history() -> Any:
+    """The history of a monitor that has not run: no rows, every column."""
+    import pandas as pd
+
+    return pd.DataFrame(columns=list(COLUMNS))
+
+
+def empty_eval_history() -> Any:
+    import pandas as pd
+
+    return pd.DataFrame(columns=list(EVAL_COLUMNS))

@@ -1,7 +1,7 @@
 """What every adapter shares: the engine plus step bookkeeping, logging decisions, findings, files and failures.
 
 Adapters (Lightning, Accelerate, Transformers, the plain-loop ``Monitor``) own one
-:class:`MonitorCore` and only translate their framework's events into its calls. Nothing here
+:class:`Session` and only translate their framework's events into its calls. Nothing here
 imports a framework.
 """
 
@@ -17,7 +17,8 @@ import torch
 
 from memcallbacks._runtime import distributed as _distributed
 from memcallbacks._config import MonitorConfig
-from memcallbacks._runtime.sampling import GIB, OPTIMIZER, MemoryEngine
+from memcallbacks._runtime.columns import ALLOCATED, E_STAGE, MONITOR_TIME_S, OPTIMIZER
+from memcallbacks._runtime.sampling import GIB, MemoryEngine
 from memcallbacks._findings import Finding, FindingLog
 from memcallbacks._units import format_bytes
 from memcallbacks._runtime.outputs import REPORT_VERSION, check_writable, write_json, write_outputs
@@ -26,7 +27,7 @@ from memcallbacks.leaks.watch import LeakWatch, StateCheck
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MonitorCore", "CoreResults", "is_oom"]
+__all__ = ["Session", "LogFn", "is_oom"]
 
 LogFn = Callable[[dict[str, float], int], None]
 
@@ -44,7 +45,7 @@ def is_oom(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
 
 
-class MonitorCore:
+class Session:
     """One process's monitor state. Every method is safe to call when disabled."""
 
     def __getstate__(self) -> dict[str, Any]:
@@ -75,6 +76,8 @@ class MonitorCore:
         self._warned: set[str] = set()
         self.sample_every = 1
         self.log_every = 50
+        self.logs = True  # False: the run has nowhere to log (no logger), so no step is a logged step
+        self.log_first_step = False
         self.step_open = False
         self.log_this_step = False
         self.current_step = 0
@@ -159,6 +162,8 @@ class MonitorCore:
         world_size: int | None = None,
         default_output_dir: str | os.PathLike[str] | None = None,
         framework_log_every: int | None = None,
+        logs: bool = True,
+        log_first_step: bool = False,
     ) -> None:
         """Choose the device backend, the output folder and the sampling/logging intervals.
 
@@ -192,6 +197,8 @@ class MonitorCore:
             )
             self.snap.start()
         self.log_every = config.log_every_n_steps or max(int(framework_log_every or 50), 1)
+        self.logs = bool(logs)
+        self.log_first_step = bool(log_first_step)
         backend = self.engine.backend
         if config.sample_every_n_steps is not None:
             self.sample_every = config.sample_every_n_steps
@@ -215,6 +222,21 @@ class MonitorCore:
         """True when the open step is sampled or lingering references are checked after it:
         adapters skip their per-step extras (output hooks, loss capture) otherwise."""
         return self.engine.sampling or self.current_count < LINGERING_EVERY_STEP_UNTIL
+
+    @property
+    def lingering_due(self) -> bool:
+        """A step opened with ``defer_lingering=True`` still owes its lingering check."""
+        return self._lingering_due
+
+    def will_log(self, count: int) -> bool:
+        """Whether the step after ``count`` steps is logged: the one place every adapter asks.
+
+        Every ``log_every`` steps (the monitor's ``log_every_n_steps``, else the framework's),
+        plus the first step where the framework logs it; never when the run has nowhere to log.
+        Decided from counts only, so every rank agrees (logged steps join a collective)."""
+        if not self.logs:
+            return False
+        return (count + 1) % self.log_every == 0 or (self.log_first_step and count == 0)
 
     @property
     def lingering_pending(self) -> bool:
@@ -262,7 +284,7 @@ class MonitorCore:
         self.current_count = n
         # decided even when disabled, so that every rank agrees on which steps join a collective
         if log is None:
-            log = (n + 1) % self.log_every == 0
+            log = self.will_log(n)
         self.log_this_step = log
         if not engine.enabled:
             return
@@ -330,7 +352,7 @@ class MonitorCore:
                     t0 = time.perf_counter()
                     self.watch.end_step(self.current_step, batch, loss)
                     if row is not None:
-                        row[18] += time.perf_counter() - t0
+                        row[MONITOR_TIME_S] += time.perf_counter() - t0
                 if row is not None and self.snap is not None:
                     new, self._new_findings = self._new_findings, []
                     self.snap.after_row(self.current_step, row, new)
@@ -351,7 +373,7 @@ class MonitorCore:
         nan = float("nan")
         extra = {f"{p}/findings": float(len(self._findings))}
         if self.config.estimate_model_states:
-            unexplained = self.state.unexplained(float(row[5])) if row is not None else None
+            unexplained = self.state.unexplained(float(row[ALLOCATED])) if row is not None else None
             extra[f"{p}/expected(GiB)"] = self.state.expected_states / GIB if self.state.expected_level is not None else nan
             extra[f"{p}/unexplained(GiB)"] = unexplained / GIB if unexplained is not None else nan
         if self.snap is not None or self.config.auto_snapshot:
@@ -390,7 +412,7 @@ class MonitorCore:
                 row = engine.end_eval()
             except Exception as exc:
                 engine.fail(exc, "evaluation end")
-        stage = row[0] if row is not None else "validate"
+        stage = row[E_STAGE] if row is not None else "validate"
         if not emit or stage == "sanity_check" or (row is None and engine.world_size <= 1):
             return row
         try:
@@ -507,65 +529,3 @@ class MonitorCore:
                 self._findings.add(Finding(**{k: v for k, v in item.items() if k in fields}))
             except (TypeError, ValueError):
                 log.debug("dropping unreadable finding from checkpoint: %r", item)
-
-
-class CoreResults:
-    """The public results every adapter that owns a ``_core`` (a :class:`MonitorCore`) exposes."""
-
-    _core: MonitorCore
-
-    @property
-    def history(self) -> Any:
-        """One row per sampled optimizer step (pandas.DataFrame); columns in docs/metrics.md."""
-        return self._core.engine.history_frame()
-
-    @property
-    def eval_history(self) -> Any:
-        """One row per validation/test/predict run (pandas.DataFrame)."""
-        return self._core.engine.eval_frame()
-
-    @property
-    def max_allocated(self) -> int:
-        """Peak allocated bytes since the start (the monitor resets the device's own peak counter)."""
-        return self._core.engine.max_allocated
-
-    @property
-    def max_reserved(self) -> int:
-        return self._core.engine.max_reserved
-
-    @property
-    def enabled(self) -> bool:
-        return self._core.enabled
-
-    @property
-    def findings(self) -> list[Finding]:
-        return self._core.findings
-
-    @property
-    def events(self) -> list[dict[str, Any]]:
-        return self._core.events
-
-    @property
-    def files(self) -> dict[str, str]:
-        return self._core.files
-
-    @property
-    def output_dir(self) -> Path | None:
-        return self._core.output_dir
-
-    def summary(self) -> dict[str, Any]:
-        return self._core.engine.summary()
-
-    def report(self) -> dict[str, Any]:
-        """What ``report.json`` holds: version, config, summary, findings, events and files."""
-        return self._core.report()
-
-    def format_report(self) -> str:
-        """The report as text (what ``memcallbacks report OUTPUT_DIR`` prints)."""
-        return self._core.format_report()
-
-    def explain(self, batch: Any = None) -> Any:
-        """Take a census now: live tensors by category (parameters, gradients, optimizer state,
-        batches, graph-held, ...) and the reference paths holding the suspicious ones. Returns a
-        ``Census``: ``.summary()`` for text, ``.to_frame()`` for a table."""
-        return self._core.explain(batch)

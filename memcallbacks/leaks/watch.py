@@ -1,4 +1,4 @@
-"""Leak watching and the theory check, wired to step boundaries: what MonitorCore calls around each step.
+"""Leak watching and the theory check, wired to step boundaries: what Session calls around each step.
 
 ``LeakWatch`` runs the detectors of :mod:`memcallbacks.leaks.detectors` (lingering references, baseline
 growth, periodic garbage collection) and, when one fires, the census of :mod:`memcallbacks.leaks.census`
@@ -199,26 +199,6 @@ class LeakWatch:
             time_budget_s=self.config.census_time_budget_s,
             ignore=self._ignore,
         )
-
-
-_LIGHTNING_STRATEGIES = {
-    "SingleDeviceStrategy": "single",
-    "SingleDeviceXLAStrategy": "single",
-    "DDPStrategy": "ddp",
-    "FSDPStrategy": "fsdp",
-    "ModelParallelStrategy": "fsdp2",
-}
-
-
-def strategy_name(strategy: Any) -> str | None:
-    """Map a Lightning strategy object to :func:`memcallbacks.estimate.estimate`'s names (None: detect from the model)."""
-    name = type(strategy).__name__
-    if name in _LIGHTNING_STRATEGIES:
-        return _LIGHTNING_STRATEGIES[name]
-    if name == "DeepSpeedStrategy":
-        stage = (getattr(strategy, "config", None) or {}).get("zero_optimization", {}).get("stage", 0)
-        return f"zero{stage}" if stage in (1, 2, 3) else "ddp"
-    return None
 
 
 class StateCheck:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from memcallbacks._config import MonitorConfig
+from memcallbacks._runtime.columns import ALLOC_RETRIES, PEAK_ALLOCATED, PEAK_RESERVED
 from memcallbacks._units import format_bytes
 
 log = logging.getLogger(__name__)
@@ -219,7 +220,7 @@ class AutoSnapshot:
         """After a sampled step: check every trigger against its row (bytes in the engine's columns)."""
         cfg = self.config
         try:
-            peak_allocated, peak_reserved = float(row[12]), float(row[13])
+            peak_allocated, peak_reserved = float(row[PEAK_ALLOCATED]), float(row[PEAK_RESERVED])
             peak = max(peak_allocated, peak_reserved if self.kind == "cuda" else peak_allocated)
             if self.threshold is not None:
                 if peak >= self.threshold:
@@ -229,7 +230,7 @@ class AutoSnapshot:
                         self.log.info("memcallbacks: step peak %s is %.0f%% of the snapshot threshold; recording allocator history.",
                                       format_bytes(peak), 100 * peak / self.threshold)
                     self._record()
-            retries = row[14]
+            retries = row[ALLOC_RETRIES]
             if cfg.snapshot_on_alloc_retries and retries == retries and retries > self._last_retries:
                 self._last_retries = int(retries)
                 if step - self._last_retry_step >= 50:  # a burst of retries is one event
