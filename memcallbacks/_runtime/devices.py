@@ -71,7 +71,7 @@ class MemoryBackend:
         raise NotImplementedError
 
     def counters(self) -> dict[str, int]:
-        """Cumulative allocator counters as of the last ``baseline()`` (empty where none exist)."""
+        """Cumulative allocator counters as of the last ``baseline()`` or ``interval()`` (empty where none exist)."""
         return {}
 
     def capacity(self) -> int | None:
@@ -93,6 +93,9 @@ class CudaBackend(MemoryBackend):
 
     def __init__(self, device: torch.device) -> None:
         super().__init__(device)
+        # the C stats binding raises before CUDA is initialised, which would leave every boundary on
+        # the slower flattening reader for the whole run
+        torch.cuda.init()
         self.index = device.index if device.index is not None else torch.cuda.current_device()
         self._read = _torch_private.cuda_stats_reader(self.index)
         self._reset = _torch_private.cuda_peak_resetter(self.index)
@@ -109,6 +112,7 @@ class CudaBackend(MemoryBackend):
     def interval(self) -> tuple[int, int]:
         stats = self._read()
         self._reset()
+        self._last = stats  # counters() as of the step's last boundary, not its start
         return stats["allocated_bytes"]["all"]["peak"], stats["reserved_bytes"]["all"]["peak"]
 
     def current(self) -> tuple[int, int]:
@@ -122,12 +126,13 @@ class CudaBackend(MemoryBackend):
         return _allocator_counters(stats, stats.get("inactive_split_bytes", {}).get("all", {}).get("current", 0))
 
     def capacity(self) -> int | None:
+        """Device memory this process may use: the total, times ``set_per_process_memory_fraction``."""
         if self._capacity is None:
             try:
                 self._capacity = int(torch.cuda.mem_get_info(self.index)[1])
             except Exception:
                 self._capacity = int(torch.cuda.get_device_properties(self.index).total_memory)
-        return self._capacity
+        return int(self._capacity * _torch_private.cuda_memory_fraction(self.index))
 
 
 class AcceleratorBackend(MemoryBackend):
@@ -196,6 +201,7 @@ class AcceleratorBackend(MemoryBackend):
         if self._stats_fn is not None:
             stats = self._stats_fn()
             self._reset_fn()  # type: ignore[misc]
+            self._last = stats  # counters() as of the step's last boundary, not its start
             return int(stats.get("allocated_bytes.all.peak", 0)), int(stats.get("reserved_bytes.all.peak", 0))
         return self._sampled_peak(*self._current())
 

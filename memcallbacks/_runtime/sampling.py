@@ -70,6 +70,7 @@ class MemoryEngine:
         self.config = config
         self.backend: MemoryBackend | None = None
         self.device_info: dict[str, Any] = {}
+        self.device: Any = None
         self.capacity: int | None = None
         self._host_rss: Callable[[], int] | None = None
         self.rank, self.world_size = 0, 1
@@ -100,6 +101,7 @@ class MemoryEngine:
         if self.backend is not None:
             self.backend.close()
         self.backend = select_backend(device, cpu_mmap_threshold=self.config.cpu_mmap_threshold)
+        self.device = self.backend.device  # the collectives' tensors go here (NCCL needs the right GPU)
         # kept for summaries after stop() released the backend
         self.device_info = self.backend.describe()
         self.capacity = self.backend.capacity()
@@ -319,7 +321,7 @@ class MemoryEngine:
         """Max over ranks in one collective (when distributed and configured); NaNs are dropped."""
         ranks: list[int] = []
         if self.world_size > 1 and self.config.reduce_across_ranks and _distributed.is_distributed():
-            values, ranks = _distributed.max_over_ranks(values)
+            values, ranks = _distributed.max_over_ranks(values, self.device)
         out = {k: float(v) for k, v in zip(keys, values) if v == v and not math.isinf(v)}
         if ranks:
             for key in rank_keys:

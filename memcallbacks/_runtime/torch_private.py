@@ -20,6 +20,7 @@ __all__ = [
     "ProfilerAllocation",
     "profiler_memory_events",
     "profiler_enabled",
+    "cuda_memory_fraction",
 ]
 
 
@@ -213,3 +214,16 @@ def profiler_enabled() -> bool:
     """Whether a torch profiler session is running now (a second one would take its events away)."""
     probe = getattr(torch._C._autograd, "_profiler_enabled", None)
     return bool(probe()) if probe is not None else False
+
+
+def cuda_memory_fraction(index: int) -> float:
+    """The fraction of device ``index`` this process may use (``set_per_process_memory_fraction``);
+    1.0 where torch cannot say (before torch 2.6 there is no getter)."""
+    getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    if getter is None:
+        return 1.0
+    try:
+        fraction = float(getter(index))
+    except Exception:
+        return 1.0
+    return fraction if 0.0 < fraction <= 1.0 else 1.0
