@@ -1,7 +1,7 @@
 """Memory snapshots: record them (CUDA history, CPU capture), read, summarise and render them offline."""
 
 # files: format, write, read; record: CUDA history; cpu_capture + cpu_convert: CPU; sites + summary: analysis;
-# render: HTML/PNG; auto: the monitor's automatic snapshot policy (private, not re-exported).
+# summary_text: the text; render: HTML/PNG; auto: the monitor's automatic snapshot policy (private, not re-exported).
 
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ from memcallbacks.snapshot.files import (
 from memcallbacks.snapshot.record import dump_on_oom, dump_snapshot, is_recording, start_recording, stop_recording, time_mark
 from memcallbacks.snapshot.render import render_snapshot
 from memcallbacks.snapshot.sites import Allocation, SiteTotal
-from memcallbacks.snapshot.summary import DeviceSummary, SnapshotSummary, format_summary, summarize_snapshot
+from memcallbacks.snapshot.summary import DeviceSummary, SnapshotSummary, summarize_snapshot
+from memcallbacks.snapshot.summary_text import format_summary
 
 # The public names, grouped by what a user does with them (each module's own __all__ lists them by module).
 __all__ = [

@@ -15,7 +15,8 @@ import numpy as np
 from memcallbacks._runtime.outputs import atomic_write
 from memcallbacks._units import GiB, MiB, format_bytes
 from memcallbacks.snapshot.sites import Allocation, SiteTotal
-from memcallbacks.snapshot.summary import DeviceSummary, SnapshotSummary, device_name, summarize_snapshot
+from memcallbacks.snapshot.summary import DeviceSummary, SnapshotSummary, summarize_snapshot
+from memcallbacks.snapshot.summary_text import device_name
 
 log = logging.getLogger(__name__)
 
