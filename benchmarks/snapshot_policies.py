@@ -39,7 +39,7 @@ from torch import nn
 
 import memcallbacks
 from memcallbacks import Monitor
-from memcallbacks.snapshot import core as _snapshot
+import memcallbacks.snapshot as _snapshot
 
 VARIANTS = ["bare", "monitor", "off", "armed", "always", "armed (recording)"]
 

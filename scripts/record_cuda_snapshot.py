@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from memcallbacks.snapshot import core as _snapshot
+import memcallbacks.snapshot as _snapshot
 
 MIB = 1 << 20
 KEPT: list[torch.Tensor] = []

@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from helpers import csv_metrics, free_port
 from memcallbacks import MemoryMonitor, Monitor
-from memcallbacks.snapshot.core import load_snapshot, summarize_snapshot
+from memcallbacks.snapshot import load_snapshot, summarize_snapshot
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -231,7 +231,7 @@ def reserved_peak_of_a_plain_fit(tmp_path: Path) -> int:
 
 @pytest.mark.parametrize("policy", ["always", "armed", "off"])
 def test_policies_on_a_threshold_crossing(tmp_path, policy):
-    from memcallbacks.snapshot.core import is_recording
+    from memcallbacks.snapshot import is_recording
 
     threshold = reserved_peak_of_a_plain_fit(tmp_path) + 64 * MIB
     monitor = MemoryMonitor(

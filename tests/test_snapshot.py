@@ -20,7 +20,7 @@ from torch import nn
 
 from memcallbacks._runtime import torch_private as _torch_private
 from memcallbacks.cli import main
-from memcallbacks.snapshot.core import (
+from memcallbacks.snapshot import (
     CPU_SNAPSHOT_FILE,
     META_KEY,
     CpuCapture,

@@ -23,7 +23,7 @@ def _add_analysis_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _load(command: str, path_text: str) -> tuple[Any, int]:
-    from memcallbacks.snapshot.core import SnapshotError, load_snapshot
+    from memcallbacks.snapshot import SnapshotError, load_snapshot
 
     path = Path(path_text)
     if not path.exists():
@@ -49,7 +49,7 @@ def _analysis_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _run_summary(args: argparse.Namespace) -> int:
-    from memcallbacks.snapshot.core import format_summary, summarize_snapshot
+    from memcallbacks.snapshot import format_summary, summarize_snapshot
 
     snapshot, rc = _load("summary", args.snapshot)
     if snapshot is None:
@@ -64,7 +64,7 @@ def _run_summary(args: argparse.Namespace) -> int:
 
 
 def _run_render(args: argparse.Namespace) -> int:
-    from memcallbacks.snapshot.core import render_snapshot
+    from memcallbacks.snapshot import render_snapshot
 
     snapshot, rc = _load("render", args.snapshot)
     if snapshot is None:

@@ -26,10 +26,14 @@ from typing import Any
 from memcallbacks._config import MonitorConfig
 from memcallbacks._runtime.columns import ALLOC_RETRIES, PEAK_ALLOCATED, PEAK_RESERVED
 from memcallbacks._units import format_bytes
+from memcallbacks.snapshot.cpu_capture import CpuCapture
+from memcallbacks.snapshot.files import OOM_SNAPSHOT_FILE, SNAPSHOT_FILE, load_snapshot, snapshot_file_name
+from memcallbacks.snapshot.record import dump_on_oom, dump_snapshot, is_recording, start_recording, stop_recording
+from memcallbacks.snapshot.render import render_snapshot
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AutoSnapshot", "ARM_FRACTION"]
+__all__ = ["AutoSnapshot", "ARM_FRACTION", "OBSERVER_TRIGGER"]
 
 ARM_FRACTION = 0.8
 """``"armed"`` policy: recording starts when a step's peak passes this fraction of the threshold."""
@@ -78,7 +82,6 @@ class AutoSnapshot:
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
-        from memcallbacks.snapshot import core as _snapshot
         from memcallbacks._runtime.outputs import check_writable
 
         check_writable(self.folder, "auto_snapshot")  # before training: an environment problem stops the run
@@ -87,13 +90,11 @@ class AutoSnapshot:
         try:
             if self.config.snapshot_policy == "always":
                 self._record()
-            self._detach_oom = _snapshot.dump_on_oom(self._oom_path, max_bytes=self._remaining() or None)
+            self._detach_oom = dump_on_oom(self._oom_path, max_bytes=self._remaining() or None)
         except Exception:
             self.log.exception("memcallbacks: could not set up CUDA memory snapshots; continuing without them.")
 
     def stop(self) -> None:
-        from memcallbacks.snapshot import core as _snapshot
-
         if self._capture is not None and self._capture.active:
             try:
                 self._capture.stop()
@@ -109,7 +110,7 @@ class AutoSnapshot:
             self._detach_oom()
             self._detach_oom = None
         if self._recording_ours:
-            _snapshot.stop_recording()
+            stop_recording()
             self._recording_ours = False
 
     # ------------------------------------------------------------------ budget
@@ -127,38 +128,28 @@ class AutoSnapshot:
         return ok
 
     def _path(self, template: str, step: int) -> Path:
-        from memcallbacks.snapshot.core import snapshot_file_name
-
         return self.folder / snapshot_file_name(template, step, rank=self.rank, world_size=self.world_size)
 
     def _oom_path(self) -> Path:
-        from memcallbacks.snapshot.core import OOM_SNAPSHOT_FILE
-
         path = self._path(OOM_SNAPSHOT_FILE, self.step)
         self.records.append({"trigger": OBSERVER_TRIGGER, "step": self.step, "files": {"snapshot": str(path)}})
         return path
 
     # ------------------------------------------------------------------ recording (CUDA)
     def _record(self) -> None:
-        from memcallbacks.snapshot import core as _snapshot
-
-        if not _snapshot.is_recording():
-            _snapshot.start_recording(self.config.snapshot_max_entries)
+        if not is_recording():
+            start_recording(self.config.snapshot_max_entries)
             self._recording_ours = True
 
     def _dump(self, reason: str, step: int) -> None:
-        from memcallbacks.snapshot import core as _snapshot
-
-        path = self._path(_snapshot.SNAPSHOT_FILE, step)
-        written = _snapshot.dump_snapshot(path, max_bytes=self._remaining(), trigger=reason)
+        path = self._path(SNAPSHOT_FILE, step)
+        written = dump_snapshot(path, max_bytes=self._remaining(), trigger=reason)
         self._account(reason, step, {"snapshot": str(written), **self._render(Path(written))})
 
     def _render(self, path: Path) -> dict[str, str]:
         """The offline HTML/PNG beside a snapshot pickle (a failed render leaves the pickle alone)."""
-        from memcallbacks.snapshot import core as _snapshot
-
         try:
-            rendered = _snapshot.render_snapshot(_snapshot.load_snapshot(path), path.with_suffix(".html"), source=str(path))
+            rendered = render_snapshot(load_snapshot(path), path.with_suffix(".html"), source=str(path))
             return {k: str(v) for k, v in rendered.items()}
         except Exception:
             self.log.exception("memcallbacks: could not render %s (the pickle itself is fine).", path)
@@ -251,17 +242,15 @@ class AutoSnapshot:
         if key in self._fired or self.busy or not self._room():
             return
         self._fired.add(key)
-        from memcallbacks.snapshot import core as _snapshot
-
         try:
             if self.kind == "cuda":
-                if _snapshot.is_recording():
+                if is_recording():
                     self._dump(reason, step)
                 elif self.config.snapshot_policy != "off":
                     self._record()
                     self._pending_dump = (self.config.snapshot_steps, reason)
             elif self.kind == "cpu":
-                capture = _snapshot.CpuCapture(
+                capture = CpuCapture(
                     steps=self.config.snapshot_steps,
                     out_dir=self.folder,
                     max_entries=self.config.snapshot_max_entries,
@@ -277,8 +266,6 @@ class AutoSnapshot:
 
     def on_exception(self, exc: BaseException, step: int) -> None:
         """An OOM is ending the run: write what can still be written (the error propagates afterwards)."""
-        from memcallbacks.snapshot import core as _snapshot
-
         try:
             if self._capture is not None and self._capture.active:
                 self._capture.stop()
@@ -286,8 +273,8 @@ class AutoSnapshot:
                 self._write_capture()
             if self.kind == "cuda":
                 if not self._finish_observer_dump() and self._room():
-                    path = self._path(_snapshot.OOM_SNAPSHOT_FILE, step)
-                    _snapshot.dump_snapshot(path, max_bytes=self._remaining(), trigger=f"out of memory: {exc}")
+                    path = self._path(OOM_SNAPSHOT_FILE, step)
+                    dump_snapshot(path, max_bytes=self._remaining(), trigger=f"out of memory: {exc}")
                     self._account("oom", step, {"snapshot": str(path)})
             elif self._room():
                 # CPU: no history to dump; the census says who held what when memory ran out
