@@ -70,11 +70,14 @@ def _unflatten(flat: dict[str, Any]) -> dict[str, Any]:
 def cuda_record_memory_history(max_entries: int, stacks: str = "python") -> None:
     """Turn on the CUDA caching allocator's history: live blocks and a ring buffer of trace entries.
 
-    ``torch.cuda.memory._record_memory_history(enabled="all", context="all", stacks=...,
+    ``torch.cuda.memory._record_memory_history(enabled="all", context="alloc", stacks=...,
     max_entries=...)``: ``stacks="python"`` records Python frames only (C++ symbolisation at dump
     time is slow); the ring buffer keeps the newest ``max_entries`` alloc/free events.
+    ``context="alloc"`` captures a stack per allocation only (``"all"`` also captures one on every
+    free, twice the cost); a free entry then carries its block's allocation stack, which is what
+    the summary reads.
     """
-    torch.cuda.memory._record_memory_history(enabled="all", context="all", stacks=stacks, max_entries=max_entries)
+    torch.cuda.memory._record_memory_history(enabled="all", context="alloc", stacks=stacks, max_entries=max_entries)
 
 
 def cuda_stop_memory_history() -> None:
@@ -113,7 +116,8 @@ def _oom_trampoline(device: int, alloc: int, device_allocated: int, device_free:
 
 
 def cuda_attach_oom_observer(callback: Callable[[int, int, int, int], None]) -> Callable[[], None]:
-    """Call ``callback(device, requested_bytes, device_allocated, device_free)`` when the CUDA allocator runs out.
+    """Call ``callback(device, requested_bytes, device_limit, device_free)`` when the CUDA allocator runs out
+    (``device_limit``: the device's total memory, or the per-process limit when one is set).
 
     torch can attach observers (``torch._C._cuda_attach_out_of_memory_observer``) but never detach
     them, so one trampoline is attached per process and callbacks come and go behind it. The

@@ -90,7 +90,8 @@ class AutoSnapshot:
         try:
             if self.config.snapshot_policy == "always":
                 self._record()
-            self._detach_oom = dump_on_oom(self._oom_path, max_bytes=self._remaining() or None)
+            # the budget is read when the OOM happens: earlier dumps may have spent it
+            self._detach_oom = dump_on_oom(self._oom_path, max_bytes=self._remaining, room=self._room)
         except Exception:
             self.log.exception("memcallbacks: could not set up CUDA memory snapshots; continuing without them.")
 

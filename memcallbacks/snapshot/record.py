@@ -100,9 +100,10 @@ def dump_snapshot(
 def dump_on_oom(
     path: str | os.PathLike[str] | Callable[[], str | os.PathLike[str]],
     *,
-    max_bytes: int | None = None,
+    max_bytes: int | None | Callable[[], int | None] = None,
     once: bool = True,
     marks: Callable[[], Sequence[dict[str, Any]]] | None = None,
+    room: Callable[[], bool] | None = None,
 ) -> Callable[[], None]:
     """Dump a snapshot when the CUDA allocator runs out of memory; returns ``detach()`` (safe to call twice).
 
@@ -111,17 +112,25 @@ def dump_on_oom(
     entry). ``path`` may be a callable giving the path then (e.g. with the step in it); ``marks``
     a callable giving the step marks so far. ``once``: detach after the first dump, so a loop that
     catches OOMs and retries does not dump each time. A failed dump is logged, never raised.
+    ``max_bytes`` may be a callable, read when the OOM happens (the bytes left in a run's budget
+    after earlier dumps; 0 means none left, not unlimited); ``room()`` False skips the dump.
     """
     detach: Callable[[], None] = lambda: None  # noqa: E731
 
-    def observer(device: int, requested: int, device_allocated: int, device_free: int) -> None:
+    def observer(device: int, requested: int, device_limit: int, device_free: int) -> None:
+        # torch calls observers as (device, alloc_size, device total or the per-process limit, device free);
+        # the allocator's lock is released by then, so its stats could be read, but nothing here allocates
         if once:
             detach()
-        target = path() if callable(path) else path
         reason = (f"out of memory on cuda:{device}: {format_bytes(requested)} requested, "
-                  f"{format_bytes(device_allocated)} allocated, {format_bytes(device_free)} free")
+                  f"{format_bytes(device_free)} free of {format_bytes(device_limit)} (device total or per-process limit)")
+        budget = max_bytes() if callable(max_bytes) else max_bytes
+        if room is not None and not room():
+            log.warning("memcallbacks: %s; no snapshot written (the run's snapshot budget is used up)", reason)
+            return
+        target = path() if callable(path) else path
         try:
-            dump_snapshot(target, max_bytes=max_bytes, trigger=reason, marks=marks() if marks else ())
+            dump_snapshot(target, max_bytes=budget, trigger=reason, marks=marks() if marks else ())
             log.warning("memcallbacks: %s; memory snapshot written to %s", reason, target)
         except Exception:
             log.exception("memcallbacks: could not write the out-of-memory snapshot to %s", target)
