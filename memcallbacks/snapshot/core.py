@@ -405,7 +405,7 @@ class CpuCapture:
         self.snapshot: dict[str, Any] | None = None
         """The converted snapshot once :attr:`finished`."""
         self.census: Any = None
-        """The :class:`memcallbacks.leaks.census.Census` taken at the end, when enabled and it succeeded."""
+        """The :class:`memcallbacks.leaks.Census` taken at the end, when enabled and it succeeded."""
         self._prof: Any = None
         self._labels: list[str] = []
         self._first_step: int | None = None
@@ -508,7 +508,7 @@ class CpuCapture:
 
     def _take_census(self) -> dict[int, dict[str, Any]]:
         try:
-            from memcallbacks.leaks.census import take_census
+            from memcallbacks.leaks import take_census
 
             self.census = take_census(step=self._first_step, time_budget_s=self.census_time_budget_s, ignore=[self])
         except Exception:
