@@ -15,8 +15,10 @@ import warnings
 import torch
 from torch import nn
 
-from memcallbacks.leaks.census import find_holders, take_census
-from memcallbacks.leaks.detectors import GrowthDetector, LingeringDetector, heap_in_use_bytes
+from memcallbacks._runtime.devices import heap_in_use_bytes
+from memcallbacks.leaks import find_holders, take_census
+from memcallbacks.leaks.growth import GrowthDetector
+from memcallbacks.leaks.lingering import LingeringDetector
 
 KiB, MiB = 1024, 1024 * 1024
 

@@ -15,15 +15,10 @@ import pytest
 import torch
 from torch import nn
 
-from memcallbacks.leaks.census import (
-    NO_ROOT,
-    NOT_SEARCHED,
-    find_holders,
-    graph_tensors,
-    iter_tensors,
-    storage_keys,
-    take_census,
-)
+from memcallbacks._storage import storage_keys
+from memcallbacks.leaks import find_holders, take_census
+from memcallbacks.leaks.census import NO_ROOT, NOT_SEARCHED
+from memcallbacks.leaks.tensors import graph_tensors, iter_tensors
 
 KiB, MiB = 1024, 1024 * 1024
 BUDGET = 30.0  # generous: a shared CI box must not truncate the searches under test

@@ -13,8 +13,11 @@ import pytest
 import torch
 from torch import nn
 
-from memcallbacks.leaks.census import find_holders
-from memcallbacks.leaks.detectors import GarbageCollector, GrowthDetector, LingeringDetector, heap_in_use_bytes
+from memcallbacks._runtime.devices import heap_in_use_bytes
+from memcallbacks.leaks import find_holders
+from memcallbacks.leaks.cycles import GarbageCollector
+from memcallbacks.leaks.growth import GrowthDetector
+from memcallbacks.leaks.lingering import LingeringDetector
 from memcallbacks._findings import Finding, FindingLog
 from memcallbacks._units import format_bytes, format_delta
 

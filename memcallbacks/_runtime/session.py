@@ -20,9 +20,9 @@ from memcallbacks._config import MonitorConfig
 from memcallbacks._runtime.columns import ALLOCATED, E_STAGE, MONITOR_TIME_S, OPTIMIZER
 from memcallbacks._runtime.sampling import GIB, MemoryEngine
 from memcallbacks._findings import Finding, FindingLog
-from memcallbacks._units import format_bytes
 from memcallbacks._runtime.outputs import REPORT_VERSION, check_writable, write_json, write_outputs
 from memcallbacks.snapshot.auto import AutoSnapshot
+from memcallbacks.leaks.census import format_top_holders
 from memcallbacks.leaks.watch import LeakWatch, StateCheck
 
 log = logging.getLogger(__name__)
@@ -316,7 +316,7 @@ class Session:
                 finding = self._check_state(step, baseline, batch)
                 if finding is not None and watch is not None:
                     census = watch.census(batch)
-                    finding.holders = [f"{holder} ({n_tensors} tensors, {format_bytes(nbytes)})" for holder, n_tensors, nbytes in census.top_holders(5)]
+                    finding.holders = format_top_holders(census, 5)
                     finding.details["census"] = {k: int(v) for k, v in census.bytes_by_category.items()}
                 if finding is not None:
                     found.append(finding)

@@ -21,6 +21,10 @@ __all__ = [
     "profiler_memory_events",
     "profiler_enabled",
     "cuda_memory_fraction",
+    "is_autograd_node",
+    "is_autograd_node_type",
+    "saved_tensors_of",
+    "node_metadata",
 ]
 
 
@@ -231,3 +235,78 @@ def cuda_memory_fraction(index: int) -> float:
     except Exception:
         return 1.0
     return fraction if 0.0 < fraction <= 1.0 else 1.0
+# ----------------------------------------------------------------------------------------------
+# Autograd-node introspection: what a graph node keeps for backward, and its metadata dict
+# ----------------------------------------------------------------------------------------------
+
+# Per node type: (is a node, names of its tensor-valued saved attributes, is a Python autograd.Function ctx)
+_NODE_INFO: dict[type, tuple[bool, tuple[str, ...], bool]] = {}
+
+
+def _node_info(tp: type) -> tuple[bool, tuple[str, ...], bool]:
+    """What :func:`saved_tensors_of` needs to know about a node type, worked out once per type.
+
+    C++ nodes expose each saved variable twice: ``_raw_saved_x`` (a ``SavedTensor`` handle) and
+    ``_saved_x`` (the unpacked tensor); the raw names list what a node type saves. Python
+    ``autograd.Function`` contexts derive from ``torch._C._FunctionBase``.
+    """
+    info = _NODE_INFO.get(tp)
+    if info is None:
+        is_node = hasattr(tp, "next_functions") and hasattr(tp, "register_hook") and hasattr(tp, "name")
+        saved: tuple[str, ...] = ()
+        is_python = False
+        if is_node:
+            names = dir(tp)
+            saved = tuple("_saved_" + n[len("_raw_saved_"):] for n in names if n.startswith("_raw_saved_"))
+            is_python = issubclass(tp, torch._C._FunctionBase)
+        info = (is_node, saved, is_python)
+        _NODE_INFO[tp] = info
+    return info
+
+
+def is_autograd_node_type(tp: type) -> bool:
+    """Whether objects of type ``tp`` are autograd graph nodes (``grad_fn`` objects, cached per type)."""
+    return _node_info(tp)[0]
+
+
+def is_autograd_node(obj: Any) -> bool:
+    """Whether ``obj`` is an autograd graph node (a ``grad_fn``, ``AccumulateGrad``, a Function ctx)."""
+    return _node_info(type(obj))[0]
+
+
+def saved_tensors_of(node: Any) -> list[torch.Tensor]:
+    """Tensors an autograd node keeps for backward; never raises.
+
+    C++ nodes: every ``_saved_<name>`` that is a tensor or a list of tensors (gone after
+    ``backward()`` unless ``retain_graph``). Python ``autograd.Function`` nodes: ``ctx.saved_tensors``
+    and tensors stored as attributes on ``ctx`` (``ctx.foo = tensor``).
+    """
+    out: list[torch.Tensor] = []
+    _, saved, is_python = _node_info(type(node))
+    for name in saved:
+        try:
+            value = getattr(node, name)
+        except Exception:  # freed by backward, or not a tensor after all
+            continue
+        if isinstance(value, torch.Tensor):
+            out.append(value)
+        elif isinstance(value, (list, tuple)):
+            out.extend(v for v in value if isinstance(v, torch.Tensor))
+    if is_python:
+        try:
+            out.extend(v for v in node.saved_tensors if isinstance(v, torch.Tensor))
+        except Exception:
+            pass
+        try:  # attributes stored on ctx (ctx.foo = tensor)
+            out.extend(v for v in vars(node).values() if isinstance(v, torch.Tensor))
+        except Exception:
+            pass
+    return out
+
+
+def node_metadata(node: Any) -> dict[Any, Any]:
+    """The node's ``metadata`` dict (``grad_fn.metadata``): it lives and dies with the node.
+
+    Raises ``AttributeError``/``RuntimeError`` for exotic node types that have none.
+    """
+    return node.metadata

@@ -1,1 +1,6 @@
-"""Leak detection and attribution: growth, lingering references, cycles, the tensor census."""
+"""Leak detection and attribution: growth, lingering references, cycles, the tensor census and who holds what."""
+
+from memcallbacks.leaks.census import Census, take_census
+from memcallbacks.leaks.holders import find_holders
+
+__all__ = ["Census", "find_holders", "take_census"]

@@ -1,8 +1,9 @@
 """Leak watching and the theory check, wired to step boundaries: what Session calls around each step.
 
-``LeakWatch`` runs the detectors of :mod:`memcallbacks.leaks.detectors` (lingering references, baseline
-growth, periodic garbage collection) and, when one fires, the census of :mod:`memcallbacks.leaks.census`
-to name the holders. ``StateCheck`` compares the step-start baseline with what
+``LeakWatch`` runs the detectors (lingering references in :mod:`memcallbacks.leaks.lingering`, baseline
+growth in :mod:`memcallbacks.leaks.growth`, periodic garbage collection in :mod:`memcallbacks.leaks.cycles`)
+and, when one fires, the census of :mod:`memcallbacks.leaks.census` to name the holders.
+``StateCheck`` compares the step-start baseline with what
 :mod:`memcallbacks.estimate` says params, grads and optimizer state should take. Both are
 framework-free; adapters hand over the batch, the loss and the training objects.
 """
@@ -17,6 +18,12 @@ from memcallbacks._storage import distinct_bytes
 from memcallbacks._config import MonitorConfig
 from memcallbacks._findings import Finding
 from memcallbacks._units import format_bytes
+from memcallbacks.leaks.census import Census, take_census
+from memcallbacks.leaks.cycles import GarbageCollector
+from memcallbacks.leaks.growth import GrowthDetector
+from memcallbacks.leaks.holders import find_holders
+from memcallbacks.leaks.lingering import LingeringDetector
+from memcallbacks.leaks.tensors import describe_tensor, iter_tensors
 
 log = logging.getLogger(__name__)
 
@@ -28,8 +35,6 @@ GROWTH_CENSUS_GAP = 16
 
 def batch_bytes(batch: Any) -> int:
     """Bytes of the distinct storages of the tensors in ``batch`` (nested containers)."""
-    from memcallbacks.leaks.census import iter_tensors
-
     return distinct_bytes(iter_tensors(batch))
 
 
@@ -37,8 +42,6 @@ class LeakWatch:
     """Per-step leak detection. Each method is cheap unless something is wrong."""
 
     def __init__(self, config: MonitorConfig, allocated_now: Callable[[], int | None], ignore: list[Any]) -> None:
-        from memcallbacks.leaks.detectors import GarbageCollector, GrowthDetector, LingeringDetector
-
         self.config = config
         self._ignore = ignore  # our own objects, never reported as holders
         self.lingering = (
@@ -63,7 +66,7 @@ class LeakWatch:
             else None
         )
         self.gc_results: list[dict[str, Any]] = []
-        self._growth_census: Any = None
+        self._growth_census: Census | None = None
         self._growth_census_countdown = -1
         self._growth_finding: Finding | None = None
         self.model: Any = None
@@ -156,8 +159,6 @@ class LeakWatch:
     def lingering_holders(self) -> list[str]:
         """Who keeps the previous step alive: the reference to the graph first (the cause — a kept
         loss), rendered through the autograd graph to the leaves it holds; then the other paths."""
-        from memcallbacks.leaks.census import describe_tensor, find_holders
-
         assert self.lingering is not None
         targets = self.lingering.alive_tensors()
         holders: list[str] = []
@@ -173,14 +174,12 @@ class LeakWatch:
         return holders + self.holders_of(targets)[: max(0, 5 - len(holders))]
 
     def holders_of(self, tensors: list[Any]) -> list[str]:
-        from memcallbacks.leaks.census import find_holders
-
         if not tensors:
             return []
         search = find_holders(tensors, time_budget_s=self.config.census_time_budget_s, ignore=self._ignore)
         return [str(p) for p in search.paths[:5]]
 
-    def _census(self, batch: Any) -> Any:
+    def _census(self, batch: Any) -> Census | None:
         """:meth:`census` for the detectors' own use: a failure only costs the holders."""
         try:
             return self.census(batch)
@@ -188,10 +187,8 @@ class LeakWatch:
             log.debug("census failed", exc_info=True)
             return None
 
-    def census(self, batch: Any = None) -> Any:
+    def census(self, batch: Any = None) -> Census:
         """A census now (for ``explain()``)."""
-        from memcallbacks.leaks.census import take_census
-
         return take_census(
             model=self.model,
             optimizer=self.optimizer,

@@ -279,7 +279,7 @@ class AutoSnapshot:
                     self._account("oom", step, {"snapshot": str(path)})
             elif self._room():
                 # CPU: no history to dump; the census says who held what when memory ran out
-                from memcallbacks.leaks.census import take_census
+                from memcallbacks.leaks import take_census
                 from memcallbacks._runtime.outputs import write_json
 
                 census = take_census(time_budget_s=self.config.census_time_budget_s)

@@ -180,7 +180,7 @@ class CpuCapture:
 
     def _take_census(self) -> dict[int, dict[str, Any]]:
         try:
-            from memcallbacks.leaks.census import take_census
+            from memcallbacks.leaks import take_census
 
             self.census = take_census(step=self._first_step, time_budget_s=self.census_time_budget_s, ignore=[self])
         except Exception:

@@ -1,0 +1,233 @@
+"""Growth detection: a steady climb of the memory floor at step start, tested on block minima."""
+
+from __future__ import annotations
+
+import collections
+import math
+from dataclasses import dataclass
+
+from memcallbacks._findings import Finding
+from memcallbacks._units import KiB, MiB, format_bytes
+
+__all__ = ["GrowthDetector"]
+
+
+class _Level:
+    """Step-start baselines summarised as blocks of ``size`` steps: (first step, min, max)."""
+
+    __slots__ = ("size", "blocks", "n", "step0", "lo", "hi")
+
+    def __init__(self, size: int, keep: int) -> None:
+        self.size = size
+        self.blocks: collections.deque[tuple[int, int, int]] = collections.deque(maxlen=keep)
+        self.n = 0
+        self.step0 = 0
+        self.lo = 0
+        self.hi = 0
+
+    def add(self, step: int, lo: int, hi: int) -> bool:
+        """Fold one sample (or a finer block) in; True when a block closed."""
+        if self.n == 0:
+            self.step0, self.lo, self.hi = step, lo, hi
+        else:
+            if lo < self.lo:
+                self.lo = lo
+            if hi > self.hi:
+                self.hi = hi
+        self.n += 1
+        if self.n < self.size:
+            return False
+        self.blocks.append((self.step0, self.lo, self.hi))
+        self.n = 0
+        return True
+
+
+@dataclass
+class _Trend:
+    rate: float
+    span_steps: int
+    since_step: int
+    z: float
+    noise: float
+
+
+class GrowthDetector:
+    """Finds a steady climb of the step-start baseline (allocated bytes when a step begins).
+
+    Feed ``update(step, baseline_bytes)`` once per optimizer step. After ``warmup_steps`` the
+    baselines are summarised as per-block minima (blocks of ``block_steps`` steps, and of
+    ``8 * block_steps`` for slow leaks). The minimum of a block is the memory floor: a variable
+    batch, a long sequence, an eval pass or a checkpoint save only add on top of it, while a leak
+    raises it. A window of block minima fires when all of these hold:
+
+    * Mann–Kendall monotonic trend, z >= ``z_min`` (6 blocks: at most one pair out of order);
+    * Theil–Sen slope >= ``min_rate_bytes`` per step;
+    * growth over the window (slope x span) >= ``min_growth_bytes`` and >= ``noise_factor`` x
+      the median within-block range (the step-to-step noise);
+    * no single block-to-block jump carries more than ``max_jump_fraction`` of the growth
+      (one-off steps such as a lazily built cache are not leaks).
+
+    A 256 KiB/step leak is found 24 steps after warm-up with the defaults. ``update`` costs
+    about 1 µs on an idle core: the trend test runs only when a block closes and the floor has
+    risen by ``min_growth_bytes`` inside the window.
+    """
+
+    def __init__(
+        self,
+        *,
+        warmup_steps: int = 10,
+        min_rate_bytes: int = 64 * KiB,
+        min_growth_bytes: int = 4 * MiB,
+        block_steps: int = 4,
+        min_blocks: int = 6,
+        max_blocks: int = 16,
+        z_min: float = 2.3,
+        noise_factor: float = 2.0,
+        max_jump_fraction: float = 0.5,
+    ) -> None:
+        checks = (
+            ("warmup_steps", warmup_steps, warmup_steps >= 0, "use 0 or more"),
+            ("min_rate_bytes", min_rate_bytes, min_rate_bytes > 0, "use a positive byte count, e.g. 65536"),
+            ("min_growth_bytes", min_growth_bytes, min_growth_bytes >= 0, "use 0 or more bytes"),
+            ("block_steps", block_steps, block_steps >= 1, "use 1 or more"),
+            ("min_blocks", min_blocks, min_blocks >= 4, "use 4 or more (fewer blocks cannot show a trend)"),
+            ("max_blocks", max_blocks, max_blocks >= min_blocks, "use at least min_blocks"),
+            ("z_min", z_min, z_min > 0, "use e.g. 2.3"),
+            ("noise_factor", noise_factor, noise_factor >= 0, "use 0 or more"),
+            ("max_jump_fraction", max_jump_fraction, 0 < max_jump_fraction <= 1, "use a value in (0, 1]"),
+        )
+        for name, value, ok, fix in checks:
+            if not ok:
+                raise ValueError(f"GrowthDetector({name}={value!r}) is invalid; {fix}.")
+        self.warmup_steps = warmup_steps
+        self.min_rate_bytes = min_rate_bytes
+        self.min_growth_bytes = min_growth_bytes
+        self.block_steps = block_steps
+        self.min_blocks = min_blocks
+        self.max_blocks = max_blocks
+        self.z_min = z_min
+        self.noise_factor = noise_factor
+        self.max_jump_fraction = max_jump_fraction
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget all history (e.g. when a new fit starts)."""
+        self._seen = 0
+        self._fine = _Level(self.block_steps, self.max_blocks)
+        self._coarse = _Level(8, self.max_blocks)  # 8 fine blocks per coarse block
+        self._floor0: tuple[int, int] | None = None  # (step, bytes) of the first floor after warm-up
+        self.last: Finding | None = None
+        """The latest growth finding, if the leak has been confirmed."""
+
+    def update(self, step: int, baseline_bytes: int) -> Finding | None:
+        """Record the baseline at the start of ``step``; a Finding while a leak is confirmed.
+
+        The finding (key ``"growth"``) is returned again, with new numbers, each time a later
+        block confirms the trend; a :class:`FindingLog` keeps one entry and updates it.
+        """
+        self._seen += 1
+        if self._seen <= self.warmup_steps:
+            return None
+        fine = self._fine  # _Level.add inlined: this is the per-step path
+        if fine.n == 0:
+            fine.step0 = step
+            fine.lo = fine.hi = baseline_bytes
+        elif baseline_bytes < fine.lo:
+            fine.lo = baseline_bytes
+        elif baseline_bytes > fine.hi:
+            fine.hi = baseline_bytes
+        fine.n += 1
+        if fine.n < fine.size:
+            return None
+        fine.blocks.append((fine.step0, fine.lo, fine.hi))
+        fine.n = 0
+        return self._block_closed(step)
+
+    def _block_closed(self, step: int) -> Finding | None:
+        fine, coarse = self._fine, self._coarse
+        step0, lo, hi = fine.blocks[-1]
+        if self._floor0 is None:
+            self._floor0 = (step0, lo)
+        trend = self._test(fine.blocks)
+        if coarse.add(step0, lo, hi) and trend is None:
+            trend = self._test(coarse.blocks)
+        if trend is None:
+            return None
+        floor_step, floor_bytes = self._floor0
+        growth = lo - floor_bytes
+        finding = Finding(
+            kind="growth",
+            step=step,
+            key="growth",
+            bytes=int(growth),
+            message=(
+                f"Memory at step start grew steadily by {format_bytes(trend.rate)}/step since step "
+                f"{trend.since_step} (+{format_bytes(growth)} since step {floor_step}). Something keeps "
+                "tensors from every step: a list or dict on a module or a global that gets a tensor per "
+                "step (`self.cache.append(out)`), a running total without `.detach()` "
+                "(`total += loss` — use `total += loss.item()`), or outputs stored on `self`. Store "
+                "`.item()` or `.detach().cpu()` values, bound or clear the cache, and check the "
+                "holders: they name what grew."
+            ),
+            details={
+                "rate_bytes_per_step": int(trend.rate),
+                "growth_bytes": int(growth),
+                "since_step": trend.since_step,
+                "window_steps": trend.span_steps,
+                "z": round(trend.z, 2),
+                "noise_bytes": int(trend.noise),
+                "floor_bytes": int(lo),
+            },
+        )
+        if self.last is not None:
+            finding.first_step = self.last.first_step
+        self.last = finding
+        return finding
+
+    def _test(self, blocks: collections.deque[tuple[int, int, int]]) -> _Trend | None:
+        n_all = len(blocks)
+        if n_all < self.min_blocks:
+            return None
+        for n in (self.min_blocks, n_all) if n_all > self.min_blocks else (n_all,):
+            trend = self._test_window(list(blocks)[-n:])
+            if trend is not None:
+                return trend
+        return None
+
+    def _test_window(self, window: list[tuple[int, int, int]]) -> _Trend | None:
+        ys = [b[1] for b in window]
+        # Cheap gate first: the floor must have risen by the minimum growth inside the window.
+        if ys[-1] - min(ys) < self.min_growth_bytes or ys[-1] <= ys[0]:
+            return None
+        xs = [b[0] for b in window]
+        n = len(ys)
+        s = 0
+        slopes = []
+        for i in range(n - 1):
+            yi, xi = ys[i], xs[i]
+            for j in range(i + 1, n):
+                d = ys[j] - yi
+                s += (d > 0) - (d < 0)
+                slopes.append(d / ((xs[j] - xi) or 1))
+        z = (s - 1) / math.sqrt(n * (n - 1) * (2 * n + 5) / 18)
+        if z < self.z_min:
+            return None
+        slopes.sort()
+        m = len(slopes)
+        rate = slopes[m // 2] if m % 2 else (slopes[m // 2 - 1] + slopes[m // 2]) / 2
+        if rate < self.min_rate_bytes:
+            return None
+        span = xs[-1] - xs[0]
+        growth = rate * span
+        ranges = sorted(b[2] - b[1] for b in window)
+        noise = float(ranges[len(ranges) // 2])
+        if growth < self.min_growth_bytes or growth < self.noise_factor * noise:
+            return None
+        total = ys[-1] - ys[0]
+        jump = max(ys[i + 1] - ys[i] for i in range(n - 1))
+        if jump > self.max_jump_fraction * total:
+            return None
+        # A leak that started inside the window is steeper than the whole-window slope says.
+        recent = sorted((ys[j] - ys[i]) / ((xs[j] - xs[i]) or 1) for i in range(n - 4, n) for j in range(i + 1, n))
+        rate = max(rate, recent[len(recent) // 2])
+        return _Trend(rate=rate, span_steps=span, since_step=xs[0], z=z, noise=noise)

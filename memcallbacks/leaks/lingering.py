@@ -1,0 +1,350 @@
+"""Lingering detection: step N-1's batch or autograd graph still alive when step N starts."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import warnings
+import weakref
+from typing import Any
+
+import torch
+
+from memcallbacks._findings import Finding
+from memcallbacks._runtime.torch_private import node_metadata
+from memcallbacks._storage import storage_keys
+from memcallbacks._units import MiB, format_bytes
+from memcallbacks.leaks.tensors import graph_tensors, is_parameter, iter_tensors
+
+log = logging.getLogger(__name__)
+
+__all__ = ["METADATA_KEY", "LingeringDetector"]
+
+METADATA_KEY = "memcallbacks"
+"""Key of the sentinel memcallbacks puts into ``grad_fn.metadata``."""
+
+
+class _Sentinel:
+    """Lives in ``grad_fn.metadata``: dies exactly when the autograd node dies."""
+
+    __slots__ = ("step", "__weakref__")
+    step: int
+
+
+_Tensor = torch.Tensor
+_MARKABLE: dict[type, bool] = {}
+
+
+def _markable(node_type: type) -> bool:
+    """Whether a node may carry the sentinel: not AccumulateGrad, which can outlive the graph
+    (DDP keeps references to them)."""
+    ok = _MARKABLE.get(node_type)
+    if ok is None:
+        ok = _MARKABLE[node_type] = node_type.__name__ != "AccumulateGrad"
+    return ok
+
+
+class LingeringDetector:
+    """Notices step N-1's batch or autograd graph still alive when step N starts.
+
+    ``end_step(step, batch, loss)`` takes weak references to the batch's tensors and marks the
+    loss's autograd graph: a sentinel goes into ``grad_fn.metadata`` of the loss node and of its
+    immediate next nodes, so a loss the user keeps is noticed even when the framework handed
+    over a derived tensor (``loss / accumulate_grad_batches``). ``check(step)`` at the start of
+    the next step looks at those weak references; when nothing is alive it costs a few
+    microseconds.
+
+    When something is alive, the bytes it holds are measured: the batch's storages, plus the
+    leaves (not parameters), their grads and the saved tensors of the graph. Batch tensors the
+    graph does not hold count only if the batch of two steps ago is gone: an in-memory dataset
+    or a cache keeps every batch (that is retention, for the growth detector), not one step's.
+    A finding needs at least ``min_bytes`` and is reported once per cause. A cause below
+    ``min_bytes`` (e.g. a loop variable ``loss`` whose graph, after ``backward()``, holds only
+    parameters) is re-measured with exponential back-off (2, 4, ... steps) until the back-off passes
+    ``max_backoff_steps``; then that situation is not measured again in the run, which bounds the
+    cost of the heap scan that finding a graph's root may need (~0.1-0.5 s on a big heap).
+    """
+
+    def __init__(self, *, min_bytes: int = 1 * MiB, max_tensors: int = 256, max_backoff_steps: int = 64) -> None:
+        if min_bytes < 0:
+            raise ValueError(f"LingeringDetector(min_bytes={min_bytes}) must be 0 or more; try 1048576.")
+        if max_tensors < 1:
+            raise ValueError(f"LingeringDetector(max_tensors={max_tensors}) must be at least 1; try 256.")
+        if max_backoff_steps < 1:
+            raise ValueError(f"LingeringDetector(max_backoff_steps={max_backoff_steps}) must be at least 1.")
+        self.min_bytes = min_bytes
+        self.max_tensors = max_tensors
+        self.max_backoff_steps = max_backoff_steps
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget everything (e.g. when a new fit starts)."""
+        self._batch_refs: list[weakref.ref[torch.Tensor]] = []
+        self._older_refs: list[weakref.ref[torch.Tensor]] | None = None  # None: no batch two steps ago
+        self._loss_ref: weakref.ref[torch.Tensor] | None = None
+        self._sentinel_ref: weakref.ref[_Sentinel] | None = None
+        self._from_step: int | None = None
+        self._targets: list[weakref.ref[torch.Tensor]] = []
+        self._root_ref: weakref.ref[torch.Tensor] | None = None
+        self._reported: set[str] = set()
+        self._next_measure: dict[str, int] = {}
+        self._backoff: dict[str, int] = {}
+        self.occurrences: dict[str, int] = {}
+        """How many step starts saw something alive, by situation (``"seen:batch+graph"``,
+        ``"seen:graph"``, ...); ``"retained:batch"`` counts measured steps whose previous batch
+        was kept together with older ones (not lingering)."""
+
+    def end_step(self, step: int, batch: Any = None, loss: Any = None) -> None:
+        """Remember step ``step``'s batch and loss graph, weakly. Never keeps them alive."""
+        self._batch_refs = self._batch_weakrefs(batch)
+        self._from_step = step
+        self._loss_ref = None
+        self._sentinel_ref = None
+        if isinstance(loss, _Tensor):
+            fn = loss.grad_fn
+            if fn is not None:
+                sentinel = _Sentinel()
+                sentinel.step = step
+                try:
+                    node_metadata(fn)[METADATA_KEY] = sentinel
+                    for nxt, _ in fn.next_functions:
+                        if nxt is not None and _markable(type(nxt)):
+                            node_metadata(nxt)[METADATA_KEY] = sentinel
+                except Exception:  # exotic node types without metadata
+                    log.debug("could not mark the loss graph of step %s", step, exc_info=True)
+                self._sentinel_ref = weakref.ref(sentinel)
+                self._loss_ref = weakref.ref(loss)
+
+    def _batch_weakrefs(self, batch: Any) -> list[weakref.ref[torch.Tensor]]:
+        """Weak references to the batch's tensors (parameters excepted), at most ``max_tensors``."""
+        ref = weakref.ref
+        refs: list[weakref.ref[torch.Tensor]] = []
+        tp = type(batch)
+        plain = tp is dict or tp is list or tp is tuple
+        if plain:  # fast path: a flat dict/list/tuple of plain tensors
+            for v in batch.values() if tp is dict else batch:
+                if type(v) is _Tensor:
+                    refs.append(ref(v))
+                else:
+                    plain = False
+                    break
+        if not plain and batch is not None:
+            refs = []
+            limit = self.max_tensors
+            for t in iter_tensors(batch):
+                if not is_parameter(t):
+                    refs.append(ref(t))
+                    if len(refs) >= limit:
+                        break
+        return refs if len(refs) <= self.max_tensors else refs[: self.max_tensors]
+
+    @property
+    def pending(self) -> bool:
+        """``end_step`` left references for the next ``check`` to look at."""
+        return bool(self._batch_refs) or self._sentinel_ref is not None
+
+    def check(self, step: int, current_batch: Any = None) -> Finding | None:
+        """At the start of ``step``: a Finding if the previous step's batch or graph is alive.
+
+        ``current_batch``: this step's batch, when known; a batch reused as is (the same tensor
+        objects every step) is not lingering.
+        """
+        batch_refs = self._batch_refs
+        older = self._older_refs
+        sref = self._sentinel_ref
+        self._older_refs = batch_refs
+        self._batch_refs = []
+        self._sentinel_ref = None
+        sentinel = sref() if sref is not None else None
+        any_batch = False
+        for r in batch_refs:
+            if r() is not None:
+                any_batch = True
+                break
+        if not any_batch and sentinel is None:
+            return None
+        return self._examine(step, batch_refs, older, sentinel, current_batch)
+
+    def _examine(
+        self, step: int, batch_refs: list[Any], older: list[Any] | None, sentinel: _Sentinel | None, current_batch: Any
+    ) -> Finding | None:
+        current = {id(t) for t in iter_tensors(current_batch)} if current_batch is not None else set()
+        batch = [t for t in (r() for r in batch_refs) if t is not None and id(t) not in current]
+        graph = sentinel is not None
+        if not batch and not graph:
+            return None
+        # The situation seen (before measuring) decides whether to measure: once reported, or
+        # while backing off after a measurement below min_bytes, it is only counted.
+        seen_key = "seen:" + "+".join(k for k, v in (("batch", batch), ("graph", graph)) if v)
+        self.occurrences[seen_key] = self.occurrences.get(seen_key, 0) + 1
+        if seen_key in self._reported or step < self._next_measure.get(seen_key, -1):
+            return None
+        older_alive = not older or any(t is not None and id(t) not in current for t in (r() for r in older))
+
+        held: dict[Any, int] = {}
+        targets: list[torch.Tensor] = []
+        self._root_ref = None
+        graph_seen = graph
+        if graph:
+            # After backward a kept loss's graph holds only parameters: alive, but not a cause.
+            graph = self._measure_graph(sentinel, held, targets)
+        batch = self._lingering_batch(batch, held, older_alive)
+        key = "lingering:" + "+".join(k for k, v in (("batch", batch), ("graph", graph)) if v)
+        if key in self._reported or not (batch or graph_seen):
+            return None
+        batch_keys: set[Any] = set()
+        for t in batch:
+            _add_storages(t, held, targets)
+            batch_keys.update(k for k, _ in storage_keys(t))
+        batch_bytes = sum(n for k, n in held.items() if k in batch_keys)
+        total = sum(held.values())
+        if total < self.min_bytes or total == 0:
+            self._back_off(seen_key, step)
+            return None
+        self._reported.add(key)
+        self._reported.add(seen_key)
+        self._targets = [weakref.ref(t) for t in targets]
+        return self._finding(step, key, batch, graph, batch_bytes, total)
+
+    def _measure_graph(self, sentinel: Any, held: dict[Any, int], targets: list[torch.Tensor]) -> bool:
+        """Add the storages the marked graph holds (not parameters) to ``held``; True if there were any."""
+        root = self._graph_root(sentinel)
+        if root is not None:
+            for t, _how in graph_tensors([root]):
+                if is_parameter(t):
+                    continue
+                _add_storages(t, held, targets)
+                try:
+                    if t.is_leaf and t.grad is not None:
+                        _add_storages(t.grad, held, targets)
+                except Exception:
+                    pass
+        if not held:
+            return False
+        self._root_ref = weakref.ref(root)
+        return True
+
+    def _lingering_batch(self, batch: list[torch.Tensor], held: dict[Any, int], older_alive: bool) -> list[torch.Tensor]:
+        """The batch tensors that count: those the graph holds, plus the others unless older batches live too."""
+        in_graph = [t for t in batch if all(k in held for k, _ in storage_keys(t))]
+        in_graph_ids = {id(t) for t in in_graph}
+        loose = [t for t in batch if id(t) not in in_graph_ids]
+        if loose and older_alive:
+            # Kept with older batches (dataset in memory, a cache) or too early to tell.
+            self.occurrences["retained:batch"] = self.occurrences.get("retained:batch", 0) + 1
+            loose = []
+        return in_graph + loose
+
+    def _back_off(self, seen_key: str, step: int) -> None:
+        """Measured below ``min_bytes``: measure this situation again later, or never."""
+        backoff = self._backoff.get(seen_key, 1) * 2
+        self._backoff[seen_key] = backoff
+        # a situation measured harmless this many times (a loop variable `loss` whose graph holds
+        # only parameters) is not measured again: measuring may scan the heap for the graph's root
+        self._next_measure[seen_key] = step + backoff if backoff <= self.max_backoff_steps else 2**62
+
+    def _finding(
+        self, step: int, key: str, batch: list[torch.Tensor], graph: bool, batch_bytes: int, total: int
+    ) -> Finding:
+        graph_bytes = total - batch_bytes
+        from_step = self._from_step if self._from_step is not None else step - 1
+        what = []
+        n = len(batch)
+        if batch:
+            what.append(f"{n} tensor{'s' if n != 1 else ''} of its batch ({format_bytes(batch_bytes)})")
+        if graph:
+            what.append(f"its autograd graph (holding {format_bytes(graph_bytes)} more)" if batch else f"autograd graph (holding {format_bytes(graph_bytes)})")
+        verb = "were" if graph and batch or n > 1 else "was"
+        message = (
+            f"Step {from_step}'s {' and '.join(what)} {verb} still alive when step {step} started, "
+            f"{format_bytes(total)} in all. Something keeps them from one step to the next, usually "
+            "a loss returned with its graph and kept by the loop until the next step rebinds the "
+            "variable (`return {\"loss\": loss}`, `outputs = train_one_step(batch)`): the graph holds "
+            "the inputs that require grad and their gradients. Return `loss.item()` (or "
+            "`loss.detach()`), or `del outputs, batch` at the end of the loop body. The holders "
+            "show where the reference lives."
+        )
+        return Finding(
+            kind="lingering",
+            step=step,
+            key=key,
+            bytes=int(total),
+            message=message,
+            details={
+                "from_step": from_step,
+                "batch_tensors_alive": len(batch),
+                "graph_alive": graph,
+                "batch_bytes": int(batch_bytes),
+                "graph_bytes": int(graph_bytes),
+            },
+        )
+
+    def _graph_root(self, sentinel: _Sentinel) -> Any:
+        """A live tensor of the marked graph (only called when the graph is alive)."""
+        loss = self._loss_ref() if self._loss_ref is not None else None
+        if loss is not None:
+            return loss
+        # The user kept another tensor of the graph: the loss before the framework divided it,
+        # or (plain loops, where the monitor marks the model's output) the loss computed from it.
+        # Find a live tensor whose graph reaches a node carrying this step's sentinel. Only runs
+        # when the graph is alive, i.e. when something is already suspicious.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # proxies of deprecated names warn when isinstance() looks at them
+            objects = [obj for obj in gc.get_objects() if isinstance(obj, _Tensor)]
+        with_graph = []
+        for obj in objects:
+            try:
+                fn = obj.grad_fn
+            except Exception:
+                continue
+            if fn is None:
+                continue
+            try:
+                if node_metadata(fn).get(METADATA_KEY) is sentinel:
+                    return obj
+            except Exception:
+                continue
+            with_graph.append((obj, fn))
+        del objects
+        return _reaching_sentinel(with_graph, sentinel)
+
+    def graph_root(self) -> torch.Tensor | None:
+        """The live tensor through which the last finding's graph is held (e.g. the user's loss), if any."""
+        return self._root_ref() if self._root_ref is not None else None
+
+    def alive_tensors(self) -> list[torch.Tensor]:
+        """The lingering tensors behind the last finding (for :func:`find_holders`), if still alive."""
+        return [t for t in (r() for r in self._targets) if t is not None]
+
+
+def _reaching_sentinel(with_graph: list[tuple[torch.Tensor, Any]], sentinel: Any, budget: int = 20_000) -> Any:
+    """The first tensor whose graph (``(tensor, grad_fn)`` pairs) reaches a node marked with ``sentinel``.
+
+    ``budget``: nodes visited over all candidates.
+    """
+    seen: set[int] = set()
+    for obj, fn in with_graph:
+        stack = [fn]
+        while stack and budget > 0:
+            node = stack.pop()
+            if id(node) in seen:
+                continue
+            seen.add(id(node))
+            budget -= 1
+            try:
+                if node_metadata(node).get(METADATA_KEY) is sentinel:
+                    return obj
+                stack.extend(n for n, _ in node.next_functions if n is not None)
+            except Exception:
+                continue
+    return None
+
+
+def _add_storages(t: Any, held: dict[Any, int], targets: list[torch.Tensor]) -> None:
+    new = False
+    for key, nbytes in storage_keys(t):
+        if key not in held:
+            held[key] = nbytes
+            new = True
+    if new:
+        targets.append(t)

@@ -1,0 +1,133 @@
+"""Tensors in batches and autograd graphs: describe, find and walk them (shared by the census and the detectors)."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, Iterable, Iterator
+
+import torch
+
+from memcallbacks._runtime.torch_private import saved_tensors_of
+
+__all__ = [
+    "describe_tensor",
+    "graph_tensors",
+    "is_parameter",
+    "iter_tensors",
+    "node_children",
+]
+
+
+def describe_tensor(t: Any) -> str:
+    """``"256x512 float32"`` (plus ``" on cuda:0"`` off the CPU); never raises."""
+    try:
+        shape = "x".join(str(int(s)) for s in t.shape) or "scalar"
+        dtype = str(t.dtype).replace("torch.", "")
+        dev = t.device
+        where = "" if dev.type == "cpu" else f" on {dev}"
+        return f"{shape} {dtype}{where}"
+    except Exception:
+        return type(t).__name__
+
+
+def iter_tensors(obj: Any, *, max_depth: int = 8, max_items: int = 100_000) -> Iterator[torch.Tensor]:
+    """Tensors in a batch-like structure: tensors, mappings, lists/tuples/sets, dataclasses.
+
+    Arbitrary objects are not searched (a batch may reference a model). Never raises.
+    """
+    Tensor = torch.Tensor
+    tp = type(obj)
+    if tp is dict or tp is list or tp is tuple:  # fast path: a flat batch of tensors
+        values = obj.values() if tp is dict else obj
+        if all(isinstance(v, Tensor) for v in values):
+            yield from values
+            return
+    elif isinstance(obj, Tensor):
+        yield obj
+        return
+    stack: list[tuple[Any, int]] = [(obj, 0)]
+    seen: set[int] = set()
+    budget = max_items
+    while stack and budget > 0:
+        item, depth = stack.pop()
+        budget -= 1
+        try:
+            if isinstance(item, Tensor):
+                yield item
+                continue
+            if item is None or isinstance(item, (str, bytes, int, float, bool)) or depth >= max_depth:
+                continue
+            if id(item) in seen:
+                continue
+            seen.add(id(item))
+            if isinstance(item, (list, tuple, set, frozenset, collections.deque)):
+                children: Iterable[Any] = list(item)
+            elif isinstance(item, Mapping):
+                children = list(item.values())
+            elif dataclasses.is_dataclass(item) and not isinstance(item, type):
+                children = [getattr(item, f.name, None) for f in dataclasses.fields(item)]
+            else:
+                continue
+            stack.extend((c, depth + 1) for c in reversed(list(children)))
+        except Exception:
+            continue
+
+
+_PARAM_TYPES: dict[type, bool] = {}
+
+
+def is_parameter(t: Any) -> bool:
+    """``isinstance(t, nn.Parameter)`` without the slow metaclass check (cached per type)."""
+    tp = type(t)
+    known = _PARAM_TYPES.get(tp)
+    if known is None:
+        known = _PARAM_TYPES[tp] = issubclass(tp, torch.nn.Parameter)
+    return known
+
+
+def node_children(node: Any) -> list[tuple[Any, str]]:
+    """Children of an autograd node as ``(object, how)``; how is "node", "leaf" or "saved"."""
+    out: list[tuple[Any, str]] = []
+    try:
+        for fn, _ in node.next_functions:
+            if fn is not None:
+                out.append((fn, "node"))
+    except Exception:
+        pass
+    var = getattr(node, "variable", None) if type(node).__name__ == "AccumulateGrad" else None
+    if var is not None:
+        out.append((var, "leaf"))
+    out.extend((t, "saved") for t in saved_tensors_of(node))
+    return out
+
+
+def graph_tensors(
+    start: Iterable[Any], *, max_nodes: int = 1_000_000, visited: set[int] | None = None
+) -> Iterator[tuple[torch.Tensor, str]]:
+    """Walk autograd graphs from tensors or nodes; yield ``(tensor, "leaf" | "saved")``.
+
+    Leaves are the tensors ``AccumulateGrad`` nodes keep (parameters and hand-made leaves);
+    saved tensors are what nodes keep for backward (gone after ``backward()`` unless
+    ``retain_graph``). ``visited`` (node ids) lets several walks share work.
+    """
+    seen = visited if visited is not None else set()
+    keep: list[Any] = []  # node wrappers must outlive the walk so their ids stay unique
+    stack: list[Any] = []
+    for s in start:
+        node = s.grad_fn if isinstance(s, torch.Tensor) else s
+        if node is not None and id(node) not in seen:
+            seen.add(id(node))
+            keep.append(node)
+            stack.append(node)
+    while stack and len(keep) <= max_nodes:
+        node = stack.pop()
+        for child, how in node_children(node):
+            if how == "node":
+                if id(child) not in seen:
+                    seen.add(id(child))
+                    keep.append(child)
+                    stack.append(child)
+            else:
+                yield child, how
