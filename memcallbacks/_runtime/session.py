@@ -22,7 +22,8 @@ from memcallbacks._findings import Finding, FindingLog
 from memcallbacks._units import format_bytes
 from memcallbacks._runtime.outputs import REPORT_VERSION, check_writable, write_json, write_outputs
 from memcallbacks.snapshot.auto import AutoSnapshot
-from memcallbacks.leaks.watch import LeakWatch, StateCheck
+from memcallbacks.estimate.check import StateCheck
+from memcallbacks.leaks.watch import LeakWatch
 
 log = logging.getLogger(__name__)
 
