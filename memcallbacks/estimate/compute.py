@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import NamedTuple
 
 from torch import nn
 
@@ -117,21 +117,18 @@ def estimate(
     func = "estimate"
     setup = _resolve(
         func, strategy=strategy, precision=precision, world_size=world_size, rank=rank, ranks_per_node=ranks_per_node,
-        sharding=sharding, shard_group_size=shard_group_size, offload_optimizer=offload_optimizer,
-        offload_param=offload_param, gradient_accumulation_steps=gradient_accumulation_steps, no_sync=no_sync,
-        set_to_none=set_to_none, gradient_as_bucket_view=gradient_as_bucket_view,
-        reduce_bucket_size=reduce_bucket_size, prefetch_layers=prefetch_layers, zero_init=zero_init,
-        conservative=conservative,
+        sharding=sharding, shard_group_size=shard_group_size, offload_optimizer=offload_optimizer, offload_param=offload_param,
+        gradient_accumulation_steps=gradient_accumulation_steps, no_sync=no_sync, set_to_none=set_to_none,
+        gradient_as_bucket_view=gradient_as_bucket_view, reduce_bucket_size=reduce_bucket_size,
+        prefetch_layers=prefetch_layers, zero_init=zero_init, conservative=conservative,
     )
     notes: list[str] = []
     default_spec, per_param = _param_specs(optimizer, func)
-    if model is not None:
-        for name, value in (("num_params", num_params), ("trainable_params", trainable_params)):
-            if value is not None:
-                raise _fail(func, name, value, "cannot be combined with a model (it is counted from the model); drop it.")
-        rows = _from_model(model, setup, layer_cls, layer_names, largest_layer_params, root_params, default_spec, per_param, notes)
+    sizes = _Sizes(num_params, trainable_params, largest_layer_params, root_params)
+    if model is None:
+        rows = _from_counts(setup, sizes, default_spec, notes)
     else:
-        rows = _from_counts(setup, num_params, trainable_params, largest_layer_params, root_params, default_spec, notes)
+        rows = _from_model(model, setup, sizes, layer_cls, layer_names, default_spec, per_param, notes)
     return _compute(*rows, setup, default_spec, notes)
 
 
@@ -236,19 +233,32 @@ def _check_offload(func: str, strategy: str, offload_optimizer: bool, offload_pa
 # what to count: the parameters of a model, or counts
 
 
+class _Sizes(NamedTuple):
+    """:func:`estimate`'s parameter counts, as given (``None``: not given)."""
+
+    num_params: float | None
+    trainable_params: float | None
+    largest_layer_params: float | None
+    root_params: float | None
+
+
 def _from_model(
     model: nn.Module,
     setup: _Setup,
+    sizes: _Sizes,
     layer_cls: type | str | Sequence[type | str] | None,
     layer_names: Sequence[str] | None,
-    largest_layer_params: float | None,
-    root_params: float | None,
     default_spec: _OptSpec,
     per_param: dict[int, _OptSpec] | None,
     notes: list[str],
 ) -> tuple[list[_Tensor], int, int]:
     """One row per parameter (tied ones once), the largest unit and the root unit, in elements."""
     func = "estimate"
+    for name in ("num_params", "trainable_params"):
+        value = getattr(sizes, name)
+        if value is not None:
+            raise _fail(func, name, value, "cannot be combined with a model (it is counted from the model); drop it.")
+    largest_layer_params, root_params = sizes.largest_layer_params, sizes.root_params
     inner = _unwrap(model)
     if setup.strategy == "zero3" and layer_cls is None and layer_names is None:
         unit_sizes, root, _ = _units(inner, None)
@@ -281,17 +291,10 @@ def _from_model(
     return tensors, largest, root
 
 
-def _from_counts(
-    setup: _Setup,
-    num_params: float | None,
-    trainable_params: float | None,
-    largest_layer_params: float | None,
-    root_params: float | None,
-    default_spec: _OptSpec,
-    notes: list[str],
-) -> tuple[list[_Tensor], int, int]:
+def _from_counts(setup: _Setup, sizes: _Sizes, default_spec: _OptSpec, notes: list[str]) -> tuple[list[_Tensor], int, int]:
     """Rows for ``num_params`` elements (trainable and frozen), the largest unit and the root unit."""
     func = "estimate"
+    num_params, trainable_params, largest_layer_params, root_params = sizes
     if num_params is None:
         raise _fail(func, "num_params", None, "is required without a model; pass the parameter count (e.g. 7e9) or a model.")
     total = _count(num_params, "num_params", func, allow_zero=False)

@@ -113,34 +113,26 @@ def canonical_strategy(strategy: str, func: str = "estimate") -> str:
     The one strategy-name mapping of the estimator: arguments and strategy detection both go through it.
     Raises ``ValueError`` naming ``func`` for anything else.
     """
-    key = str(strategy).strip().lower()
-    key = _STRATEGY_ALIASES.get(key, key)
-    if key not in STRATEGIES:
-        options = ", ".join(repr(s) for s in STRATEGIES)
-        raise _fail(func, "strategy", strategy, f"is not one of {options}; pass one of those.")
-    return key
+    return _canonical(strategy, _STRATEGY_ALIASES, STRATEGIES, func, "strategy")
 
 
 def _canonical_sharding(sharding: str, func: str) -> str:
-    key = str(sharding).strip().lower()
-    name = _SHARDING_ALIASES.get(key, key)
-    if name not in SHARDINGS:
-        raise _fail(func, "sharding", sharding, f"is not one of {', '.join(repr(s) for s in SHARDINGS)}; pass one of those.")
-    return name
+    return _canonical(sharding, _SHARDING_ALIASES, SHARDINGS, func, "sharding")
 
 
 def _canonical_precision(precision: str, func: str) -> _Precision:
-    key = str(precision).strip().lower()
-    key = _PRECISION_ALIASES.get(key, key)
-    if key not in _PRECISIONS:
-        options = ", ".join(repr(p) for p in PRECISIONS)
-        raise _fail(
-            func,
-            "precision",
-            precision,
-            f"is not one of {options} (or Lightning's '32-true', '16', 'bf16'); pass one of those.",
-        )
-    return _PRECISIONS[key]
+    also = " (or Lightning's '32-true', '16', 'bf16')"
+    return _PRECISIONS[_canonical(precision, _PRECISION_ALIASES, PRECISIONS, func, "precision", also)]
+
+
+def _canonical(value: str, aliases: Mapping[str, str], names: tuple[str, ...], func: str, arg: str, also: str = "") -> str:
+    """``value`` lower-cased, through ``aliases``, checked against ``names``."""
+    key = str(value).strip().lower()
+    key = aliases.get(key, key)
+    if key not in names:
+        options = ", ".join(repr(n) for n in names)
+        raise _fail(func, arg, value, f"is not one of {options}{also}; pass one of those.")
+    return key
 
 
 def _precision_from_dtype(dtype: torch.dtype) -> str:
