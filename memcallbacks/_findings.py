@@ -7,8 +7,6 @@ import logging
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterator
 
-from memcallbacks._units import format_bytes
-
 log = logging.getLogger(__name__)
 
 __all__ = ["Finding", "FindingLog"]

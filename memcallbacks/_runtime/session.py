@@ -22,8 +22,9 @@ from memcallbacks._runtime.sampling import GIB, MemoryEngine
 from memcallbacks._findings import Finding, FindingLog
 from memcallbacks._runtime.outputs import REPORT_VERSION, check_writable, write_json, write_outputs
 from memcallbacks.snapshot.auto import AutoSnapshot
+from memcallbacks.estimate.check import StateCheck
 from memcallbacks.leaks.census import format_top_holders
-from memcallbacks.leaks.watch import LeakWatch, StateCheck
+from memcallbacks.leaks.watch import LeakWatch
 
 log = logging.getLogger(__name__)
 

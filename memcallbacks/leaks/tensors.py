@@ -9,9 +9,12 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
+from memcallbacks._storage import distinct_bytes
+
 from memcallbacks._runtime.torch_private import saved_tensors_of
 
 __all__ = [
+    "batch_bytes",
     "describe_tensor",
     "graph_tensors",
     "is_parameter",
@@ -131,3 +134,8 @@ def graph_tensors(
                     stack.append(child)
             else:
                 yield child, how
+
+
+def batch_bytes(batch: Any) -> int:
+    """Bytes of the distinct storages of the tensors in ``batch`` (nested containers)."""
+    return distinct_bytes(iter_tensors(batch))
