@@ -115,3 +115,10 @@ CASES: dict[str, Callable[..., Case]] = {
     "checkpointed": checkpointed,
     "mlp-bf16": lambda scale=1: mlp(scale, "bf16-mixed"),
 }
+
+
+class TinyMLP(nn.Sequential):
+    """Built with no arguments, for ``memcallbacks preflight --model preflight_zoo:TinyMLP``."""
+
+    def __init__(self) -> None:
+        super().__init__(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
