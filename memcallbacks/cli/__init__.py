@@ -10,7 +10,12 @@ from typing import Sequence
 __all__ = ["main", "build_parser"]
 
 # each module defines ``register(subparsers)``, adding its sub-command with ``set_defaults(func=...)``
-_SUBCOMMAND_MODULES = ("memcallbacks.cli.estimate", "memcallbacks.cli.report", "memcallbacks.cli.snapshot")
+_SUBCOMMAND_MODULES = (
+    "memcallbacks.cli.estimate",
+    "memcallbacks.cli.preflight",
+    "memcallbacks.cli.report",
+    "memcallbacks.cli.snapshot",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
