@@ -45,7 +45,7 @@ def test_cli_finds_the_largest_batch_that_fits() -> None:
     out = _cli(*args, "--find-max-batch")
     assert out.returncode == 0, out.stderr
     fitted = int(out.stdout.rsplit("batch size ", 1)[1].split()[0])
-    assert fitted > 8 and "fits 1.91 MiB" in out.stdout
+    assert fitted > 8 and "fits 1.9 MiB" in out.stdout
 
     def peak(n: int) -> int:  # the same prediction in process: n fits, n + 1 does not
         batch = (torch.empty(n, 64, device="meta"), torch.empty(n, dtype=torch.long, device="meta"))

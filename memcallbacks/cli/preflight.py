@@ -12,7 +12,8 @@ import torch
 
 from memcallbacks.cli.estimate import _load_hf_config, _load_model_class, _one_line, _UsageError
 from memcallbacks.estimate import PRECISIONS, STRATEGIES
-from memcallbacks.estimate.compute import _canonical_precision, _canonical_strategy
+from memcallbacks.estimate.tables import _canonical_precision
+from memcallbacks.estimate.tables import canonical_strategy as _canonical_strategy
 
 __all__ = ["parse_batch_spec", "parse_bytes", "register", "run"]
 
@@ -114,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from memcallbacks._runtime.report import human_bytes
+    from memcallbacks._units import format_bytes
     from memcallbacks.preflight import PreflightError, max_batch_size, predict
 
     named, positional = parse_batch_spec(args.batch)
@@ -156,8 +157,8 @@ def _run(args: argparse.Namespace) -> int:
     print(prediction)
     if capacity is not None:
         verdict = "fits" if prediction.peak_bytes <= capacity else "does NOT fit"
-        print(f"capacity {human_bytes(capacity)}: batch size {size} {verdict} "
-              f"(peak {human_bytes(prediction.peak_bytes)} in {prediction.peak_phase})")
+        print(f"capacity {format_bytes(capacity)}: batch size {size} {verdict} "
+              f"(peak {format_bytes(prediction.peak_bytes)} in {prediction.peak_phase})")
     if fit is not None:
         print(fit)
     return 0

@@ -30,13 +30,13 @@ class BatchFit:
     """Every batch size predicted and its peak bytes."""
 
     def __str__(self) -> str:
-        from memcallbacks._runtime.report import human_bytes
+        from memcallbacks._units import format_bytes
 
         if self.batch_size == 0:
-            return (f"no batch fits {human_bytes(self.capacity_bytes)}: the smallest tried peaks at "
-                    f"{human_bytes(self.peak_bytes)} in {self.prediction.peak_phase}")
-        return (f"batch size {self.batch_size} fits {human_bytes(self.capacity_bytes)}: predicted peak "
-                f"{human_bytes(self.peak_bytes)} in {self.prediction.peak_phase}")
+            return (f"no batch fits {format_bytes(self.capacity_bytes)}: the smallest tried peaks at "
+                    f"{format_bytes(self.peak_bytes)} in {self.prediction.peak_phase}")
+        return (f"batch size {self.batch_size} fits {format_bytes(self.capacity_bytes)}: predicted peak "
+                f"{format_bytes(self.peak_bytes)} in {self.prediction.peak_phase}")
 
 
 def max_batch_size(

@@ -10,7 +10,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from memcallbacks.estimate.compute import _canonical_precision, _canonical_strategy
+from memcallbacks.estimate.tables import _canonical_precision
+from memcallbacks.estimate.tables import canonical_strategy as _canonical_strategy
 from memcallbacks.preflight import allocator
 from memcallbacks.preflight._analysis import StepResult, analyse
 from memcallbacks.preflight._fake import fake_batch, fake_model, fake_optimizer

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from memcallbacks._runtime.report import human_bytes
+from memcallbacks._units import format_bytes
 
 __all__ = ["Prediction"]
 
@@ -86,16 +86,16 @@ class Prediction:
         categories = [c for c in next(iter(self.breakdown.values())) if any(b[c] for b in self.breakdown.values())]
         widths = [max(len(c), 10) for c in categories]
         lines = [head, f"  {'phase':<10} {'peak':>10}  " + "  ".join(f"{c:>{w}}" for c, w in zip(categories, widths))]
-        lines.append(f"  {'start':<10} {human_bytes(self.start_bytes):>10}")
+        lines.append(f"  {'start':<10} {format_bytes(self.start_bytes):>10}")
         for phase, peak in self.phase_peaks().items():
-            cells = "  ".join(f"{human_bytes(self.breakdown[phase][c]):>{w}}" for c, w in zip(categories, widths))
+            cells = "  ".join(f"{format_bytes(self.breakdown[phase][c]):>{w}}" for c, w in zip(categories, widths))
             mark = " <- peak" if phase == self.peak_phase else ""
-            lines.append(f"  {phase:<10} {human_bytes(peak):>10}  {cells}{mark}")
+            lines.append(f"  {phase:<10} {format_bytes(peak):>10}  {cells}{mark}")
         if self.first_step is not None:
             first = self.first_step
-            lines.append(f"  first step: peak {human_bytes(first.peak_bytes)} in {first.peak_phase}")
+            lines.append(f"  first step: peak {format_bytes(first.peak_bytes)} in {first.peak_phase}")
         if self.top_modules:
-            lines.append(f"  top modules by activation bytes (of {human_bytes(self.activation_bytes)}):")
-            lines.extend(f"    {human_bytes(b):>10}  {name}" for name, b in self.top_modules)
+            lines.append(f"  top modules by activation bytes (of {format_bytes(self.activation_bytes)}):")
+            lines.extend(f"    {format_bytes(b):>10}  {name}" for name, b in self.top_modules)
         lines.extend(f"  note: {n}" for n in self.notes)
         return "\n".join(lines)
