@@ -20,13 +20,18 @@ _UNITS = {
 _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
 
 
+def _named(name: str, value: Any) -> str:
+    """``("train_memory(max_leak)", "4 pc")`` -> ``"train_memory(max_leak='4 pc')"``."""
+    return f"{name[:-1]}={value!r})" if name.endswith(")") else f"{name}={value!r}"
+
+
 def parse_size(value: Any, name: str) -> int:
     """``"4 MiB"`` -> 4194304; an int is bytes. Raise ValueError naming ``name`` otherwise."""
     if isinstance(value, bool):
-        raise ValueError(f"{name}={value!r} is not a size; pass bytes as an int or a string such as '4 MiB', '2 GiB' or '0 B'.")
+        raise ValueError(f"{_named(name, value)} is not a size; pass bytes as an int or a string such as '4 MiB', '2 GiB' or '0 B'.")
     if isinstance(value, int):
         if value < 0:
-            raise ValueError(f"{name}={value!r} is negative; pass 0 or more bytes, e.g. '0 B' or '4 MiB'.")
+            raise ValueError(f"{_named(name, value)} is negative; pass 0 or more bytes, e.g. '0 B' or '4 MiB'.")
         return value
     if isinstance(value, str):
         match = _SIZE.match(value)
@@ -34,7 +39,7 @@ def parse_size(value: Any, name: str) -> int:
         if match and unit in _UNITS or match and unit == "":
             return int(round(float(match.group(1)) * _UNITS.get(unit, 1)))
     raise ValueError(
-        f"{name}={value!r} is not a size; pass bytes as an int or a string such as '4 MiB', '2 GiB' or '0 B' "
+        f"{_named(name, value)} is not a size; pass bytes as an int or a string such as '4 MiB', '2 GiB' or '0 B' "
         "(units: B, KiB, MiB, GiB, TiB, or KB, MB, GB, TB in powers of ten)."
     )
 

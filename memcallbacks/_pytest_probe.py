@@ -140,6 +140,22 @@ def _storage_keys_of(objects: list[Any]) -> set[Any]:
     return keys
 
 
+def _weak_tensors(keys: set[Any]) -> list[tuple[Any, Any]]:
+    """``[(storage key, weakref to a tensor on it)]`` for the live tensors on the storages ``keys``."""
+    from memcallbacks.leaks.census import _scan_heap, storage_keys
+
+    out = []
+    for t in _scan_heap()[1]:
+        for key, _ in storage_keys(t):
+            key = (str(key[0]), key[1])
+            if key in keys:
+                try:
+                    out.append((key, weakref.ref(t)))
+                except TypeError:
+                    pass
+    return out
+
+
 def _unexpected(census: Any, ignore: set[Any]) -> tuple[int, dict[Any, Any]]:
     """Bytes (and records by storage) outside the carry-over categories and the framework's bookkeeping."""
     records = {(r.device, r.data_ptr): r for r in census.records if r.category not in CARRY_OVER}
@@ -173,6 +189,7 @@ class Probe:
         self._warmup_census: Any = None
         self._warmup_bytes = 0
         self._final_step = -1
+        self._warmup_alive: list[tuple[Any, Any]] = []
         self._last_batch: list[Any] = []  # weak references to the last step's batch tensors
         self.census_seconds = 0.0
         self.anchor_bytes = 0  # total tensor bytes of the latest census, where the timeline's anchor mark is
@@ -226,7 +243,8 @@ class Probe:
             census = self._census(batch)
             if census is not None:
                 self._warmup_census = census
-                self._warmup_bytes = _unexpected(census, self._ignored())[0]
+                self._warmup_bytes, records = _unexpected(census, self._ignored())
+                self._warmup_alive = _weak_tensors(set(records))
         elif self.census_every_step and self.steps > self.warmup:
             self._final_census(batch)
 
@@ -280,7 +298,8 @@ class Probe:
         census = self._census(batch, find_paths=True)
         if census is None:
             return []
-        before = {(r.device, r.data_ptr) for r in self._warmup_census.records}
+        # storages alive since warm-up, by their tensors: an address freed and reused later is new
+        before = {key for key, ref in self._warmup_alive if ref() is not None}
         grew: dict[str, list[int]] = {}
         for key, record in _unexpected(census, ignore)[1].items():
             if key in before:

@@ -72,7 +72,8 @@ def _marker_limits(node: pytest.Item) -> Limits | None:
     try:
         return Limits.from_marker(marker)
     except ValueError as exc:
-        pytest.fail(f"{node.nodeid}: @pytest.mark.{exc}", pytrace=False)
+        problem = str(exc)
+    pytest.fail(f"{node.nodeid}: @pytest.mark.{problem}", pytrace=False)
 
 
 @pytest.fixture
