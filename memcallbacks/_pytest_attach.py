@@ -128,6 +128,16 @@ class Patches:
         monitor = AccelerateMemoryMonitor(accelerator, **self.session.monitor_config())
         self.session.probe(monitor._core, name="Accelerator", census_every_step=True)
         self.session.closers.append(monitor.close)
+        prepare = accelerator.prepare
+
+        def prepare_and_hook(*args: Any, **kwargs: Any) -> Any:
+            # the monitor was built before the test's prepare(): hook the models it prepares now,
+            # since a loop without monitor.track() never asks the monitor to look for them
+            result = prepare(*args, **kwargs)
+            monitor._hook_prepared_models()
+            return result
+
+        accelerator.prepare = prepare_and_hook  # an instance attribute, gone with the accelerator
 
     def _transformers_kwargs(self, kwargs: dict[str, Any]) -> None:
         from memcallbacks.transformers import MemoryMonitorCallback

@@ -189,6 +189,7 @@ class Probe:
         self._warmup_census: Any = None
         self._warmup_bytes = 0
         self._final_step = -1
+        self.frozen = False  # set once the test body has returned: what is alive then says nothing about training
         self._warmup_alive: list[tuple[Any, Any]] = []
         self._last_batch: list[Any] = []  # weak references to the last step's batch tensors
         self.census_seconds = 0.0
@@ -222,7 +223,7 @@ class Probe:
 
         def finish_(*args: Any, **kwargs: Any) -> Any:
             self._final_census(self._batch_alive())
-            if self.timeline.running and self._warmup_census is None and self.steps:
+            if self.timeline.running and self._warmup_census is None and self.steps and not self.frozen:
                 self._census(self._batch_alive())  # too few steps for the leak check: the anchor for the peaks
             return finish(*args, **kwargs)
 
@@ -244,7 +245,8 @@ class Probe:
             if census is not None:
                 self._warmup_census = census
                 self._warmup_bytes, records = _unexpected(census, self._ignored())
-                self._warmup_alive = _weak_tensors(set(records))
+                batch_keys = {(r.device, r.data_ptr) for r in census.records if r.category == "current batch"}
+                self._warmup_alive = _weak_tensors(set(records) | batch_keys)
         elif self.census_every_step and self.steps > self.warmup:
             self._final_census(batch)
 
@@ -280,7 +282,7 @@ class Probe:
         return census
 
     def _final_census(self, batch: Any) -> None:
-        if self._warmup_census is None or self.steps <= self.warmup or self._final_step == self.steps:
+        if self.frozen or self._warmup_census is None or self.steps <= self.warmup or self._final_step == self.steps:
             return
         self._final_step = self.steps
         census = self._census(batch)
@@ -307,8 +309,12 @@ class Probe:
             acc = grew.setdefault(record.holder or f"({record.category}, holder not found)", [0, 0])
             acc[0] += 1
             acc[1] += record.nbytes
-        ranked = sorted(grew.items(), key=lambda kv: -kv[1][1])
-        return [f"{holder} grew by {n} tensor{'s' if n != 1 else ''} / {format_bytes(b)}" for holder, (n, b) in ranked[:5]]
+        # a holder with several new tensors collects them; one new tensor is usually a rebound variable
+        ranked = sorted(grew.items(), key=lambda kv: (kv[1][0] < 2, -kv[1][1]))
+        return [
+            f"{holder} holds {n} tensor{'s' if n != 1 else ''} / {format_bytes(b)} allocated after warm-up"
+            for holder, (n, b) in ranked[:5]
+        ]
 
     # ------------------------------------------------------------------ results
     @property

@@ -120,6 +120,9 @@ class TrainMemory:
     def stop(self) -> None:
         """Close what the test left open, remove the wrappers, stop the profiler. Safe to call twice."""
         closers, self.closers = self.closers, []
+        for probe in self.probes:
+            if probe.census_every_step:
+                probe.frozen = True  # a loop the test left open ends here, after its locals are gone
         for close in closers:
             try:
                 close()

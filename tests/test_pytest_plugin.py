@@ -77,7 +77,7 @@ def test_clean(tmp_path):
     result.stdout.fnmatch_lines([
         "*train_memory: test_fit.py::test_leaky failed 1 memory check*",
         "leaked 96.0 KiB over 6 steps (limit 0 B)*[[]Lightning Trainer[]]",
-        "    held by: LitModel.cache grew by 6 tensors / 96.0 KiB",
+        "    held by: LitModel.cache holds 6 tensors / 96.0 KiB allocated after warm-up",
         "    fix: Something keeps tensors from step to step*",
     ])
     assert "test_clean" not in "\n".join(line for line in result.outlines if "FAILED" in line)
@@ -168,3 +168,36 @@ def test_model(tmp_path):
     # without the option the bigger model passes and becomes the new reference
     run(pytester).assert_outcomes(passed=1)
     run(pytester, "--train-memory-fail-on-increase").assert_outcomes(passed=1)
+
+
+def test_accelerate_loop_gets_a_monitor_without_changing_the_test(pytester: pytest.Pytester) -> None:
+    pytest.importorskip("accelerate")
+    pytester.makepyfile(test_acc='''
+import pytest, torch
+from torch import nn
+from accelerate import Accelerator
+
+
+@pytest.mark.train_memory
+def test_accelerate_keeps_outputs():
+    torch.manual_seed(0)
+    accelerator = Accelerator(cpu=True)
+    model = nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    seen = []
+    for _ in range(8):
+        x, y = torch.randn(32, 64), torch.randn(32, 1)
+        out = model(x)
+        seen.append(out.detach().clone())
+        loss = ((out - y) ** 2).mean()
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+''')
+    result = run(pytester)
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines([
+        "leaked 640 B over 5 steps (limit 0 B)*[[]Accelerator[]]",
+        "    held by: test_accelerate_keeps_outputs() local seen holds 5 tensors / 640 B allocated after warm-up",
+    ])
