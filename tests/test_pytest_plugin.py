@@ -1,0 +1,203 @@
+"""The pytest plugin (memcallbacks.pytest_plugin), through pytester: real test files, real tiny models, real trainers."""
+
+from __future__ import annotations
+
+import lightning.pytorch  # noqa: F401  imported here, kept across the in-process inner runs
+import pytest
+import torch._dynamo  # noqa: F401  optimizer.step imports it; a second import after pytester drops it fails
+
+pytest_plugins = ["pytester"]
+
+# Shared by the inner test files: a tiny Lightning model with validation and an LR scheduler, and its fit.
+LIGHTNING = '''
+import pytest, torch
+from torch import nn
+import lightning.pytorch as L
+from torch.utils.data import DataLoader, TensorDataset
+
+
+class LitModel(L.LightningModule):
+    def __init__(self, leak=False, extra_mib=0):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 1))
+        self.leak, self.extra_mib, self.cache = leak, extra_mib, []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        h = self.net[0](x)
+        if self.leak:
+            self.cache.append(h.detach().clone())
+        if self.extra_mib:  # an activation added by a change to the model
+            h = h + torch.ones(self.extra_mib << 18, 1).sum() * 0
+        loss = ((self.net[2](self.net[1](h)) - y) ** 2).mean()
+        self.log("loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", ((self.net(x) - y) ** 2).mean())
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=1e-3)
+        return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=1)}
+
+
+def fit(model, tmp_path, **kwargs):
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(256, 64), torch.randn(256, 1))
+    trainer = L.Trainer(
+        max_steps=8, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=tmp_path, **kwargs,
+    )
+    trainer.fit(model, DataLoader(data, batch_size=16), DataLoader(data, batch_size=16))
+    return trainer
+'''
+
+
+def run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
+    # in-process: the inner session reuses the imported frameworks (a subprocess re-imports Lightning, ~4 s a run)
+    return pytester.runpytest("-p", "no:randomly", "-W", "ignore", "--strict-markers", *args)
+
+
+def test_lightning_leak_fails_naming_holder_and_clean_fit_passes(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_fit=LIGHTNING + '''
+
+@pytest.mark.train_memory
+def test_leaky(tmp_path):
+    fit(LitModel(leak=True), tmp_path)
+
+
+@pytest.mark.train_memory(max_leak="0 B", warmup=2)
+def test_clean(tmp_path):
+    trainer = fit(LitModel(), tmp_path, accumulate_grad_batches=2, val_check_interval=4, limit_val_batches=2)
+    assert trainer.global_step == 8
+''')
+    result = run(pytester)
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines([
+        "*train_memory: test_fit.py::test_leaky failed 1 memory check*",
+        "leaked 96.0 KiB over 6 steps (limit 0 B)*[[]Lightning Trainer[]]",
+        "    held by: LitModel.cache holds 6 tensors / 96.0 KiB allocated after warm-up",
+        "    fix: Something keeps tensors from step to step*",
+    ])
+    assert "test_clean" not in "\n".join(line for line in result.outlines if "FAILED" in line)
+
+
+def test_plain_loop_keeping_each_loss_fails_naming_the_variable(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_loop='''
+import pytest, torch
+from torch import nn
+
+
+def batches(n):
+    torch.manual_seed(0)
+    return [(torch.randn(32, 64), torch.randn(32, 1)) for _ in range(n)]
+
+
+def test_keeps_losses(train_memory):
+    model = nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    losses = []
+    for x, y in train_memory.track(model, optimizer, batches(8)):
+        loss = ((model(x) - y) ** 2).mean()
+        losses.append(loss)   # the leak: each step's loss, with its graph
+        loss.backward(retain_graph=True)
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def test_clean_loop(train_memory):
+    train_memory.limits(max_leak="0 B", warmup=2)
+    model = nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    for x, y in train_memory.track(model, optimizer, batches(8)):
+        loss = ((model(x) - y) ** 2).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+''')
+    result = run(pytester)
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines([
+        "*train_memory: test_loop.py::test_keeps_losses failed*",
+        "step 1 kept * of step 0 alive (lingering)",
+        "    held by: *local losses*",
+    ])
+
+
+def test_over_budget_peak_fails_naming_the_phase_and_bad_limits_say_which(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_peak=LIGHTNING + '''
+
+@pytest.mark.train_memory(phases={"backward": "64 KiB"})
+def test_backward_budget(tmp_path):
+    fit(LitModel(), tmp_path)
+
+
+@pytest.mark.train_memory(max_peak="1 GiB")
+def test_within_budget(tmp_path):
+    fit(LitModel(), tmp_path)
+
+
+@pytest.mark.train_memory(max_leak="4 parsecs")
+def test_bad_limit():
+    pass
+''')
+    result = run(pytester)
+    result.assert_outcomes(passed=1, failed=1, errors=1)
+    result.stdout.fnmatch_lines([
+        "*test_bad_limit: @pytest.mark.train_memory(max_leak='4 parsecs') is not a size*",
+        "peak backward * over limit 64.0 KiB (measured as live CPU tensor bytes*)",
+    ])
+
+
+def test_fail_on_increase_catches_a_4_mib_activation(pytester: pytest.Pytester) -> None:
+    body = LIGHTNING + '''
+
+@pytest.mark.train_memory
+def test_model(tmp_path):
+    fit(LitModel(extra_mib=EXTRA), tmp_path)
+'''
+    pytester.makepyfile(test_grow=body.replace("EXTRA", "0"))
+    run(pytester).assert_outcomes(passed=1)  # stores the peaks
+    # the same code again: the stored peaks are reproduced exactly enough not to fail
+    run(pytester, "--train-memory-fail-on-increase").assert_outcomes(passed=1)
+    pytester.makepyfile(test_grow=body.replace("EXTRA", "4"))
+    result = run(pytester, "--train-memory-fail-on-increase")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["peak forward rose to * from * in the last passing run (+3.* MiB*"])
+    # without the option the bigger model passes and becomes the new reference
+    run(pytester).assert_outcomes(passed=1)
+    run(pytester, "--train-memory-fail-on-increase").assert_outcomes(passed=1)
+
+
+def test_accelerate_loop_gets_a_monitor_without_changing_the_test(pytester: pytest.Pytester) -> None:
+    pytest.importorskip("accelerate")
+    pytester.makepyfile(test_acc='''
+import pytest, torch
+from torch import nn
+from accelerate import Accelerator
+
+
+@pytest.mark.train_memory
+def test_accelerate_keeps_outputs():
+    torch.manual_seed(0)
+    accelerator = Accelerator(cpu=True)
+    model = nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    seen = []
+    for _ in range(8):
+        x, y = torch.randn(32, 64), torch.randn(32, 1)
+        out = model(x)
+        seen.append(out.detach().clone())
+        loss = ((out - y) ** 2).mean()
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+''')
+    result = run(pytester)
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines([
+        "leaked 640 B over 5 steps (limit 0 B)*[[]Accelerator[]]",
+        "    held by: test_accelerate_keeps_outputs() local seen holds 5 tensors / 640 B allocated after warm-up",
+    ])
