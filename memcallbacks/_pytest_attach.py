@@ -118,7 +118,7 @@ class Patches:
             mine = MemoryMonitor(**self.session.monitor_config())
             callbacks.append(mine)
         kwargs["callbacks"] = callbacks
-        self.session.probe(mine._core, name="Lightning Trainer", bookkeeping=lambda: lightning_bookkeeping(mine._trainer))
+        self.session.probe(mine._current_session(), name="Lightning Trainer", bookkeeping=lambda: lightning_bookkeeping(mine._trainer))
 
     def _accelerator_built(self, accelerator: Any) -> None:
         from memcallbacks.accelerate import AccelerateMemoryMonitor
@@ -126,7 +126,7 @@ class Patches:
         if "transformers" in self._busy:
             return  # the Trainer's own Accelerator: the Trainer's callback already watches this loop
         monitor = AccelerateMemoryMonitor(accelerator, **self.session.monitor_config())
-        self.session.probe(monitor._core, name="Accelerator", census_every_step=True)
+        self.session.probe(monitor._current_session(), name="Accelerator", census_every_step=True)
         self.session.closers.append(monitor.close)
         prepare = accelerator.prepare
 
@@ -154,7 +154,7 @@ class Patches:
         def probed_train_begin(*args: Any, **kw: Any) -> Any:
             result = on_train_begin(*args, **kw)
             if mine._monitor is not None:  # a new Monitor per train(): probe each
-                session.probe(mine._monitor._core, name="Transformers Trainer")
+                session.probe(mine._current_session(), name="Transformers Trainer")
             return result
 
         mine.on_train_begin = probed_train_begin  # type: ignore[method-assign]

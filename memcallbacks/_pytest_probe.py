@@ -1,6 +1,6 @@
 """What the pytest plugin measures on one monitor: step marks, two tensor censuses, and exact CPU phase peaks.
 
-A :class:`Probe` wraps one :class:`~memcallbacks._runtime.session.MonitorCore`'s step calls (the
+A :class:`Probe` wraps one :class:`~memcallbacks._runtime.session.Session`'s step calls (the
 calls every adapter makes at step and phase boundaries), so it works the same for Lightning,
 Accelerate, Transformers and plain loops. It takes a census of live tensor storages after
 ``warmup`` steps and again at the end of training, and marks every boundary in a
@@ -16,8 +16,8 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from memcallbacks._findings import format_bytes
-from memcallbacks._runtime.sampling import PHASES
+from memcallbacks._units import format_bytes
+from memcallbacks._runtime.columns import PHASES
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +131,8 @@ class LeakResult:
 
 
 def _storage_keys_of(objects: list[Any]) -> set[Any]:
-    from memcallbacks.leaks.census import iter_tensors, storage_keys
+    from memcallbacks._storage import storage_keys
+    from memcallbacks.leaks.tensors import iter_tensors
 
     keys: set[Any] = set()
     for obj in objects:
@@ -142,7 +143,8 @@ def _storage_keys_of(objects: list[Any]) -> set[Any]:
 
 def _weak_tensors(keys: set[Any]) -> list[tuple[Any, Any]]:
     """``[(storage key, weakref to a tensor on it)]`` for the live tensors on the storages ``keys``."""
-    from memcallbacks.leaks.census import _scan_heap, storage_keys
+    from memcallbacks._storage import storage_keys
+    from memcallbacks.leaks.census import _scan_heap
 
     out = []
     for t in _scan_heap()[1]:
@@ -198,7 +200,7 @@ class Probe:
 
     # ------------------------------------------------------------------ wrappers on the core's step calls
     def _wrap(self) -> None:
-        # instance attributes shadow MonitorCore's methods: every adapter calls them through `core.`
+        # instance attributes shadow Session's methods: every adapter calls them through `core.`
         core, me, mark = self.core, id(self), self.timeline.mark
         begin, boundary, end, finish = core.begin_step, core.boundary, core.end_step, core.finish
 
@@ -230,7 +232,7 @@ class Probe:
         core.begin_step, core.boundary, core.end_step, core.finish = begin_step, boundary_, end_step, finish_
 
     def _step_ended(self, batch: Any) -> None:
-        from memcallbacks.leaks.census import iter_tensors
+        from memcallbacks.leaks.tensors import iter_tensors
 
         self.steps += 1
         refs = []
@@ -266,7 +268,7 @@ class Probe:
     def _census(self, batch: Any, find_paths: bool = False) -> Any:
         import time
 
-        from memcallbacks.leaks.census import take_census
+        from memcallbacks.leaks import take_census
 
         t0 = time.perf_counter()
         try:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
-from memcallbacks._findings import format_bytes
+from memcallbacks._units import format_bytes
 from memcallbacks._pytest_limits import PHASE_NAMES, Limits
 from memcallbacks._pytest_probe import Probe, Timeline
 
@@ -110,7 +110,7 @@ class TrainMemory:
 
         self.start()
         monitor = Monitor(model, optimizer, **{**self.monitor_config(), **config})
-        self.probe(monitor._core, name="train_memory.track()")
+        self.probe(monitor._current_session(), name="train_memory.track()")
         self.closers.append(monitor.close)
         try:
             yield from monitor.track(batches)

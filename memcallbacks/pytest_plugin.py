@@ -22,7 +22,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from memcallbacks._findings import format_bytes
+from memcallbacks._units import format_bytes
 from memcallbacks._pytest_limits import PHASE_NAMES, Limits, parse_size
 
 __all__ = ["train_memory"]
