@@ -41,6 +41,7 @@ from memcallbacks._config import MonitorConfig, check_config_names, resolve_conf
 from memcallbacks._runtime.session import CoreResults, MonitorCore
 from memcallbacks._runtime.sampling import BACKWARD, FORWARD, OPTIMIZER, OTHER
 from memcallbacks.leaks.watch import strategy_name
+from memcallbacks.trackers import Trackers
 
 if TYPE_CHECKING:  # pragma: no cover
     import lightning.pytorch as pl
@@ -180,6 +181,8 @@ class MemoryMonitor(CoreResults, *_callback_bases()):  # type: ignore[misc]
                 "`monitor.history` and the files in output_dir are still kept.",
             )
         core.log_fn = self._emit
+        # rank zero's TensorBoard/W&B/MLflow loggers get the dashboard, report and snapshots
+        core.trackers = Trackers(lambda: trainer.loggers, owner="MemoryMonitor", logger=log) if trainer.is_global_zero else None
         self._has_loggers = bool(trainer.loggers) and int(trainer.log_every_n_steps or 0) > 0
         core.start(
             trainer.strategy.root_device,

@@ -30,6 +30,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 from memcallbacks._config import MonitorConfig, resolve_config
 from memcallbacks._runtime.sampling import COLUMNS, OPTIMIZER, OTHER
 from memcallbacks.monitor import Monitor
+from memcallbacks.trackers import Trackers
 
 if TYPE_CHECKING:  # pragma: no cover
     from transformers import TrainerControl, TrainerState, TrainingArguments
@@ -96,6 +97,7 @@ class MemoryMonitorCallback(TrainerCallback):
         self._first = False  # known to be first in the Trainer's callback list
         self._warned_order = False
         self._batches = 0
+        self._handler: Any = None  # the Trainer's CallbackHandler: its report_to callbacks are the trackers
 
     # ------------------------------------------------------------------ placement in the callback list
     def _move_to_front(self) -> bool:
@@ -117,6 +119,7 @@ class MemoryMonitorCallback(TrainerCallback):
                 if handler.callbacks[0] is not self:
                     handler.callbacks = [self] + [cb for cb in handler.callbacks if cb is not self]
                 self._first = True
+                self._handler = handler
                 return True
         return False
 
@@ -158,6 +161,9 @@ class MemoryMonitorCallback(TrainerCallback):
         )
         core = self._monitor._core
         core.log_fn = self._stash
+        handler = self._handler
+        if handler is not None and state.is_world_process_zero:  # TensorBoard/W&B/MLflow callbacks of report_to
+            core.trackers = Trackers(lambda: handler.callbacks, owner="MemoryMonitorCallback", logger=log)
         core.title = type(model).__name__ if model is not None else "Trainer"
         precision = "bf16-mixed" if getattr(args, "bf16", False) else "16-mixed" if getattr(args, "fp16", False) else None
         # the Trainer passes the bare model: name plain data parallelism here, let the estimate detect the rest
