@@ -42,8 +42,9 @@ class RunOutputs:
         return out
 
     def run_files(self) -> list[Path]:
-        """report, history, eval history and plot, as written (the ones present)."""
-        kinds = ("report", "history", "eval_history", "plot")
+        """report, history, eval history and plot, as written (the ones present); under
+        torch.distributed also rank zero's ``report.json`` with every rank's summary."""
+        kinds = ("combined_report", "report", "history", "eval_history", "plot")
         return [Path(self.files[k]) for k in kinds if k in self.files and Path(self.files[k]).is_file()]
 
 

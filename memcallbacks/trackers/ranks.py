@@ -50,7 +50,7 @@ def snapshot_payload(records: list[dict[str, Any]], rank: int, limit: int = GATH
 
 def receive_snapshots(payloads: list[dict[str, Any] | None], folder: Path | None) -> list[dict[str, Any]]:
     """On rank zero: write the other ranks' files into ``folder/snapshots`` (unless already there, as
-    on a single node sharing one output_dir) and return their records with local paths."""
+    with one output_dir shared by every rank) and return their records with those paths."""
     out: list[dict[str, Any]] = []
     for payload in payloads:
         if not payload:
@@ -62,11 +62,10 @@ def receive_snapshots(payloads: list[dict[str, Any] | None], folder: Path | None
                 data = payload["blobs"].get(path)
                 if data is None:
                     continue
-                target = Path(path)
-                if not (target.is_file() and target.stat().st_size == len(data)) and folder is not None:
-                    target = folder / "snapshots" / Path(path).name  # names carry the rank: .rank{r}.pickle
-                    if not (target.is_file() and target.stat().st_size == len(data)):
-                        atomic_write(target, lambda fh, d=data: fh.write(d), mode="wb")
+                # into rank zero's folder (names carry the rank: .rank1.pickle); a shared output_dir already has it
+                target = folder / "snapshots" / Path(path).name if folder is not None else Path(path)
+                if folder is not None and not (target.is_file() and target.stat().st_size == len(data)):
+                    atomic_write(target, lambda fh, d=data: fh.write(d), mode="wb")
                 if target.is_file():
                     local[kind] = str(target)
             left = [p for p in (record.get("files") or {}).values() if p in payload["left_out"]]

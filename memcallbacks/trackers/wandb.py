@@ -47,7 +47,7 @@ class WandbTracker(Tracker):
         run = self.handle()
         if run is None:
             return False
-        run.summary.update({f"{dashboard.prefix}/findings/{f.key}": finding_text(f) for f in findings})
+        run.summary.update({f"{dashboard.prefix}/finding/{f.key}": finding_text(f) for f in findings})
         return True
 
     def finish(self, outputs: RunOutputs) -> None:
@@ -58,8 +58,8 @@ class WandbTracker(Tracker):
             return
         p = outputs.prefix
         summary = flat_summary(outputs.report.get("summary", {}), p)
-        summary[f"{p}/findings/count"] = len(outputs.findings)
-        summary.update({f"{p}/findings/{f.key}": finding_text(f) for f in outputs.findings})
+        summary[f"{p}/report/findings"] = len(outputs.findings)
+        summary.update({f"{p}/finding/{f.key}": finding_text(f) for f in outputs.findings})
         run.summary.update(summary)
         media: dict[str, Any] = {}
         if "plot" in outputs.files:
@@ -69,7 +69,7 @@ class WandbTracker(Tracker):
             media[f"{p}/findings_table"] = wandb.Table(columns=["kind", "first_step", "step", "bytes", "message"], data=rows)
         for rank, kind, path in outputs.snapshot_files():
             if kind == "html" and path.stat().st_size <= HTML_LIMIT_BYTES:
-                media[f"{p}/snapshots/{path.stem.replace('.', '_')}"] = wandb.Html(str(path), inject=False)
+                media[f"{p}/snapshot_pages/{path.stem.replace('.', '_')}"] = wandb.Html(str(path), inject=False)
         if media:
             run.log(media)
         files = outputs.run_files() + [path for _, _, path in outputs.snapshot_files()]
