@@ -50,6 +50,12 @@ class MonitorConfig:
     plot: bool = True
     """Write ``memory.png`` (needs matplotlib; skipped with one info message when it is missing)."""
 
+    log_to_trackers: bool = True
+    """Give the experiment trackers the run already has (TensorBoard, W&B, MLflow, found among the
+    framework's loggers) a memory dashboard, the findings, and at the end the report, history, plot
+    and snapshots (docs/metrics.md, "Where it appears"). Never creates a tracker or logs in.
+    ``False``: metrics only, through the framework's logging, as before."""
+
     log_validation: bool = True
     """Record (and log) memory during validation, test and predict loops, separately from training rows."""
 
@@ -163,7 +169,7 @@ class MonitorConfig:
             raise _fail("output_dir", self.output_dir, "pass a folder path (str or os.PathLike) or None.")
         if self.output_dir is not None:
             object.__setattr__(self, "output_dir", os.fspath(self.output_dir))
-        for name in ("write_files", "plot", "log_validation", "reduce_across_ranks", "strict"):
+        for name in ("write_files", "plot", "log_to_trackers", "log_validation", "reduce_across_ranks", "strict"):
             if not isinstance(getattr(self, name), bool):
                 raise _fail(name, getattr(self, name), "pass True or False.")
         rows = self.max_history_rows

@@ -23,6 +23,7 @@ from memcallbacks._config import MonitorConfig
 from memcallbacks._runtime.session import LogFn
 from memcallbacks._runtime.sampling import BACKWARD, FORWARD
 from memcallbacks.monitor import Monitor
+from memcallbacks.trackers import Trackers
 
 if TYPE_CHECKING:  # pragma: no cover
     from accelerate import Accelerator
@@ -102,6 +103,9 @@ class AccelerateMemoryMonitor(Monitor):
             world_size=int(accelerator.num_processes),
             default_output_dir=Path(base) / "memcallbacks" if base else None,
         )
+        # the main process's trackers (accelerator.init_trackers), looked up again on each logged step
+        main = bool(accelerator.is_main_process)
+        self._session.trackers = Trackers(lambda: accelerator.trackers, owner="AccelerateMemoryMonitor", logger=log) if main else None
 
     def _hook_prepared_models(self) -> None:
         """Hook the models ``accelerator.prepare`` has seen that are not hooked yet."""

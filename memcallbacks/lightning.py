@@ -41,6 +41,7 @@ from memcallbacks._config import MonitorConfig, check_config_names, resolve_conf
 from memcallbacks._runtime.results import SessionResults
 from memcallbacks._runtime.session import Session
 from memcallbacks._runtime.sampling import BACKWARD, FORWARD, OPTIMIZER, OTHER
+from memcallbacks.trackers import Trackers
 
 if TYPE_CHECKING:  # pragma: no cover
     import lightning.pytorch as pl
@@ -195,6 +196,8 @@ class MemoryMonitor(SessionResults, *_callback_bases()):  # type: ignore[misc]
                 "`monitor.history` and the files in output_dir are still kept.",
             )
         session.log_fn = self._emit
+        # rank zero's TensorBoard/W&B/MLflow loggers get the dashboard, report and snapshots
+        session.trackers = Trackers(lambda: trainer.loggers, owner="MemoryMonitor", logger=log) if trainer.is_global_zero else None
         session.start(
             trainer.strategy.root_device,
             rank=trainer.global_rank,

@@ -370,11 +370,14 @@ class Monitor(SessionResults):
     def step_open(self) -> bool:
         return self._session.step_open
 
-    def attach(self, *, log_fn: LogFn | None = None, title: str | None = None) -> None:
-        """Where logged metrics go (``log_fn(metrics, step)``) and the title of the report and plot."""
+    def attach(self, *, log_fn: LogFn | None = None, title: str | None = None, trackers: Any = None) -> None:
+        """Where logged metrics go (``log_fn(metrics, step)``), the title of the report and plot, and
+        the run's own trackers (:class:`memcallbacks.trackers.Trackers`) that get the dashboard and files."""
         self._session.log_fn = log_fn
         if title is not None:
             self._session.title = title
+        if trackers is not None:
+            self._session.trackers = trackers
 
     def set_training_objects(self, model: Any, optimizer: Any, **strategy: Any) -> None:
         """The model and optimizer the census and the theory check look at (``precision``,

@@ -31,6 +31,7 @@ from memcallbacks._config import MonitorConfig, resolve_config
 from memcallbacks._runtime.columns import OPTIMIZER, OTHER
 from memcallbacks._runtime.results import SessionResults
 from memcallbacks.monitor import Monitor
+from memcallbacks.trackers import Trackers
 
 if TYPE_CHECKING:  # pragma: no cover
     from transformers import TrainerControl, TrainerState, TrainingArguments
@@ -97,6 +98,7 @@ class MemoryMonitorCallback(SessionResults, TrainerCallback):
         self._first = False  # known to be first in the Trainer's callback list
         self._warned_order = False
         self._batches = 0
+        self._handler: Any = None  # the Trainer's CallbackHandler: its report_to callbacks are the trackers
 
     # ------------------------------------------------------------------ placement in the callback list
     def _move_to_front(self) -> bool:
@@ -118,6 +120,7 @@ class MemoryMonitorCallback(SessionResults, TrainerCallback):
                 if handler.callbacks[0] is not self:
                     handler.callbacks = [self] + [cb for cb in handler.callbacks if cb is not self]
                 self._first = True
+                self._handler = handler
                 return True
         return False
 
@@ -164,7 +167,11 @@ class MemoryMonitorCallback(SessionResults, TrainerCallback):
             config=self.config,
         )
         monitor = self._monitor
-        monitor.attach(log_fn=self._stash, title=type(model).__name__ if model is not None else "Trainer")
+        handler = self._handler
+        trackers = None
+        if handler is not None and state.is_world_process_zero:  # TensorBoard/W&B/MLflow callbacks of report_to
+            trackers = Trackers(lambda: handler.callbacks, owner="MemoryMonitorCallback", logger=log)
+        monitor.attach(log_fn=self._stash, title=type(model).__name__ if model is not None else "Trainer", trackers=trackers)
         precision = "bf16-mixed" if getattr(args, "bf16", False) else "16-mixed" if getattr(args, "fp16", False) else None
         # the Trainer passes the bare model: name plain data parallelism here, let the estimate detect the rest
         ddp = int(args.world_size) > 1 and not getattr(args, "fsdp", None) and not getattr(args, "deepspeed", None)

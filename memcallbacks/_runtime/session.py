@@ -25,6 +25,8 @@ from memcallbacks.snapshot.auto import AutoSnapshot
 from memcallbacks.estimate.check import StateCheck
 from memcallbacks.leaks.census import format_top_holders
 from memcallbacks.leaks.watch import LeakWatch
+from memcallbacks.trackers import Dashboard, RunOutputs, Trackers
+from memcallbacks.trackers.ranks import receive_snapshots, snapshot_payload
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +56,7 @@ class Session:
         state["log_fn"] = None  # adapters set it again when they start
         state["watch"] = None  # detectors hold weak references; start() builds new ones
         state["snap"] = None
+        state["trackers"] = None
         return state
 
     def __init__(self, config: MonitorConfig, framework: str, owner: str, logger: logging.Logger | None = None) -> None:
@@ -70,6 +73,7 @@ class Session:
         self.watch: LeakWatch | None = None
         self.state = StateCheck(config)
         self.snap: AutoSnapshot | None = None
+        self.trackers: Trackers | None = None  # rank zero's trackers (TensorBoard, W&B, MLflow); adapters set it
         self._new_findings: list[Finding] = []
         self._holders_logged: set[str] = set()
         self._lingering_due = False
@@ -373,6 +377,8 @@ class Session:
         p = self.config.prefix
         nan = float("nan")
         extra = {f"{p}/findings": float(len(self._findings))}
+        if self.dashboard.capacity:
+            extra[f"{p}/capacity(GiB)"] = float(self.engine.capacity or 0) / GIB
         if self.config.estimate_model_states:
             unexplained = self.state.unexplained(float(row[ALLOCATED])) if row is not None else None
             extra[f"{p}/expected(GiB)"] = self.state.expected_states / GIB if self.state.expected_level is not None else nan
@@ -386,9 +392,18 @@ class Session:
             extra[f"{p}/gc_freed(GiB)"] = (last["bytes_freed"] or 0) / GIB if last else nan
         return extra
 
+    @property
+    def dashboard(self) -> Dashboard:
+        """What the trackers' charts show; a capacity line where the device has one (not host RAM on CPU)."""
+        backend = self.engine.backend
+        kind = backend.kind if backend is not None else self.engine.device_info.get("kind", "cpu")
+        return Dashboard(self.config.prefix, capacity=kind != "cpu" and bool(self.engine.capacity))
+
     def emit(self, metrics: dict[str, float], step: int) -> None:
         if metrics and self.log_fn is not None and self.engine.rank == 0:
             self.log_fn(metrics, step)
+            if self.trackers is not None and self.config.log_to_trackers:
+                self.trackers.on_log(self.findings, self.dashboard)
 
     # ------------------------------------------------------------------ evaluation
     def begin_eval(self, stage: str, step: int, epoch: int = 0) -> None:
@@ -476,8 +491,12 @@ class Session:
                 self.snap.stop()  # writes a capture cut short by the end of training
             report = self.report()
             distributed = engine.world_size > 1 and _distributed.is_distributed()
-            summaries = _distributed.gather_objects(report["summary"]) if gather and distributed else None
+            # one collective: every rank's summary, and its snapshot files for rank zero's trackers
+            payload = snapshot_payload(report["snapshots"], engine.rank) if self.config.log_to_trackers and engine.rank > 0 else None
+            gathered = _distributed.gather_objects((report["summary"], payload)) if gather and distributed else None
+            summaries = [g[0] for g in gathered] if gathered is not None else None
             if not (self.config.write_files and self.output_dir is not None):
+                self._to_trackers(report, gathered)
                 return {}
             title = self.title or f"{self.framework} on {report['summary'].get('device', {}).get('device', '?')}"
             if engine.world_size > 1:
@@ -496,9 +515,22 @@ class Session:
                 combined = dict(report, files=self.files, ranks=summaries)
                 write_json(self.output_dir / "report.json", combined)
                 self.files["combined_report"] = str(self.output_dir / "report.json")
+                report = combined
+            self._to_trackers(report, gathered)
         except Exception as exc:
             engine.fail(exc, "writing outputs")
         return self.files
+
+    def _to_trackers(self, report: dict[str, Any], gathered: list[Any] | None) -> None:
+        """Rank zero, after the files are written: the report, plot and every rank's snapshots to the trackers."""
+        if self.trackers is None or not self.config.log_to_trackers or self.engine.rank != 0:
+            return
+        snapshots = [dict(r, rank=0) for r in report.get("snapshots", [])]
+        snapshots += receive_snapshots([g[1] for g in gathered or []], self.output_dir)
+        outputs = RunOutputs(
+            self.config.prefix, report, dict(self.files), snapshots, list(self.findings), self.format_report()
+        )
+        self.trackers.finish(outputs, self.dashboard)
 
     def stop(self) -> None:
         if self.snap is not None:

@@ -1,6 +1,7 @@
 """Fit BoringModel on 2 CPU processes (DDP, gloo) with MemoryMonitor; rank 1 allocates a large forward temporary.
 
     python tests/scripts/ddp_fit.py OUT_DIR [--strategy ddp|ddp_spawn] [--steps 3] [--rank-temp-mib 192] [--snapshot-peak-mib N]
+        [--mlflow TRACKING_URI] [--per-rank-dirs]
 
 Lightning's "ddp" strategy re-launches this script for rank 1 (and "ddp_spawn" imports it in its
 children), so it must be a standalone file; results come back only through files.
@@ -29,13 +30,22 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--rank-temp-mib", type=int, default=192)
     parser.add_argument("--snapshot-peak-mib", type=int, default=None, help="auto_snapshot with this snapshot_peak_bytes")
+    parser.add_argument("--mlflow", default=None, help="also log to an MLFlowLogger with this tracking URI")
+    parser.add_argument("--per-rank-dirs", action="store_true", help="output_dir OUT_DIR/mem{rank}, as on separate nodes (ddp only)")
     args = parser.parse_args()
 
     snapshots = {} if args.snapshot_peak_mib is None else {
         "auto_snapshot": True, "snapshot_peak_bytes": args.snapshot_peak_mib << 20, "snapshot_steps": 1, "snapshot_capacity_fraction": None,
     }
-    monitor = MemoryMonitor(log_every_n_steps=1, sample_every_n_steps=1, output_dir=os.path.join(args.out, "mem"), **snapshots)
+    # Lightning's "ddp" launcher sets LOCAL_RANK in the processes it starts; the first process has none
+    mem = f"mem{os.environ.get('LOCAL_RANK', '0')}" if args.per_rank_dirs else "mem"
+    monitor = MemoryMonitor(log_every_n_steps=1, sample_every_n_steps=1, output_dir=os.path.join(args.out, mem), **snapshots)
     logs = os.path.join(args.out, "logs")
+    loggers = [TensorBoardLogger(logs, name="tb", version=0), CSVLogger(logs, name="csv", version=0)]
+    if args.mlflow:
+        from lightning.pytorch.loggers import MLFlowLogger
+
+        loggers.append(MLFlowLogger(experiment_name="memcallbacks-ddp", tracking_uri=args.mlflow))
     trainer = L.Trainer(
         **trainer_kwargs(
             args.out,
@@ -43,7 +53,7 @@ def main() -> None:
             strategy=args.strategy,
             max_steps=args.steps,
             callbacks=[monitor],
-            logger=[TensorBoardLogger(logs, name="tb", version=0), CSVLogger(logs, name="csv", version=0)],
+            logger=loggers,
         )
     )
     trainer.fit(BoringModel(rank_temp_mib=args.rank_temp_mib), RandomDataModule(batches=2 * args.steps))

@@ -1,0 +1,121 @@
+"""The experiment trackers a run already has (TensorBoard, W&B, MLflow): found among the framework's
+loggers, and given a memory dashboard, the findings, the report, the plot and the snapshots.
+
+Adapters hand :class:`Trackers` a function that lists the user's own logger objects (Lightning's
+``trainer.loggers``, Accelerate's ``accelerator.trackers``, the Transformers Trainer's
+callbacks); objects are recognised by class name, so nothing here imports tensorboard, wandb or
+mlflow until the user's own tracker exists. Nothing creates a tracker or logs in. A tracker that
+fails is warned about once, with the traceback, and left alone for the rest of the run.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Iterable
+
+from memcallbacks._findings import Finding
+from memcallbacks.trackers._base import Dashboard, RunOutputs, Tracker
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Trackers", "Dashboard", "RunOutputs", "Tracker", "recognise"]
+
+
+def _class_names(obj: Any) -> set[str]:
+    return {cls.__name__ for cls in type(obj).__mro__}
+
+
+def recognise(obj: Any) -> Tracker | None:
+    """The tracker behind one of the user's logger objects, or None for anything else."""
+    from memcallbacks.trackers.mlflow import MlflowTracker
+    from memcallbacks.trackers.tensorboard import TensorBoardTracker
+    from memcallbacks.trackers.wandb import WandbTracker
+
+    names = _class_names(obj)
+    source = type(obj).__name__
+    # Lightning (lightning.pytorch and pytorch_lightning): the experiment of a logger exists on rank zero
+    if "TensorBoardLogger" in names:
+        return TensorBoardTracker(lambda: obj.experiment, source=source)
+    if "WandbLogger" in names:
+        return WandbTracker(lambda: obj.experiment, step_metric="trainer/global_step", source=source)
+    if "MLFlowLogger" in names:
+        return MlflowTracker(lambda: (obj.experiment, obj.run_id), source=source)
+    # Accelerate: accelerator.trackers, after accelerator.init_trackers(...)
+    if "TensorBoardTracker" in names and hasattr(obj, "writer"):
+        return TensorBoardTracker(lambda: obj.writer, source=source)
+    if "WandBTracker" in names:
+        return WandbTracker(lambda: obj.run, source=source)  # accelerator.log(step=...) sets W&B's own step
+    if "MLflowTracker" in names:
+        return MlflowTracker(lambda: MlflowTracker.fluent(obj.active_run), source=source)
+    # Transformers: report_to callbacks; the Trainer prefixes training keys with "train/"
+    if "TensorBoardCallback" in names:
+        return TensorBoardTracker(lambda: obj.tb_writer, key_prefix="train/", source=source)
+    if "WandbCallback" in names:
+        return WandbTracker(lambda: obj._wandb.run if obj._initialized else None, key_prefix="train/", step_metric="train/global_step", source=source)
+    if "MLflowCallback" in names:
+        return MlflowTracker(lambda: MlflowTracker.fluent(obj._ml_flow.active_run()) if obj._initialized else None, source=source)
+    return None
+
+
+class Trackers:
+    """Every recognised tracker of one run (rank zero), driven by :class:`~memcallbacks._runtime.session.Session`."""
+
+    def __init__(self, source: Callable[[], Iterable[Any]], *, owner: str = "memcallbacks", logger: logging.Logger | None = None) -> None:
+        self._source = source
+        self._seen: set[int] = set()
+        self._trackers: list[Tracker] = []
+        self._failed: set[int] = set()
+        self.owner = owner
+        self.log = logger or log
+
+    @property
+    def trackers(self) -> list[Tracker]:
+        self._refresh()
+        return list(self._trackers)
+
+    def _refresh(self) -> None:
+        """Pick up trackers created since the last look (``init_trackers`` after the monitor)."""
+        try:
+            objects = list(self._source() or [])
+        except Exception:
+            self.log.debug("%s: could not list the run's loggers", self.owner, exc_info=True)
+            return
+        for obj in objects:
+            if id(obj) in self._seen:
+                continue
+            self._seen.add(id(obj))
+            tracker = recognise(obj)
+            if tracker is not None:
+                self._trackers.append(tracker)
+
+    def _call(self, tracker: Tracker, what: str, fn: Callable[[], Any]) -> Any:
+        if id(tracker) in self._failed:
+            return None
+        try:
+            return fn()
+        except Exception as exc:
+            self._failed.add(id(tracker))
+            self.log.warning(
+                "%s: could not %s through the %s (%s: %s); training goes on, and this tracker gets nothing more "
+                "from the monitor. The files in output_dir are unaffected.",
+                self.owner, what, tracker.source or tracker.name, type(exc).__name__, exc, exc_info=True,
+            )
+            return None
+
+    def on_log(self, findings: list[Finding], dashboard: Dashboard) -> None:
+        """On a logged step: set up dashboards not set up yet, and show findings not shown yet."""
+        self._refresh()
+        for tracker in self._trackers:
+            if not tracker.started:
+                tracker.started = bool(self._call(tracker, "set up the memory dashboard", lambda t=tracker: t.start(dashboard)))
+            new = [f for f in findings if f.key not in tracker.shown]
+            if new and tracker.started:
+                if self._call(tracker, "show the memory findings", lambda t=tracker, n=new: t.findings(n, dashboard)):
+                    tracker.shown.update(f.key for f in new)
+
+    def finish(self, outputs: RunOutputs, dashboard: Dashboard) -> None:
+        """At the end of the run: dashboards and findings not shown yet, then the files."""
+        self.on_log(outputs.findings, dashboard)
+        for tracker in self._trackers:
+            if tracker.started:
+                self._call(tracker, "attach the memory report and snapshots", lambda t=tracker: t.finish(outputs))

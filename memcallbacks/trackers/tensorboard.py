@@ -1,0 +1,82 @@
+"""TensorBoard: one custom-scalars layout per run (multi-line memory charts) and the findings in the TEXT tab."""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any
+
+from memcallbacks._findings import Finding
+from memcallbacks.trackers._base import Dashboard, RunOutputs, Tracker, finding_text
+
+log = logging.getLogger(__name__)
+
+__all__ = ["TensorBoardTracker", "layout", "CATEGORY"]
+
+CATEGORY = "memcallbacks"
+"""Title of the custom-scalars category (suffixed with the prefix when it is not ``memory``)."""
+
+PHASE_KEYS = ("peak_forward(GiB)", "peak_backward(GiB)", "peak_optimizer(GiB)", "allocated(GiB)")
+RESERVED_KEYS = ("allocated(GiB)", "reserved(GiB)", "peak_step(GiB)", "peak_reserved(GiB)")
+LEAK_KEYS = ("findings", "gc_freed(GiB)", "unexplained(GiB)")
+
+
+def layout(dashboard: Dashboard, key_prefix: str = "") -> dict[str, dict[str, list[Any]]]:
+    """The custom-scalars layout, in the form ``SummaryWriter.add_custom_scalars`` takes.
+
+    Each chart line is an anchored regular expression matching exactly one logged tag, so a
+    second monitor with another prefix, or the user's own keys, never join these charts.
+    """
+    p = dashboard.prefix
+
+    def tags(names: tuple[str, ...]) -> list[str]:
+        return ["^" + re.escape(f"{key_prefix}{p}/{name}") + "$" for name in names]
+
+    phase = tags(PHASE_KEYS) + (tags(("capacity(GiB)",)) if dashboard.capacity else [])
+    category = CATEGORY if p == "memory" else f"{CATEGORY} ({p})"
+    return {
+        category: {
+            "memory per phase": ["Multiline", phase],
+            "reserved vs allocated": ["Multiline", tags(RESERVED_KEYS)],
+            "leaks": ["Multiline", tags(LEAK_KEYS)],
+        }
+    }
+
+
+class TensorBoardTracker(Tracker):
+    """A ``SummaryWriter`` (torch.utils.tensorboard or tensorboardX) the run already writes to."""
+
+    name = "TensorBoard writer"
+
+    def handle(self) -> Any:
+        writer = self.resolve()
+        # Lightning's DummyExperiment, or a writer closed and dropped (Transformers sets tb_writer=None)
+        return writer if writer is not None and hasattr(writer, "add_custom_scalars") else None
+
+    def start(self, dashboard: Dashboard) -> bool:
+        writer = self.handle()
+        if writer is None:
+            return False
+        writer.add_custom_scalars(layout(dashboard, self.key_prefix))
+        return True
+
+    def findings(self, findings: list[Finding], dashboard: Dashboard) -> bool:
+        writer = self.handle()
+        if writer is None:
+            return False
+        for finding in findings:
+            # markdown: keep the message's line breaks, show holders as a list
+            text = finding_text(finding).replace("\n", "  \n")
+            writer.add_text(f"{dashboard.prefix}/findings/{finding.kind}", text, global_step=int(finding.first_step or finding.step))
+        writer.flush()
+        return True
+
+    def finish(self, outputs: RunOutputs) -> None:
+        writer = self.handle()
+        if writer is None:
+            return
+        if outputs.report_text:
+            last = int(outputs.report.get("summary", {}).get("steps_seen", 0) or 0)
+            body = "\n".join("    " + line for line in outputs.report_text.splitlines())  # a markdown code block
+            writer.add_text(f"{outputs.prefix}/report", body, global_step=last)
+        writer.flush()

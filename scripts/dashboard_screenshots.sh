@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Pictures for the README: the TensorBoard memory dashboard of the example run, and one snapshot's offline page.
+#
+#   bash scripts/dashboard_screenshots.sh            # from the repository root, in the environment with memcallbacks[lightning]
+#
+# Runs examples/lightning_cpu.py into a temporary folder, serves its logs with TensorBoard on
+# 127.0.0.1 only, renders tests/data/cuda_like_snapshot.pickle with `memcallbacks render`, and
+# screenshots both with headless Chromium (installed with apt-get when missing) into
+#   docs/img/tensorboard_dashboard.png   docs/img/snapshot_page.png
+# Not part of CI. PYTHON=... picks the interpreter (default: python3); PORT=... the TensorBoard port.
+set -euo pipefail
+
+cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-python3}"
+PORT="${PORT:-6099}"
+OUT_DIR="docs/img"
+WORK="$(mktemp -d)"
+TB_PID=""
+cleanup() {
+    if [ -n "$TB_PID" ]; then kill "$TB_PID" 2>/dev/null || true; wait "$TB_PID" 2>/dev/null || true; fi
+    rm -rf "$WORK"
+}
+trap cleanup EXIT
+
+# headless Chromium: Debian/Ubuntu's package (named chromium-browser on some Ubuntu releases)
+CHROMIUM="$(command -v chromium || command -v chromium-browser || true)"
+if [ -z "$CHROMIUM" ]; then
+    SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+    $SUDO apt-get update -qq
+    $SUDO apt-get install -y -qq chromium
+    CHROMIUM="$(command -v chromium)"
+fi
+"$PYTHON" -c "import memcallbacks, lightning, tensorboard" 2>/dev/null || {
+    echo "install the package first: pip install torch==2.13.0 && pip install -e '.[lightning]'" >&2; exit 1; }
+
+shot() {  # shot URL OUTPUT.png [WIDTH,HEIGHT]
+    "$CHROMIUM" --headless --no-sandbox --disable-gpu --hide-scrollbars --force-device-scale-factor=1 \
+        --user-data-dir="$WORK/chromium" --window-size="${3:-1400,1000}" --virtual-time-budget=20000 \
+        --screenshot="$2" "$1" 2>/dev/null
+    echo "wrote $2"
+}
+
+echo "== the example run"
+"$PYTHON" examples/lightning_cpu.py --steps 60 --out "$WORK/runs" > "$WORK/example.log" 2>&1 || { cat "$WORK/example.log"; exit 1; }
+
+echo "== TensorBoard on 127.0.0.1:$PORT"
+"$PYTHON" -m tensorboard.main --logdir "$WORK/runs/example" --host 127.0.0.1 --port "$PORT" > "$WORK/tensorboard.log" 2>&1 &
+TB_PID=$!
+for _ in $(seq 1 60); do
+    if "$PYTHON" -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$PORT/data/plugins_listing', timeout=2)" 2>/dev/null; then break; fi
+    sleep 1
+done
+"$PYTHON" -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$PORT/data/plugins_listing', timeout=2)" \
+    || { cat "$WORK/tensorboard.log"; exit 1; }
+
+mkdir -p "$OUT_DIR"
+shot "http://127.0.0.1:$PORT/#custom_scalars" "$OUT_DIR/tensorboard_dashboard.png" 1400,1000
+
+echo "== one snapshot's offline page"
+"$PYTHON" -m memcallbacks render tests/data/cuda_like_snapshot.pickle -o "$WORK/snapshot.html" > /dev/null
+shot "file://$WORK/snapshot.html" "$OUT_DIR/snapshot_page.png" 1400,1000
