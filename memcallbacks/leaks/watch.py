@@ -18,7 +18,7 @@ from memcallbacks._findings import Finding, format_bytes
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LeakWatch", "StateCheck", "batch_bytes"]
+__all__ = ["LeakWatch", "StateCheck", "batch_bytes", "hidden_state_bytes"]
 
 # A growth finding names what grew between a census at detection and one this many sampled steps later.
 GROWTH_CENSUS_GAP = 16
@@ -223,6 +223,16 @@ def strategy_name(strategy: Any) -> str | None:
     return None
 
 
+def hidden_state_bytes(model: Any) -> int:
+    """Bytes of model state that exist once the model is wrapped but that no parameter, ``.grad`` or
+    optimizer state shows: DDP's gradient buckets (one per trainable gradient, allocated by the
+    reducer when ``DistributedDataParallel`` is built; with ``gradient_as_bucket_view`` the grads
+    become views of them later)."""
+    if type(model).__name__ != "DistributedDataParallel":
+        return 0
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+
+
 class StateCheck:
     """Measured baseline against theory, once, at the first step after the first optimizer step."""
 
@@ -239,16 +249,26 @@ class StateCheck:
         self.batch_bytes = 0
         self.info: dict[str, Any] = {}
         self._start_states = 0
+        self._start_allocated: int | None = None
 
-    def set_objects(self, model: Any, optimizer: Any, *, precision: str | None = None, strategy: str | None = None, world_size: int | None = None) -> None:
+    def set_objects(
+        self, model: Any, optimizer: Any, *, precision: str | None = None, strategy: str | None = None,
+        world_size: int | None = None, allocated_now: Callable[[], int | None] | None = None,
+    ) -> None:
+        """``allocated_now()``: the allocator's bytes, read right after the model states are measured
+        as the CPU comparison's reference. Not the heap at monitor start: Lightning builds, wraps or
+        shards the model (``configure_model``, DDP, ``fully_shard``) in between, which would offset
+        the check by the change in model size."""
         from memcallbacks.estimate import measure_model_states
 
         self.model, self.optimizer = model, optimizer
         self.precision, self.strategy, self.world_size = precision, strategy, world_size
         self.done = False
+        self._start_allocated = None
         if model is not None:
             # what already existed when measuring started (params, and state of a resumed run)
-            self._start_states = measure_model_states(model, optimizer).get("total", 0)
+            self._start_states = measure_model_states(model, optimizer).get("total", 0) + hidden_state_bytes(model)
+            self._start_allocated = allocated_now() if allocated_now is not None else None
 
     @property
     def wanted(self) -> bool:
@@ -275,7 +295,8 @@ class StateCheck:
             # training on the host: "device" and "host" state (e.g. Adam's step counters) share the heap;
             # the heap also holds the interpreter and libraries, so compare growth since the start
             self.expected_states = int(est.device_steady + est.host_steady)
-            self.expected_level = start_allocated - self._start_states + self.expected_states
+            reference = start_allocated if self._start_allocated is None else self._start_allocated
+            self.expected_level = reference - self._start_states + self.expected_states
             expected = {k: int(expected_parts.get(f"device_{k}", 0) + expected_parts.get(f"host_{k}", 0)) for k in ("params", "grads", "optimizer")}
         else:
             self.expected_states = int(est.device_steady)
