@@ -20,6 +20,7 @@ __all__ = [
     "ProfilerAllocation",
     "profiler_memory_events",
     "profiler_enabled",
+    "fsdp2_param_dtype",
 ]
 
 
@@ -213,3 +214,17 @@ def profiler_enabled() -> bool:
     """Whether a torch profiler session is running now (a second one would take its events away)."""
     probe = getattr(torch._C._autograd, "_profiler_enabled", None)
     return bool(probe()) if probe is not None else False
+
+
+def fsdp2_param_dtype(module: Any) -> torch.dtype | None:
+    """The ``param_dtype`` of the ``MixedPrecisionPolicy`` a ``fully_shard``-ed module was given
+    (``None``: no policy, or not readable). torch has no public accessor: this reads the module's
+    FSDP state (``_get_fsdp_state()._mp_policy``, torch 2.6-2.13)."""
+    get_state = getattr(module, "_get_fsdp_state", None)
+    if get_state is None:
+        return None
+    try:
+        dtype = get_state()._mp_policy.param_dtype
+    except Exception:
+        return None
+    return dtype if isinstance(dtype, torch.dtype) else None

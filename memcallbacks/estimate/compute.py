@@ -1007,7 +1007,8 @@ def estimate_for(
     """:func:`estimate` for the live (or meta) model and optimizer a training loop holds.
 
     Unset arguments are read from the objects: ``precision`` from the parameters' dtype (fp32 ->
-    ``"fp32"``, bf16 -> ``"bf16-true"``), ``strategy`` from the wrapper (``DistributedDataParallel``
+    ``"fp32"``, bf16 -> ``"bf16-true"``; fp32 under a ``fully_shard`` ``MixedPrecisionPolicy`` with
+    a bf16/fp16 ``param_dtype`` -> ``"bf16-mixed"``/``"16-mixed"``), ``strategy`` from the wrapper (``DistributedDataParallel``
     -> ``"ddp"``, ``fully_shard`` -> ``"fsdp2"``, FSDP1 -> ``"fsdp"``, else ``"single"``),
     ``world_size``/``rank`` from ``torch.distributed`` when initialised. ``optimizer=None`` counts
     no optimizer state. Other keyword arguments go to :func:`estimate`.
@@ -1016,6 +1017,8 @@ def estimate_for(
     if precision is None:
         dtypes = [p.dtype for p in inner.parameters() if p.is_floating_point()]
         precision = _precision_from_dtype(max(set(dtypes), key=dtypes.count)) if dtypes else "fp32"
+        if precision == "fp32":
+            precision = _fsdp2_mixed_precision(model) or precision
     if strategy is None:
         strategy = _detect_strategy(model)
     dist = torch.distributed
@@ -1048,6 +1051,18 @@ def _detect_strategy(model: nn.Module) -> str:
 
 def _is_fsdp2(module: nn.Module) -> bool:
     return any(c.__name__ == "FSDPModule" for c in type(module).__mro__)
+
+
+def _fsdp2_mixed_precision(model: nn.Module) -> str | None:
+    """``"bf16-mixed"``/``"16-mixed"`` when ``fully_shard``'s ``MixedPrecisionPolicy`` computes in a
+    lower dtype than the (fp32) sharded parameters: those, their grads and the optimizer state stay
+    fp32; the unsharded copies gathered for compute are in ``param_dtype``."""
+    from memcallbacks._runtime.torch_private import fsdp2_param_dtype
+
+    for module in model.modules():
+        if _is_fsdp2(module):
+            return {torch.bfloat16: "bf16-mixed", torch.float16: "16-mixed"}.get(fsdp2_param_dtype(module))  # type: ignore[arg-type]
+    return None
 
 
 _MEASURE_KINDS = ("params", "grads", "optimizer")

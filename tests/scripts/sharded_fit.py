@@ -17,7 +17,10 @@ OUT_DIR/rank{R}.json (written atomically), for tests/test_sharding.py and any la
      "model": {"num_params", "dim", "blocks", "layer_params", "param_shapes": {name: [global shape]}},
      "measured": measure_model_states(model, optimizer) at the end of training (same keys),
      "local_shards": {name: [local shape]},       # what this rank holds of each parameter
-     "monitor": report["model_states"]}          # the monitor's live theory check on this rank
+     "monitor": report["model_states"],          # the monitor's live theory check on this rank
+     "steps": [{"step", "allocated", "peak_forward", "peak_backward", "peak_optimizer"}, ...],
+     "device": report["summary"]["device"],      # CPU: allocated = glibc heap in use, peaks = RSS high-water
+     "warmup": bool}                             # warm_up() ran before the monitor started
 """
 
 from __future__ import annotations
@@ -87,8 +90,12 @@ def batches(args: argparse.Namespace, rank: int) -> list[torch.Tensor]:
     return [torch.randn(args.batch, args.dim, generator=g) for _ in range(args.steps)]
 
 
-def write_record(args: argparse.Namespace, rank: int, model: nn.Module, optimizer: Any, monitor_states: dict[str, Any]) -> None:
+def write_record(args: argparse.Namespace, rank: int, model: nn.Module, optimizer: Any, monitor: Any) -> None:
     from memcallbacks.estimate import measure_model_states
+
+    report = monitor.report()
+    columns = ["step", "allocated", "peak_forward", "peak_backward", "peak_optimizer"]
+    steps = [{k: (None if v != v else int(v)) for k, v in row.items()} for row in monitor.history[columns].to_dict("records")]
 
     inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
     local = {}
@@ -113,7 +120,9 @@ def write_record(args: argparse.Namespace, rank: int, model: nn.Module, optimize
         },
         "measured": measure_model_states(model, optimizer),
         "local_shards": local,
-        "monitor": monitor_states,
+        "monitor": report["model_states"],
+        "steps": steps,
+        "device": report["summary"]["device"],
     }
     path = os.path.join(args.out, f"rank{rank}.json")
     with open(path + ".tmp", "w") as fh:
@@ -147,7 +156,7 @@ def plain_worker(rank: int, args: argparse.Namespace) -> None:
             optimizer.zero_grad()
         del batch, loss
         monitor.close()
-        write_record(args, rank, model, optimizer, monitor.report()["model_states"])
+        write_record(args, rank, model, optimizer, monitor)
     finally:
         dist.destroy_process_group()
 
@@ -205,7 +214,7 @@ def run_lightning(args: argparse.Namespace) -> None:
     data = DataLoader(torch.randn(args.steps * args.batch * WORLD_SIZE, args.dim, generator=torch.Generator().manual_seed(SEED)), batch_size=args.batch)
     module = ShardedModule()
     trainer.fit(module, data)
-    write_record(args, trainer.global_rank, trainer.strategy.model, trainer.optimizers[0], monitor.report()["model_states"])
+    write_record(args, trainer.global_rank, trainer.strategy.model, trainer.optimizers[0], monitor)
 
 
 def main() -> None:
