@@ -28,9 +28,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as L
 import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
 
-from helpers import free_port
+from helpers import MIB, free_port, trainer_kwargs
+from memcallbacks import MemoryMonitor
 
 SCRIPTS = Path(__file__).parent / "scripts"
 WORLD_SIZE = 2
@@ -141,3 +146,41 @@ def test_fsdp2_mixed_precision_policy_is_bf16_mixed(tmp_path):
         assert record["mixed_precision"] == "bf16"
         check_rank(record, "fsdp2", "bf16-mixed")
     check_sharded(records)
+
+
+# ---------------------------------------------------------------------- one process: where the reference is taken
+class BuiltInConfigureModel(L.LightningModule):
+    """Its 16 MiB of weights are built in ``configure_model``, after the monitor's ``setup``: what
+    ``ModelParallelStrategy`` (``fully_shard``) and DDP's wrapping do to the model size in between."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body: nn.Module | None = None
+
+    def configure_model(self) -> None:
+        if self.body is None:
+            self.body = nn.Sequential(nn.Linear(2048, 2048), nn.ReLU(), nn.Linear(2048, 1))
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        return self.body(batch).pow(2).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_model_built_after_setup_is_not_unexplained(tmp_path):
+    """The CPU check compares heap growth since the model states were first measured (train start),
+    not since the monitor started: a model built or sharded in between is not 'unexplained'."""
+    warm = BuiltInConfigureModel()
+    warm.configure_model()
+    warm.training_step(torch.randn(8, 2048), 0).backward()  # the BLAS workspace, before the monitor
+    del warm
+    monitor = MemoryMonitor(sample_every_n_steps=1, log_every_n_steps=1, write_files=False)
+    trainer = L.Trainer(**trainer_kwargs(tmp_path, max_steps=3, callbacks=[monitor]))
+    trainer.fit(BuiltInConfigureModel(), DataLoader(torch.randn(3 * 8, 2048), batch_size=8))
+    states = monitor.report()["model_states"]
+    weights = (2048 * 2048 + 2048 + 2048 + 1) * FP32
+    assert states["expected"]["params"] == states["measured_model_states"]["params"] == weights
+    assert abs(states["unexplained_bytes"]) < 1 * MIB, states  # it was the whole model (16 MiB) before
+    assert monitor.findings == []
