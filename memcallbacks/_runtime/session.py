@@ -145,7 +145,9 @@ class Session:
         if self.watch is not None:
             self.watch.model, self.watch.optimizer = model, optimizer
         try:
-            self.state.set_objects(model, optimizer, precision=precision, strategy=strategy, world_size=world_size)
+            self.state.set_objects(
+                model, optimizer, precision=precision, strategy=strategy, world_size=world_size, allocated_now=self._allocated_now
+            )
         except Exception as exc:
             self.log.info("%s: model-state estimate unavailable (%s)", self.owner, exc)
             self.state.model = None

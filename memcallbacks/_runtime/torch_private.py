@@ -25,6 +25,7 @@ __all__ = [
     "is_autograd_node_type",
     "saved_tensors_of",
     "node_metadata",
+    "fsdp2_param_dtype",
 ]
 
 
@@ -310,3 +311,15 @@ def node_metadata(node: Any) -> dict[Any, Any]:
     Raises ``AttributeError``/``RuntimeError`` for exotic node types that have none.
     """
     return node.metadata
+def fsdp2_param_dtype(module: Any) -> torch.dtype | None:
+    """The ``param_dtype`` of the ``MixedPrecisionPolicy`` a ``fully_shard``-ed module was given
+    (``None``: no policy, or not readable). torch has no public accessor: this reads the module's
+    FSDP state (``_get_fsdp_state()._mp_policy``, torch 2.6-2.13)."""
+    get_state = getattr(module, "_get_fsdp_state", None)
+    if get_state is None:
+        return None
+    try:
+        dtype = get_state()._mp_policy.param_dtype
+    except Exception:
+        return None
+    return dtype if isinstance(dtype, torch.dtype) else None

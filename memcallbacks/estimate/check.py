@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from memcallbacks._config import MonitorConfig
 from memcallbacks._findings import Finding
 from memcallbacks._units import format_bytes
-from memcallbacks.estimate.measure import estimate_for, measure_model_states
+from memcallbacks.estimate.measure import estimate_for, hidden_state_bytes, measure_model_states
 from memcallbacks.leaks.tensors import batch_bytes
 
 __all__ = ["StateCheck"]
@@ -29,14 +29,23 @@ class StateCheck:
         self.batch_bytes = 0
         self.info: dict[str, Any] = {}
         self._start_states = 0
+        self._start_allocated: int | None = None
 
-    def set_objects(self, model: Any, optimizer: Any, *, precision: str | None = None, strategy: str | None = None, world_size: int | None = None) -> None:
+    def set_objects(
+        self, model: Any, optimizer: Any, *, precision: str | None = None, strategy: str | None = None,
+        world_size: int | None = None, allocated_now: Callable[[], int | None] | None = None,
+    ) -> None:
+        """``allocated_now()``: the allocator's bytes, read right after the model states are measured
+        as the CPU comparison's reference. Not the heap at monitor start: Lightning builds, wraps or
+        shards the model (``configure_model``, DDP, ``fully_shard``) in between, which would offset
+        the check by the change in model size."""
         self.model, self.optimizer = model, optimizer
         self.precision, self.strategy, self.world_size = precision, strategy, world_size
         self.done = False
         if model is not None:
             # what already existed when measuring started (params, and state of a resumed run)
-            self._start_states = measure_model_states(model, optimizer).get("total", 0)
+            self._start_states = measure_model_states(model, optimizer).get("total", 0) + hidden_state_bytes(model)
+            self._start_allocated = allocated_now() if allocated_now is not None else None
 
     @property
     def wanted(self) -> bool:
@@ -61,7 +70,8 @@ class StateCheck:
             # training on the host: "device" and "host" state (e.g. Adam's step counters) share the heap;
             # the heap also holds the interpreter and libraries, so compare growth since the start
             self.expected_states = int(est.device_steady + est.host_steady)
-            self.expected_level = start_allocated - self._start_states + self.expected_states
+            reference = start_allocated if self._start_allocated is None else self._start_allocated
+            self.expected_level = reference - self._start_states + self.expected_states
             expected = {k: int(expected_parts.get(f"device_{k}", 0) + expected_parts.get(f"host_{k}", 0)) for k in ("params", "grads", "optimizer")}
         else:
             self.expected_states = int(est.device_steady)

@@ -16,11 +16,11 @@ from torch import nn
 
 from memcallbacks._storage import distinct_bytes, local_tensor
 from memcallbacks.estimate.compute import estimate
-from memcallbacks.estimate.layers import _detect_strategy, _unwrap
+from memcallbacks.estimate.layers import _detect_strategy, _is_fsdp2, _unwrap
 from memcallbacks.estimate.result import MemoryEstimate
 from memcallbacks.estimate.tables import _precision_from_dtype
 
-__all__ = ["estimate_for", "measure_model_states"]
+__all__ = ["estimate_for", "measure_model_states", "hidden_state_bytes"]
 
 
 def estimate_for(
@@ -36,7 +36,8 @@ def estimate_for(
     """:func:`estimate` for the live (or meta) model and optimizer a training loop holds.
 
     Unset arguments are read from the objects: ``precision`` from the parameters' dtype (fp32 ->
-    ``"fp32"``, bf16 -> ``"bf16-true"``), ``strategy`` from the wrapper (``DistributedDataParallel``
+    ``"fp32"``, bf16 -> ``"bf16-true"``; fp32 under a ``fully_shard`` ``MixedPrecisionPolicy`` with
+    a bf16/fp16 ``param_dtype`` -> ``"bf16-mixed"``/``"16-mixed"``), ``strategy`` from the wrapper (``DistributedDataParallel``
     -> ``"ddp"``, ``fully_shard`` -> ``"fsdp2"``, FSDP1 -> ``"fsdp"``, else ``"single"``),
     ``world_size``/``rank`` from ``torch.distributed`` when initialised. ``optimizer=None`` counts
     no optimizer state. Other keyword arguments go to :func:`estimate`.
@@ -45,6 +46,8 @@ def estimate_for(
     if precision is None:
         dtypes = [p.dtype for p in inner.parameters() if p.is_floating_point()]
         precision = _precision_from_dtype(max(set(dtypes), key=dtypes.count)) if dtypes else "fp32"
+        if precision == "fp32":
+            precision = _fsdp2_mixed_precision(model) or precision
     if strategy is None:
         strategy = _detect_strategy(model)
     dist = torch.distributed
@@ -109,3 +112,25 @@ def measure_model_states(model: nn.Module, optimizer: torch.optim.Optimizer | No
         out[kind] = out[f"device_{kind}"] + out[f"host_{kind}"]
     out["total"] = sum(out[kind] for kind in _MEASURE_KINDS)
     return out
+
+
+def hidden_state_bytes(model: Any) -> int:
+    """Bytes of model state that exist once the model is wrapped but that no parameter, ``.grad`` or
+    optimizer state shows: DDP's gradient buckets (one per trainable gradient, allocated by the
+    reducer when ``DistributedDataParallel`` is built; with ``gradient_as_bucket_view`` the grads
+    become views of them later)."""
+    if type(model).__name__ != "DistributedDataParallel":
+        return 0
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+
+
+def _fsdp2_mixed_precision(model: nn.Module) -> str | None:
+    """``"bf16-mixed"``/``"16-mixed"`` when ``fully_shard``'s ``MixedPrecisionPolicy`` computes in a
+    lower dtype than the (fp32) sharded parameters: those, their grads and the optimizer state stay
+    fp32; the unsharded copies gathered for compute are in ``param_dtype``."""
+    from memcallbacks._runtime.torch_private import fsdp2_param_dtype
+
+    for module in model.modules():
+        if _is_fsdp2(module):
+            return {torch.bfloat16: "bf16-mixed", torch.float16: "16-mixed"}.get(fsdp2_param_dtype(module))  # type: ignore[arg-type]
+    return None
