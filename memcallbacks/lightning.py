@@ -288,6 +288,8 @@ class MemoryMonitor(SessionResults, *_callback_bases()):  # type: ignore[misc]
         self._stepped = False
 
     # ------------------------------------------------------------------ evaluation loops
+    # (validate/test/predict: three sets of one-line hooks of the same shape, because Lightning
+    # dispatches by hook name; each forwards to _eval_start/_eval_end/eval_batch)
     def _eval_start(self, trainer: "pl.Trainer", stage: str) -> None:
         self._session.begin_eval("sanity_check" if trainer.sanity_checking else stage, trainer.global_step, trainer.current_epoch)
 

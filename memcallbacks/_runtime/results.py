@@ -26,6 +26,9 @@ class SessionResults:
     def _current_session(self) -> Session | None:
         return self._session
 
+    # (the accessors below share one shape on purpose: each is a documented public property that
+    # reads one thing from the current session, or an empty value before any run)
+
     @property
     def history(self) -> Any:
         """One row per sampled optimizer step (pandas.DataFrame); columns in docs/metrics.md."""

@@ -30,6 +30,7 @@ _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2*
 _SPEC = re.compile(r"^(?:(?P<name>[A-Za-z_][A-Za-z0-9_]*):)?(?P<dtype>[a-z0-9]+)\[(?P<shape>[0-9, ]+)\]$")
 
 
+# register() has the shape of cli/estimate.py's: each subcommand declares its own arguments
 def register(subparsers: Any) -> None:
     """Add the ``preflight`` sub-command to an ``argparse`` sub-parsers object."""
     parser = subparsers.add_parser(
