@@ -61,9 +61,7 @@ class _TrainerMonitor(Monitor):
         """Remove the hooks and release the device handles without a collective (an exception is unwinding)."""
         if self._closed:
             return
-        self._closed = True
-        self._set_forward_hooks(False)
-        self._session.stop()
+        self._restore()
 
 
 class MemoryMonitorCallback(SessionResults, TrainerCallback):
