@@ -238,13 +238,14 @@ class AccelerateMemoryMonitor(Monitor):
         return super().step()
 
     @entry_point("close()")
-    def close(self) -> None:
+    def close(self, gather: bool = True) -> None:
         """End the open step, remove every hook and the ``accelerator.backward`` wrapper, write the
-        files. Every process must call it (rank summaries are gathered). Safe to call twice."""
+        files. Every process must call it (rank summaries are gathered), unless ``gather=False``
+        (only this rank is failing). Safe to call twice."""
         if self._closed:
             return
         _unwrap_backward(self._accelerator, self._backward)
-        super().close()
+        super().close(gather)
 
     @property
     def accelerator(self) -> "Accelerator":
