@@ -92,7 +92,12 @@ def test_full_disk_keeps_the_first_run_whole(tmp_path: Path) -> None:
                     fh.write(b"\0" * 4096)
             except OSError:
                 pass
-        plain_run(folder, 8, plot=False)  # cannot write: must not raise, must not mix
+        # two pages free: the second run's history.csv (2 pages) fits, its report.json (2 pages, with
+        # one gc record per step) does not, even after the first history's page is freed by a rename
+        os.truncate(folder / "filler", (folder / "filler").stat().st_size - 2 * 4096)
+        second = plain_run(tmp_path / "probe", 30, plot=False, gc_every_n_steps=1)
+        assert os.path.getsize(second.files["history"]) > 4096 and os.path.getsize(second.files["report"]) > 4096
+        plain_run(folder, 30, plot=False, gc_every_n_steps=1)  # must not raise, must not mix
         report, history = load_output_dir(folder)
         assert report["summary"]["steps_seen"] == 4 and len(history) == 4
         assert not list(folder.glob(".*.tmp"))
@@ -206,7 +211,8 @@ def test_report_prints_negative_changes_with_one_sign() -> None:
 
 
 def test_cli_report_refuses_a_mixed_folder_with_one_line(tmp_path: Path, capsys: Any) -> None:
-    plain_run(tmp_path, 3, plot=False)
-    (tmp_path / "history.csv").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00binary")
-    assert main(["report", str(tmp_path)]) == 2
+    plain_run(tmp_path / "a", 3, plot=False)
+    plain_run(tmp_path / "b", 5, plot=False)
+    os.replace(tmp_path / "b" / "history.csv", tmp_path / "a" / "history.csv")  # one run's rows under another's header
+    assert main(["report", str(tmp_path / "a")]) == 2
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
