@@ -119,7 +119,7 @@ class MonitorConfig:
     """Trigger when a step's peak passes this fraction of device capacity (``None``: off)."""
 
     snapshot_peak_bytes: int | None = None
-    """Trigger when a step's peak passes this many bytes (``None``: off)."""
+    """Trigger when a step's peak passes this many bytes (``None``: off). Needs ``auto_snapshot=True``."""
 
     snapshot_on_alloc_retries: bool = True
     """Trigger when the CUDA allocator had to flush its cache and retry (fragmentation)."""
@@ -128,7 +128,7 @@ class MonitorConfig:
     """Trigger on each new finding of leak detection."""
 
     snapshot_every_n_steps: int | None = None
-    """Also trigger every N steps (``None``: off)."""
+    """Also trigger every N steps (``None``: off). Needs ``auto_snapshot=True``."""
 
     snapshot_steps: int = 3
     """Steps captured after a trigger when no history was recording (CUDA ``"armed"``, and CPU)."""
