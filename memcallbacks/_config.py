@@ -125,7 +125,7 @@ class MonitorConfig:
     """Trigger when a step's peak passes this fraction of device capacity (``None``: off)."""
 
     snapshot_peak_bytes: int | None = None
-    """Trigger when a step's peak passes this many bytes (``None``: off)."""
+    """Trigger when a step's peak passes this many bytes (``None``: off). Needs ``auto_snapshot=True``."""
 
     snapshot_on_alloc_retries: bool = True
     """Trigger when the CUDA allocator had to flush its cache and retry (fragmentation)."""
@@ -134,7 +134,7 @@ class MonitorConfig:
     """Trigger on each new finding of leak detection."""
 
     snapshot_every_n_steps: int | None = None
-    """Also trigger every N steps (``None``: off)."""
+    """Also trigger every N steps (``None``: off). Needs ``auto_snapshot=True``."""
 
     snapshot_steps: int = 3
     """Steps captured after a trigger when no history was recording (CUDA ``"armed"``, and CPU)."""
@@ -169,6 +169,8 @@ class MonitorConfig:
             raise _fail("output_dir", self.output_dir, "pass a folder path (str or os.PathLike) or None.")
         if self.output_dir is not None:
             object.__setattr__(self, "output_dir", os.fspath(self.output_dir))
+            if not str(self.output_dir).strip():
+                raise _fail("output_dir", self.output_dir, "pass a folder path, or None for the default folder.")
         for name in ("write_files", "plot", "log_to_trackers", "log_validation", "reduce_across_ranks", "strict"):
             if not isinstance(getattr(self, name), bool):
                 raise _fail(name, getattr(self, name), "pass True or False.")
@@ -217,6 +219,10 @@ class MonitorConfig:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise _fail(name, value, f"pass an integer of at least {least}" + (", or None." if allow_none else "."))
+        for name in ("snapshot_every_n_steps", "snapshot_peak_bytes"):
+            if getattr(self, name) is not None and not self.auto_snapshot:
+                raise _fail(name, getattr(self, name), "it is a snapshot trigger and does nothing without auto_snapshot=True; "
+                            f"set auto_snapshot=True, or leave {name} at None.")
         if self.auto_snapshot and not self.write_files:
             raise _fail("auto_snapshot", True, "snapshots are files: keep write_files=True (and an output_dir), or set auto_snapshot=False.")
         if not isinstance(self.prefix, str) or not self.prefix.strip("/") or self.prefix != self.prefix.strip("/ "):

@@ -13,6 +13,7 @@ step=...)`` on the main process, to whatever trackers ``accelerator.init_tracker
 from __future__ import annotations
 
 import logging
+import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
@@ -20,6 +21,8 @@ import torch
 from torch import nn
 
 from memcallbacks._config import MonitorConfig
+from memcallbacks._runtime.guard import entry_point
+from memcallbacks._runtime.lifecycle import weak_method
 from memcallbacks._runtime.session import LogFn
 from memcallbacks._runtime.sampling import BACKWARD, FORWARD
 from memcallbacks.monitor import Monitor
@@ -84,7 +87,8 @@ class AccelerateMemoryMonitor(Monitor):
         self._accelerator = accelerator
         self._discover = model is None  # hook what accelerator.prepare has seen
         self._warned_no_tracker = False
-        super().__init__(model, optimizer, log_fn or self._log_to_trackers, device=accelerator.device, config=config, **kwargs)
+        # the session holds the adapter's own method weakly (a dropped monitor is cleaned up, lifecycle.py)
+        super().__init__(model, optimizer, log_fn or weak_method(self._log_to_trackers), device=accelerator.device, config=config, **kwargs)
         self._optimizer = optimizer
         if model is not None:  # hooked by Monitor.__init__
             self._session.title = type(model).__name__
@@ -107,6 +111,7 @@ class AccelerateMemoryMonitor(Monitor):
         main = bool(accelerator.is_main_process)
         self._session.trackers = Trackers(lambda: accelerator.trackers, owner="AccelerateMemoryMonitor", logger=log) if main else None
 
+    @entry_point("hooking the prepared models")
     def _hook_prepared_models(self) -> None:
         """Hook the models ``accelerator.prepare`` has seen that are not hooked yet."""
         if self._closed or not self._discover:
@@ -145,29 +150,44 @@ class AccelerateMemoryMonitor(Monitor):
         self._session.set_training_objects(model, optimizer, precision=precision, strategy=strategy, world_size=world_size)
 
     def _install_backward_wrapper(self) -> None:
-        # the instance attribute shadows Accelerator.backward; close() deletes it again
+        # the instance attribute shadows Accelerator.backward; close() (or the cleanup of a monitor
+        # dropped without close()) deletes it again. It holds the monitor weakly, and the user's
+        # backward runs outside the guard: its exceptions are the user's own and propagate unchanged.
         accelerator = self._accelerator
         original = accelerator.backward
+        monitor_ref = weakref.ref(self)
 
         def backward(loss: Any, **kwargs: Any) -> Any:
-            session = self._session
-            if self._closed or not session.step_open or self._backward_open:
+            monitor = monitor_ref()
+            if monitor is None or not monitor._backward_starts(loss):
                 return original(loss, **kwargs)
-            self._backward_open = True  # the output-tensor hook then leaves this backward alone (no engine callback)
-            if isinstance(loss, torch.Tensor) and loss.grad_fn is not None:
-                # leak detection marks the user's own loss rather than the model's output: a loop
-                # variable `loss` alive at the next step is then found directly, without the heap
-                # scan that finding it from the output's graph needs
-                self._output = loss
-            session.boundary(FORWARD)
             try:
                 return original(loss, **kwargs)
             finally:
-                self._backward_open = False
-                session.boundary(BACKWARD)
+                monitor._backward_ends()
 
         self._backward = backward
         accelerator.backward = backward
+        self._cleanup.add("restore accelerator.backward", lambda: _unwrap_backward(accelerator, backward))
+
+    @entry_point("accelerator.backward wrapper")
+    def _backward_starts(self, loss: Any) -> bool:
+        session = self._session
+        if self._closed or not session.step_open or self._backward_open:
+            return False
+        self._backward_open = True  # the output-tensor hook then leaves this backward alone (no engine callback)
+        if isinstance(loss, torch.Tensor) and loss.grad_fn is not None:
+            # leak detection marks the user's own loss rather than the model's output: a loop
+            # variable `loss` alive at the next step is then found directly, without the heap
+            # scan that finding it from the output's graph needs
+            self._output = loss
+        session.boundary(FORWARD)
+        return True
+
+    @entry_point("accelerator.backward wrapper")
+    def _backward_ends(self) -> None:
+        self._backward_open = False
+        self._session.boundary(BACKWARD)
 
     def _log_to_trackers(self, metrics: dict[str, float], step: int) -> None:
         accelerator = self._accelerator
@@ -181,6 +201,7 @@ class AccelerateMemoryMonitor(Monitor):
         accelerator.log(metrics, step=step)
 
     # ------------------------------------------------------------------ steps
+    @entry_point("accumulation window check")
     def _step_complete(self) -> bool:
         """Does the open step end before the next batch? Yes after an optimizer step; under
         ``accelerator.accumulate`` also on a gradient-sync batch whose step was skipped (fp16 overflow)."""
@@ -220,17 +241,21 @@ class AccelerateMemoryMonitor(Monitor):
         self._hook_prepared_models()
         return super().step()
 
-    def close(self) -> None:
+    @entry_point("close()")
+    def close(self, gather: bool = True) -> None:
         """End the open step, remove every hook and the ``accelerator.backward`` wrapper, write the
-        files. Every process must call it (rank summaries are gathered). Safe to call twice."""
+        files. Every process must call it (rank summaries are gathered), unless ``gather=False``
+        (only this rank is failing). Safe to call twice."""
         if self._closed:
             return
-        accelerator = self._accelerator
-        if accelerator.__dict__.get("backward") is self._backward:
-            del accelerator.__dict__["backward"]
-        super().close()
+        _unwrap_backward(self._accelerator, self._backward)
+        super().close(gather)
 
     @property
     def accelerator(self) -> "Accelerator":
         return self._accelerator
 
+
+def _unwrap_backward(accelerator: Any, wrapper: Any) -> None:
+    if accelerator.__dict__.get("backward") is wrapper:
+        del accelerator.__dict__["backward"]

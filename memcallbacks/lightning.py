@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from memcallbacks._config import MonitorConfig, check_config_names, resolve_config
+from memcallbacks._runtime.guard import SetupError, entry_point
 from memcallbacks._runtime.results import SessionResults
 from memcallbacks._runtime.session import Session
 from memcallbacks._runtime.sampling import BACKWARD, FORWARD, OPTIMIZER, OTHER
@@ -175,7 +176,7 @@ class MemoryMonitor(SessionResults, *_callback_bases()):  # type: ignore[misc]
             if other is self or not isinstance(other, MemoryMonitor):
                 continue
             if other._files_folder(trainer) == mine:
-                raise ValueError(
+                raise SetupError(
                     f"MemoryMonitor(output_dir={self.config.output_dir!r}, prefix={self.config.prefix!r}): the "
                     f"MemoryMonitor with prefix={other.config.prefix!r} in the same Trainer writes its files to the "
                     f"same folder, {mine}, so one would overwrite the other's history.csv, report.json and "
@@ -205,9 +206,11 @@ class MemoryMonitor(SessionResults, *_callback_bases()):  # type: ignore[misc]
             default_output_dir=default_dir,
             framework_log_every=trainer.log_every_n_steps,
             logs=bool(trainer.loggers) and int(trainer.log_every_n_steps or 0) > 0,
+            expected_steps=int(trainer.max_steps) if int(trainer.max_steps or -1) > 0 else None,
         )
 
     # ------------------------------------------------------------------ lifecycle hooks
+    @entry_point("setup")
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         if stage == "fit":
             self._session.reset()
@@ -217,6 +220,7 @@ class MemoryMonitor(SessionResults, *_callback_bases()):  # type: ignore[misc]
         self._check_siblings(trainer)
         self._start(trainer)
 
+    @entry_point("on_train_start")
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._automatic = bool(pl_module.automatic_optimization)
         self._stepped = False
@@ -244,14 +248,17 @@ class MemoryMonitor(SessionResults, *_callback_bases()):  # type: ignore[misc]
             handle.remove()
         self._optimizer_hooks = []
 
+    @entry_point("optimizer pre-hook")
     def _optimizer_pre_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self._session.step_open:
             self._session.boundary(OTHER)
 
+    @entry_point("optimizer hook")
     def _optimizer_post_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self._session.step_open:
             self._session.boundary(OPTIMIZER)
 
+    @entry_point("on_train_batch_start")
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int) -> None:
         session = self._session
         if session.step_open:  # a further micro-batch of the open step (gradient accumulation)
@@ -264,17 +271,21 @@ class MemoryMonitor(SessionResults, *_callback_bases()):  # type: ignore[misc]
         else:  # unsampled: skip reading Lightning's (comparatively slow) step/epoch properties
             session.begin_step(count, 0, batch_idx, log=log_now, count=count, batch=batch, sample=False)
 
+    @entry_point("on_before_backward")
     def on_before_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: torch.Tensor) -> None:
         self._session.boundary(FORWARD)
         self._loss = loss
 
+    @entry_point("on_after_backward")
     def on_after_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._session.boundary(BACKWARD)
 
+    @entry_point("on_before_optimizer_step")
     def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: Any) -> None:
         # automatic optimization: from here to batch end is the optimizer phase (clipping included)
         self._stepped = True
 
+    @entry_point("on_train_batch_end")
     def on_train_batch_end(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
     ) -> None:
@@ -296,53 +307,75 @@ class MemoryMonitor(SessionResults, *_callback_bases()):  # type: ignore[misc]
     def _eval_end(self, trainer: "pl.Trainer") -> None:
         self._session.end_eval(log_step=self._log_step(trainer), emit=bool(trainer.loggers) and not trainer.sanity_checking)
 
+    @entry_point("on_validation_start")
     def on_validation_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._eval_start(trainer, "validate")
 
+    @entry_point("on_validation_batch_end")
     def on_validation_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
         self._session.eval_batch()
 
+    @entry_point("on_validation_end")
     def on_validation_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._eval_end(trainer)
 
+    @entry_point("on_test_start")
     def on_test_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._eval_start(trainer, "test")
 
+    @entry_point("on_test_batch_end")
     def on_test_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
         self._session.eval_batch()
 
+    @entry_point("on_test_end")
     def on_test_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._eval_end(trainer)
 
+    @entry_point("on_predict_start")
     def on_predict_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._eval_start(trainer, "predict")
 
+    @entry_point("on_predict_batch_end")
     def on_predict_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
         self._session.eval_batch()
 
+    @entry_point("on_predict_end")
     def on_predict_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._eval_end(trainer)
 
     # ------------------------------------------------------------------ end of fit, failures
+    @entry_point("on_train_end")
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._remove_optimizer_hooks()
         session = self._session
         if session.step_open:  # a step cut short (max_steps mid-accumulation)
             session.end_step(OTHER, log_step=self._log_step(trainer))
 
+    @entry_point("on_fit_end")
     def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._session.finish(gather=True)
 
+    @entry_point("on_exception", unwinding=True)
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
+        # Lightning calls no teardown() after an exception: everything is undone here, each part on
+        # its own, and nothing escapes (the guard), so the user's exception is the one that propagates
         self._remove_optimizer_hooks()
         self._loss = None
-        self._session.record_exception(exception, trainer.global_step)
-        # no collectives here: other ranks may not be failing
-        self._session.finish(gather=False)
+        try:
+            self._session.record_exception(exception, trainer.global_step)
+            # no collectives here: other ranks may not be failing
+            self._session.finish(gather=False)
+        finally:
+            self._session.stop()
 
+    @entry_point("teardown", unwinding=True)
     def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         self._remove_optimizer_hooks()
-        if stage == "fit":
+        try:
+            if stage != "fit" and self._session.live:
+                # validate/test/predict alone: their rows are files too (fit writes at on_fit_end)
+                self._session.finish(gather=True)
+        finally:
             self._session.stop()
 
     # ------------------------------------------------------------------ checkpointing
@@ -361,10 +394,14 @@ class MemoryMonitor(SessionResults, *_callback_bases()):  # type: ignore[misc]
         return self._generate_state_key(prefix=self.config.prefix)
 
     def state_dict(self) -> dict[str, Any]:
+        return self._state_dict() or {}  # an internal fault saves an empty state, never fails the checkpoint
+
+    @entry_point("state_dict")
+    def _state_dict(self) -> dict[str, Any]:
         return self._session.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._session.load_state_dict(state_dict)
+        self._session.load_state_dict(state_dict, self.state_key)
 
     def on_load_checkpoint(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", checkpoint: dict[str, Any]) -> None:
         """Restore a state saved under another key, when which one is ours is unambiguous.

@@ -18,6 +18,8 @@ import torch
 from torch import nn
 
 from memcallbacks._config import MonitorConfig, resolve_config
+from memcallbacks._runtime.guard import entry_point
+from memcallbacks._runtime.lifecycle import Cleanup, weak_method
 from memcallbacks._runtime.results import SessionResults
 from memcallbacks._runtime.session import LogFn, Session
 from memcallbacks._runtime.sampling import BACKWARD, FORWARD, OPTIMIZER, OTHER, PHASES
@@ -118,15 +120,30 @@ class Monitor(SessionResults):
         self._batch: Any = None  # the item track() yielded, held until the step ends
         self._closed = False
         self._explicit = False  # track() or step() marks boundaries; the forward hook then leaves steps alone
-        self._start(self._device_for(device, model, optimizer))
+        self._warned_closed = False
+        device = self._device_for(device, model, optimizer)
+        # what this monitor changes in the process is undone by close(), or by this finalizer when
+        # the monitor is dropped without close() (an exception in the loop body): see lifecycle.py
+        self._cleanup = Cleanup(type(self).__name__)
+        self._cleanup.add("stop the session", self._session.stop)
+        forward_handles = self._forward_handles
+        self._cleanup.add("remove its forward hooks", lambda: _remove_all(forward_handles))
+        self._start(device)
+        self._finalizer = weakref.finalize(self, self._cleanup.abandoned)
         self._session.set_training_objects(model, optimizer)
         self._install_hooks(model)
 
     # ------------------------------------------------------------------ setup
-    @staticmethod
-    def _device_for(device: Any, model: nn.Module | None, optimizer: Any) -> torch.device:
+    @classmethod
+    def _device_for(cls, device: Any, model: nn.Module | None, optimizer: Any) -> torch.device:
         if device is not None:
-            return torch.device(device)
+            try:
+                return torch.device(device)
+            except (RuntimeError, TypeError, ValueError) as exc:
+                raise ValueError(
+                    f"{cls.__name__}(device={device!r}) is not a torch device ({exc}); pass e.g. 'cpu', 'cuda' or "
+                    "'cuda:0', or leave it out to use the model's device."
+                ) from None
         tensors: Iterable[torch.Tensor] = ()
         if model is not None:
             tensors = model.parameters()
@@ -143,8 +160,10 @@ class Monitor(SessionResults):
     def _install_hooks(self, model: nn.Module | None) -> None:
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-        self._handles.append(register_optimizer_step_pre_hook(self._optimizer_pre))
-        self._handles.append(register_optimizer_step_post_hook(self._optimizer_post))
+        # torch's global hook table holds the monitor weakly: one dropped without close() can be collected
+        self._handles.append(register_optimizer_step_pre_hook(weak_method(self._optimizer_pre)))
+        self._handles.append(register_optimizer_step_post_hook(weak_method(self._optimizer_post)))
+        self._cleanup.handles.extend(self._handles)
         if model is not None:
             self._hook_model(model)
 
@@ -155,8 +174,8 @@ class Monitor(SessionResults):
             self._register_forward_hooks(model)
 
     def _register_forward_hooks(self, model: nn.Module) -> None:
-        self._forward_handles.append(model.register_forward_pre_hook(self._forward_pre))
-        self._forward_handles.append(model.register_forward_hook(self._forward_post))
+        self._forward_handles.append(model.register_forward_pre_hook(weak_method(self._forward_pre)))
+        self._forward_handles.append(model.register_forward_hook(weak_method(self._forward_post)))
 
     def _set_forward_hooks(self, on: bool) -> None:
         """Install or remove the models' forward hooks (a few µs, only when the need changes)."""
@@ -167,9 +186,7 @@ class Monitor(SessionResults):
             for model in self._hooked_models:
                 self._register_forward_hooks(model)
         else:
-            for handle in self._forward_handles:
-                handle.remove()
-            self._forward_handles = []
+            _remove_all(self._forward_handles)
 
     def _explicit_step_opened(self) -> None:
         """track()/step() opened a step: forward hooks only where they do something (sampled steps,
@@ -178,6 +195,7 @@ class Monitor(SessionResults):
         self._set_forward_hooks(session.detailed_step or session.lingering_pending)
 
     # ------------------------------------------------------------------ hooks (never raise)
+    @entry_point("forward pre-hook")
     def _forward_pre(self, module: nn.Module, args: Any) -> None:
         if self._session.lingering_due:
             self._session.check_lingering(self._batch)
@@ -189,6 +207,7 @@ class Monitor(SessionResults):
         if not self._session.step_open:
             self._begin()
 
+    @entry_point("forward hook")
     def _forward_post(self, module: nn.Module, args: Any, output: Any) -> None:
         session = self._session
         if not session.step_open or not session.enabled or not session.detailed_step or not torch.is_grad_enabled():
@@ -203,6 +222,7 @@ class Monitor(SessionResults):
         except Exception as exc:
             session.engine.fail(exc, "forward hook")
 
+    @entry_point("backward hook")
     def _backward_start(self, grad: torch.Tensor) -> None:
         # fires once per output tensor; only the first one of a backward pass is a boundary
         if self._backward_open or not self._session.step_open:
@@ -214,16 +234,19 @@ class Monitor(SessionResults):
         except Exception as exc:  # pragma: no cover - private API moved
             self._session.engine.fail(exc, "backward hook")
 
+    @entry_point("backward-end callback")
     def _backward_end(self) -> None:
         self._backward_open = False
         self._session.boundary(BACKWARD)
 
+    @entry_point("optimizer pre-hook")
     def _optimizer_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self._session.lingering_due:
             self._session.check_lingering(self._batch)
         if self._session.step_open:
             self._session.boundary(OTHER)
 
+    @entry_point("optimizer hook")
     def _optimizer_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self._ever_stepped = True  # an optimizer exists: batches without a step accumulate
         if self._session.step_open:
@@ -262,45 +285,63 @@ class Monitor(SessionResults):
         row, and items are rows of their own until an optimizer step is seen again. The last,
         incomplete window is a row too (at the end of ``iterable``, or at :meth:`close`).
         """
+        if self._used_after_close("track"):
+            yield from iterable
+            return
         self._explicit = True
         for batch_idx, item in enumerate(iterable):
-            session = self._session
-            if session.step_open:
-                if self._stepped or not self._ever_stepped:
-                    self._end()
-                elif self._window >= self.max_micro_batches and self._window >= 2 * self._longest_window:
-                    # this many batches without an optimizer step is not accumulation: the optimizer is idle
-                    self._end()
-                    self._ever_stepped = False  # a row per item until an optimizer step is seen again
-            self._window += 1
-            if session.step_open:
-                session.begin_step(self._step, 0, batch_idx)  # counts a micro-batch
-            else:
-                # the caller's loop variable still holds the previous batch until this yield returns:
-                # check for lingering references at the step's first forward/optimizer hook instead
-                self._begin(batch_idx=batch_idx, batch=item, defer_lingering=True)
-                self._explicit_step_opened()
-            self._batch = item
+            self._track_item(batch_idx, item)
+            self._batch = item  # also when _track_item failed part-way
             del item
             yield self._batch
+        self._track_end()
+
+    @entry_point("track() step end")
+    def _track_end(self) -> None:
         self._end()
+
+    @entry_point("track() step start")
+    def _track_item(self, batch_idx: int, item: Any) -> None:
+        session = self._session
+        if session.step_open:
+            if self._stepped or not self._ever_stepped:
+                self._end()
+            elif self._window >= self.max_micro_batches and self._window >= 2 * self._longest_window:
+                # this many batches without an optimizer step is not accumulation: the optimizer is idle
+                self._end()
+                self._ever_stepped = False  # a row per item until an optimizer step is seen again
+        self._window += 1
+        if session.step_open:
+            session.begin_step(self._step, 0, batch_idx)  # counts a micro-batch
+        else:
+            # the caller's loop variable still holds the previous batch until this yield returns:
+            # check for lingering references at the step's first forward/optimizer hook instead
+            self._begin(batch_idx=batch_idx, batch=item, defer_lingering=True)
+            self._explicit_step_opened()
 
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:
         """``with monitor.step(): ...`` — one row for exactly this block. An OOM inside is recorded,
         the files are written, and the error propagates."""
-        self._explicit = True
-        if self._session.step_open:
-            self._end()
-        self._begin()
-        self._explicit_step_opened()
+        if self._used_after_close("step"):
+            yield
+            return
+        self._step_enter()
         try:
             yield
         except BaseException as exc:
             self.record_exception(exc)
             raise
         finally:
+            self._track_end()
+
+    @entry_point("step() start")
+    def _step_enter(self) -> None:
+        self._explicit = True
+        if self._session.step_open:
             self._end()
+        self._begin()
+        self._explicit_step_opened()
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -308,14 +349,20 @@ class Monitor(SessionResults):
         index = _PHASE_INDEX.get(name)
         if index is None:
             raise ValueError(f"Monitor.phase(name={name!r}) is not one of {', '.join(PHASES)}; pass one of those.")
-        session = self._session
-        if not session.step_open:
-            self._begin()
-        session.boundary(OTHER)
+        if self._used_after_close("phase"):
+            yield
+            return
+        self._phase_enter()
         try:
             yield
         finally:
-            session.boundary(index)
+            self._session.boundary(index)
+
+    @entry_point("phase() start")
+    def _phase_enter(self) -> None:
+        if not self._session.step_open:
+            self._begin()
+        self._session.boundary(OTHER)
 
     @contextlib.contextmanager
     def evaluate(self, stage: str = "validate") -> Iterator[None]:
@@ -326,12 +373,16 @@ class Monitor(SessionResults):
         finally:
             self._session.end_eval(log_step=self._step)
 
+    @entry_point("record_exception()", unwinding=True)
     def record_exception(self, exc: BaseException) -> None:
-        """Record an exception that is ending training (an OOM becomes an event) and write the files."""
+        """Record an exception that is ending training as an event in ``report.json`` (``"oom"``
+        or ``"exception"``) and write the files. Never raises: the caller's exception propagates."""
+        if self._closed:
+            return
         self._session.record_exception(exc, self._step)
-        if self._session.events and self._session.events[-1].get("kind") == "oom":
-            self._session.finish(gather=False)
+        self._session.finish(gather=False)
 
+    @entry_point("close()")
     def close(self, gather: bool = True) -> None:
         """End the open step, remove every hook and write the files. Safe to call twice.
 
@@ -340,22 +391,42 @@ class Monitor(SessionResults):
         if self._closed:
             return
         self._closed = True
-        self._end()
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-        self._set_forward_hooks(False)
-        self._hooked_models = []
-        self._session.finish(gather=gather)
-        self._session.stop()
+        try:
+            self._end()
+            self._cleanup.remove_handles()
+            self._handles = []
+            self._set_forward_hooks(False)
+            self._hooked_models = []
+            self._session.finish(gather=gather)
+        finally:
+            self._restore()
+
+    def _restore(self) -> None:
+        """Undo what this monitor changed in the process (hooks, gc, allocator history, its folder)."""
+        self._closed = True
+        self._finalizer.detach()
+        self._cleanup.run()  # each part on its own: one that fails does not keep the others
+
+    def _used_after_close(self, method: str) -> bool:
+        if self._closed and not self._warned_closed:
+            self._warned_closed = True
+            log.warning("%s.%s() was called after close(): nothing more is recorded. Create a new %s for a new run.",
+                        type(self).__name__, method, type(self).__name__)
+        return self._closed
 
     def __enter__(self) -> "Monitor":
         return self
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
-        if exc is not None:
-            self._session.record_exception(exc, self._step)
-        self.close(gather=exc is None)  # a failing rank must not wait for the others
+        if exc is None:
+            self.close()
+        else:
+            self._exit_failing(exc)
+
+    @entry_point("__exit__", unwinding=True)
+    def _exit_failing(self, exc: BaseException) -> None:
+        self._session.record_exception(exc, self._step)
+        self.close(gather=False)  # a failing rank must not wait for the others
 
     # ------------------------------------------------------------------ driven steps
     # For adapters whose framework announces steps itself (the Transformers callback): the
@@ -388,6 +459,7 @@ class Monitor(SessionResults):
         """Whether the step after ``count`` steps is a logged step (see ``Session.will_log``)."""
         return self._session.will_log(count)
 
+    @entry_point("open_step()")
     def open_step(self, step: int, epoch: int = 0, batch_idx: int = 0, *, log: bool | None = None) -> None:
         """The framework started optimizer step ``step``; a further micro-batch if one is open."""
         if self._session.step_open:
@@ -397,11 +469,13 @@ class Monitor(SessionResults):
         self._step = step  # for OOM events
         self._session.begin_step(step, epoch, batch_idx, log=log)
 
+    @entry_point("end_phase()")
     def end_phase(self, phase: int) -> None:
         """The framework says a phase ended (``OTHER`` before clipping, ``OPTIMIZER`` after the step)."""
         if self._session.step_open:
             self._session.boundary(phase)
 
+    @entry_point("close_step()")
     def close_step(self, *, log_step: int | None = None) -> bool:
         """The framework ended the step: write its row. Returns whether the step was a logged one."""
         session = self._session
@@ -419,5 +493,16 @@ class Monitor(SessionResults):
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._session.load_state_dict(state)
-        self._step = int(state.get("step", self._step))
+        key = f"{type(self).__name__}.load_state_dict"
+        self._session.load_state_dict(state, key)
+        step = state.get("step", self._step)
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise ValueError(f"memcallbacks: the monitor state passed to {key} has step={step!r}, not an integer.")
+        self._step = step
+
+
+def _remove_all(handles: list[Any]) -> None:
+    """Remove hook handles, emptying the same list (the cleanup holds it)."""
+    for handle in handles:
+        handle.remove()
+    handles.clear()

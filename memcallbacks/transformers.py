@@ -29,6 +29,8 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 from memcallbacks._config import MonitorConfig, resolve_config
 from memcallbacks._runtime.columns import OPTIMIZER, OTHER
+from memcallbacks._runtime.guard import entry_point
+from memcallbacks._runtime.lifecycle import weak_method
 from memcallbacks._runtime.results import SessionResults
 from memcallbacks.monitor import Monitor
 from memcallbacks.trackers import Trackers
@@ -62,9 +64,7 @@ class _TrainerMonitor(Monitor):
         """Remove the hooks and release the device handles without a collective (an exception is unwinding)."""
         if self._closed:
             return
-        self._closed = True
-        self._set_forward_hooks(False)
-        self._session.stop()
+        self._restore()
 
 
 class MemoryMonitorCallback(SessionResults, TrainerCallback):
@@ -124,10 +124,12 @@ class MemoryMonitorCallback(SessionResults, TrainerCallback):
                 return True
         return False
 
+    @entry_point("on_init_end")
     def on_init_end(self, args: "TrainingArguments", state: "TrainerState", control: "TrainerControl", **kwargs: Any) -> None:
         self._move_to_front()
 
     # ------------------------------------------------------------------ training
+    @entry_point("on_train_begin")
     def on_train_begin(
         self,
         args: "TrainingArguments",
@@ -171,7 +173,7 @@ class MemoryMonitorCallback(SessionResults, TrainerCallback):
         trackers = None
         if handler is not None and state.is_world_process_zero:  # TensorBoard/W&B/MLflow callbacks of report_to
             trackers = Trackers(lambda: handler.callbacks, owner="MemoryMonitorCallback", logger=log)
-        monitor.attach(log_fn=self._stash, title=type(model).__name__ if model is not None else "Trainer", trackers=trackers)
+        monitor.attach(log_fn=weak_method(self._stash), title=type(model).__name__ if model is not None else "Trainer", trackers=trackers)
         precision = "bf16-mixed" if getattr(args, "bf16", False) else "16-mixed" if getattr(args, "fp16", False) else None
         # the Trainer passes the bare model: name plain data parallelism here, let the estimate detect the rest
         ddp = int(args.world_size) > 1 and not getattr(args, "fsdp", None) and not getattr(args, "deepspeed", None)
@@ -185,6 +187,7 @@ class MemoryMonitorCallback(SessionResults, TrainerCallback):
         self._pending = None
         self._batches = 0
 
+    @entry_point("on_step_begin")
     def on_step_begin(self, args: "TrainingArguments", state: "TrainerState", control: "TrainerControl", **kwargs: Any) -> None:
         monitor = self._monitor
         if monitor is None:
@@ -193,6 +196,7 @@ class MemoryMonitorCallback(SessionResults, TrainerCallback):
         monitor.open_step(state.global_step, int(state.epoch or 0), self._batches, log=monitor.will_log(state.global_step))
         self._batches += 1
 
+    @entry_point("on_substep_end")
     def on_substep_end(self, args: "TrainingArguments", state: "TrainerState", control: "TrainerControl", **kwargs: Any) -> None:
         # a micro-batch ended without an optimizer step: the next one belongs to the same row
         monitor = self._monitor
@@ -200,14 +204,17 @@ class MemoryMonitorCallback(SessionResults, TrainerCallback):
             monitor.open_step(state.global_step)
             self._batches += 1
 
+    @entry_point("on_pre_optimizer_step")
     def on_pre_optimizer_step(self, args: "TrainingArguments", state: "TrainerState", control: "TrainerControl", **kwargs: Any) -> None:
         if self._monitor is not None:
             self._monitor.end_phase(OTHER)  # gradient clipping lands in peak_other
 
+    @entry_point("on_optimizer_step")
     def on_optimizer_step(self, args: "TrainingArguments", state: "TrainerState", control: "TrainerControl", **kwargs: Any) -> None:
         if self._monitor is not None:
             self._monitor.end_phase(OPTIMIZER)
 
+    @entry_point("on_step_end")
     def on_step_end(self, args: "TrainingArguments", state: "TrainerState", control: "TrainerControl", **kwargs: Any) -> None:
         monitor = self._monitor
         if monitor is not None and monitor.close_step(log_step=state.global_step):
@@ -216,6 +223,7 @@ class MemoryMonitorCallback(SessionResults, TrainerCallback):
     def _stash(self, metrics: dict[str, float], step: int) -> None:
         self._pending = (step, metrics)
 
+    @entry_point("on_log")
     def on_log(self, args: "TrainingArguments", state: "TrainerState", control: "TrainerControl", logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
         pending = self._pending
         if pending is None or logs is None:
@@ -229,11 +237,13 @@ class MemoryMonitorCallback(SessionResults, TrainerCallback):
         if history and history[-1].get("step") == state.global_step:
             history[-1].update(metrics)
 
+    @entry_point("on_train_end")
     def on_train_end(self, args: "TrainingArguments", state: "TrainerState", control: "TrainerControl", **kwargs: Any) -> None:
         if self._monitor is not None:
             self._monitor.close()  # every rank: rank summaries are gathered into rank zero's report.json
 
     # ------------------------------------------------------------------ failures
+    @entry_point("record_exception()", unwinding=True)
     def record_exception(self, exc: BaseException) -> None:
         """Call from ``except`` around ``trainer.train()``: an OOM becomes an event in ``report.json``
         (files written, no collective), and the hooks are removed. Safe when nothing is running."""
@@ -243,6 +253,7 @@ class MemoryMonitorCallback(SessionResults, TrainerCallback):
         monitor.record_exception(exc)
         monitor.abandon()
 
+    @entry_point("close()", unwinding=True)
     def close(self) -> None:
         """Remove the hooks if training did not end normally (``on_train_end`` closes them). Safe to call twice."""
         if self._monitor is not None:

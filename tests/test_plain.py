@@ -402,13 +402,13 @@ def test_oom_inside_step_writes_report_and_propagates(tmp_path: Any) -> None:
     monitor.close()
 
 
-def test_non_oom_exception_propagates_without_event() -> None:
+def test_non_oom_exception_propagates_as_an_exception_event() -> None:
     monitor = Monitor(write_files=False)
     with pytest.raises(KeyError):
         with monitor.step():
             raise KeyError("not memory")
     monitor.close()
-    assert monitor.events == []
+    assert [(e["kind"], e["error"]) for e in monitor.events] == [("exception", "KeyError: 'not memory'")]
 
 
 def test_close_twice_removes_every_hook() -> None:

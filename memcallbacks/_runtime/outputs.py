@@ -14,7 +14,7 @@ from memcallbacks._units import GiB, MiB
 
 log = logging.getLogger(__name__)
 
-__all__ = ["REPORT_VERSION", "atomic_write", "check_writable", "write_outputs", "plot_history", "file_names"]
+__all__ = ["REPORT_VERSION", "atomic_write", "check_writable", "write_outputs", "plot_history", "history_figure", "file_names"]
 
 REPORT_VERSION = 1
 """``report.json``'s ``version``: bumped when a key changes meaning or goes away."""
@@ -50,7 +50,9 @@ def check_writable(folder: str | os.PathLike[str], owner: str) -> Path:
         os.close(fd)
         os.unlink(tmp)
     except OSError as exc:
-        raise PermissionError(
+        from memcallbacks._runtime.guard import OutputDirError
+
+        raise OutputDirError(
             f"{owner}: output_dir {str(folder)!r} is not writable ({exc.strerror or exc}). "
             f"Pass output_dir= pointing to a writable folder, or write_files=False to keep results in memory only."
         ) from exc
@@ -92,22 +94,48 @@ def write_outputs(
     report: dict[str, Any],
     plot: bool,
     title: str = "",
+    ranks: list[Any] | None = None,
 ) -> dict[str, str]:
-    """Write this rank's files; return ``{kind: path}`` of what was written."""
+    """Write this rank's files as one set (see :mod:`memcallbacks._runtime.fileset`); return ``{kind: path}``.
+
+    Every file is staged first; a failure while staging leaves the folder as it was. The plot is
+    optional: one that fails is left out, and the others are written. ``ranks`` (rank zero under
+    distributed training): every rank's summary, written into a combined ``report.json``.
+    """
+    from memcallbacks._runtime.fileset import FileSet
+
     names = file_names(rank, world_size)
-    written: dict[str, str] = {}
-    written["history"] = str(atomic_write(folder / names["history"], lambda fh: history.to_csv(fh, index=False)))
-    if len(eval_history):
-        written["eval_history"] = str(atomic_write(folder / names["eval_history"], lambda fh: eval_history.to_csv(fh, index=False)))
-    if plot and len(history):
-        png = plot_history(history, folder / names["plot"], title=title, peak_source=report.get("summary", {}).get("device", {}).get("peak_source", ""))
-        if png is not None:
-            written["plot"] = str(png)
-    report = dict(report)
-    report["files"] = {**report.get("files", {}), **written, "report": str(folder / names["report"])}
-    write_json(folder / names["report"], report)
-    written["report"] = str(folder / names["report"])
-    return written
+    files = FileSet(folder)
+    try:
+        files.stage("history", names["history"], lambda fh: history.to_csv(fh, index=False))
+        if len(eval_history):
+            files.stage("eval_history", names["eval_history"], lambda fh: eval_history.to_csv(fh, index=False))
+        if plot and len(history):
+            peak_source = (report.get("summary") or {}).get("device", {}).get("peak_source", "")
+            try:
+                figure = history_figure(history, title=title, peak_source=peak_source)
+                if figure is not None:
+                    files.stage("plot", names["plot"], lambda fh: figure.savefig(fh, format="png"), mode="wb")
+            except Exception:
+                log.exception("memcallbacks: could not draw %s; the other files are written without it.", names["plot"])
+        integrity = {kind: files.staged_fingerprint(kind) for kind in ("history", "eval_history") if kind in files.staged}
+        paths = {kind: str(final) for kind, (_, final) in files.staged.items()}
+        paths["report"] = str(folder / names["report"])
+        if ranks is not None:
+            paths["combined_report"] = str(folder / "report.json")
+        report = dict(report, files={**report.get("files", {}), **paths}, integrity=integrity)
+        files.stage("report", names["report"], lambda fh: _dump_json(report, fh))
+        if ranks is not None:
+            files.stage("combined_report", "report.json", lambda fh: _dump_json(dict(report, ranks=ranks), fh))
+    except BaseException:
+        files.discard()
+        raise
+    stale = [names[kind] for kind in ("eval_history", "plot") if kind not in files.staged]
+    return files.commit(stale)
+
+
+def _dump_json(payload: dict[str, Any], fh: Any) -> None:
+    json.dump(_json_safe(payload), fh, indent=2, sort_keys=False, default=str)
 
 
 _warned_no_matplotlib = False
@@ -115,6 +143,15 @@ _warned_no_matplotlib = False
 
 def plot_history(history: Any, path: Path, *, title: str = "", peak_source: str = "") -> Path | None:
     """Plot baseline, reserved and per-phase peaks over steps (GiB) into a PNG."""
+    fig = history_figure(history, title=title, peak_source=peak_source)
+    if fig is None:
+        return None
+    atomic_write(path, lambda fh: fig.savefig(fh, format="png"), mode="wb")
+    return path
+
+
+def history_figure(history: Any, *, title: str = "", peak_source: str = "") -> Any:
+    """The memory plot as a matplotlib ``Figure`` (None without matplotlib)."""
     global _warned_no_matplotlib
     try:
         import matplotlib
@@ -156,5 +193,4 @@ def plot_history(history: Any, path: Path, *, title: str = "", peak_source: str 
     ax2.grid(True, alpha=0.3)
     ax2.legend(loc="best", fontsize=8)
     fig.tight_layout()
-    atomic_write(path, lambda fh: fig.savefig(fh, format="png"), mode="wb")
-    return path
+    return fig

@@ -12,11 +12,19 @@ __all__ = ["format_report", "load_output_dir"]
 
 
 def load_output_dir(folder: str | Path) -> tuple[dict[str, Any], Any]:
-    """Read ``report.json`` (or the rank-zero one) and its history CSV from a monitor's output_dir."""
-    import pandas as pd
+    """Read ``report.json`` (or the rank-zero one) and its history CSV from a monitor's output_dir.
+
+    Raises ``FileNotFoundError`` or ``ValueError`` with one line naming the file and what is
+    wrong: not a folder, no report, a report of the wrong shape, a history that is not a
+    memcallbacks CSV or not the one the report was written with."""
+    from memcallbacks._runtime.fileset import check_fingerprint
 
     folder = Path(folder)
-    if not folder.is_dir():
+    try:
+        is_dir = folder.is_dir()
+    except OSError as exc:  # a name longer than the OS allows, say
+        raise FileNotFoundError(f"{str(folder)[:200]!r} cannot be looked up ({exc.strerror or exc}).") from None
+    if not is_dir:
         raise FileNotFoundError(f"{str(folder)!r} is not a folder; pass the monitor's output_dir (it holds report.json).")
     candidates = [folder / "report.json", *sorted(folder.glob("report.rank*.json"))]
     path = next((p for p in candidates if p.is_file()), None)
@@ -24,15 +32,47 @@ def load_output_dir(folder: str | Path) -> tuple[dict[str, Any], Any]:
         raise FileNotFoundError(f"no report.json in {str(folder)!r}; is it a memcallbacks output_dir?")
     try:
         report = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{str(path)!r} is not valid JSON ({exc}); the file may be truncated.") from exc
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{str(path)!r} is not valid JSON ({exc}); the file may be truncated.") from None
+    _check_shape(report, path)
     history = None
-    hist_name = report.get("files", {}).get("history")
-    for candidate in (Path(hist_name) if hist_name else None, folder / "history.csv", folder / "history.rank0.csv"):
-        if candidate is not None and candidate.is_file():
-            history = pd.read_csv(candidate)
+    for candidate in _history_candidates(report, folder):
+        if candidate.is_file():
+            check_fingerprint(candidate, (report.get("integrity") or {}).get("history"), path)
+            history = _read_history(candidate)
             break
     return report, history
+
+
+def _check_shape(report: Any, path: Path) -> None:
+    if not isinstance(report, dict):
+        raise ValueError(f"{str(path)!r} holds a JSON {type(report).__name__}, not a memcallbacks report (an object with 'summary').")
+    for key, kind in (("summary", dict), ("files", dict), ("findings", list), ("events", list), ("model_states", dict), ("snapshots", list)):
+        if key in report and report[key] is not None and not isinstance(report[key], kind):
+            raise ValueError(f"{str(path)!r}: '{key}' is a {type(report[key]).__name__}, not a{'n' if kind is dict else ''} "
+                             f"{'object' if kind is dict else 'list'}; this is not a memcallbacks report.")
+    if "summary" not in report:
+        raise ValueError(f"{str(path)!r} has no 'summary'; this is not a memcallbacks report.")
+
+
+def _history_candidates(report: dict[str, Any], folder: Path) -> list[Path]:
+    name = (report.get("files") or {}).get("history")
+    # the report's own name for it first, looked up in this folder (the run may have been copied here)
+    found = [folder / Path(name).name] if isinstance(name, str) and name else []
+    return found + [folder / "history.csv", folder / "history.rank0.csv"]
+
+
+def _read_history(path: Path) -> Any:
+    import pandas as pd
+
+    try:
+        history = pd.read_csv(path)
+    except (UnicodeDecodeError, ValueError, pd.errors.ParserError, pd.errors.EmptyDataError) as exc:
+        raise ValueError(f"{str(path)!r} is not a CSV file memcallbacks wrote ({type(exc).__name__}: {str(exc)[:200]}).") from None
+    missing = [c for c in ("step", "allocated", "peak_allocated") if c not in history.columns]
+    if missing:
+        raise ValueError(f"{str(path)!r} has no {', '.join(missing)} column(s); it is not a memcallbacks history.")
+    return history
 
 
 def format_report(report: dict[str, Any], history: Any = None) -> str:
@@ -54,7 +94,7 @@ def format_report(report: dict[str, Any], history: Any = None) -> str:
     first, last = s.get("first_allocated_bytes"), s.get("last_allocated_bytes")
     if first is not None and last is not None:
         lines.append(f"  allocated at step start    {format_bytes(first)} (first row) -> {format_bytes(last)} (last row), "
-                     f"change {format_bytes(last - first)}")
+                     f"change {format_delta(last - first)}")
     if history is not None and len(history) and "peak_forward" in history:
         top = history.loc[history["peak_allocated"].idxmax()]
         lines.append(f"  largest step peak          step {int(top['step'])}: {format_bytes(top['peak_allocated'])} "

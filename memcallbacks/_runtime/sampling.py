@@ -356,7 +356,8 @@ class MemoryEngine:
         frame = pd.DataFrame(self.rows, columns=list(COLUMNS))
         if not frame.empty:
             for col in ("step", "epoch", "batch_idx", "micro_batches", "optimizer_steps"):
-                frame[col] = frame[col].astype("int64")
+                if frame[col].notna().all():  # never lose the files over one unreadable row
+                    frame[col] = frame[col].astype("int64")
             if self.device_info.get("kind", "cpu") == "cpu":
                 frame = frame.drop(columns=["alloc_retries", "ooms", "inactive_split"])
         return frame
@@ -423,19 +424,24 @@ class MemoryEngine:
             "max_reserved": self.max_reserved,
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if not state or state.get("version") != STATE_VERSION:
-            log.warning("memcallbacks: ignoring memory-monitor state of unknown version %r in the checkpoint.", state.get("version") if state else None)
-            return
-        columns = state["columns"]
-        index = [columns.index(c) if c in columns else None for c in COLUMNS]
-        self.rows = [[r[i] if i is not None else _NAN for i in index] for r in state["rows"]]
-        self.eval_rows = [list(r) for r in state.get("eval_rows", [])]
-        self._stride = int(state.get("stride", 1))
-        self._seen_steps = int(state.get("seen_steps", len(self.rows)))
-        self._sampled_steps = int(state.get("sampled_steps", len(self.rows)))
-        self.max_allocated = max(self.max_allocated, int(state.get("max_allocated", 0)))
-        self.max_reserved = max(self.max_reserved, int(state.get("max_reserved", 0)))
+    def load_state_dict(self, state: dict[str, Any], key: str = "state_dict") -> dict[str, Any] | None:
+        """Restore a saved state (older versions migrate, see saved_state.py); return the read state,
+        or None for one of a newer version (skipped with a warning). ``ValueError`` names ``key``."""
+        from memcallbacks._runtime.saved_state import read_state
+
+        read = read_state(state, key, STATE_VERSION)
+        if read is None:
+            log.warning("memcallbacks: ignoring the memory-monitor state under %r: its version %r is newer than this "
+                        "memcallbacks (%d); the history starts afresh.", key, state.get("version"), STATE_VERSION)
+            return None
+        self.rows = read["rows"]
+        self.eval_rows = read["eval_rows"]
+        self._stride = max(read["stride"], 1)
+        self._seen_steps = read["seen_steps"]
+        self._sampled_steps = read["sampled_steps"]
+        self.max_allocated = max(self.max_allocated, read["max_allocated"])
+        self.max_reserved = max(self.max_reserved, read["max_reserved"])
+        return read
 
 
 def empty_history() -> Any:

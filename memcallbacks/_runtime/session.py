@@ -20,7 +20,9 @@ from memcallbacks._config import MonitorConfig
 from memcallbacks._runtime.columns import ALLOCATED, E_STAGE, MONITOR_TIME_S, OPTIMIZER
 from memcallbacks._runtime.sampling import GIB, MemoryEngine
 from memcallbacks._findings import Finding, FindingLog
-from memcallbacks._runtime.outputs import REPORT_VERSION, check_writable, write_json, write_outputs
+from memcallbacks._runtime.outputs import REPORT_VERSION, check_writable, write_outputs
+from memcallbacks._runtime.guard import safe_str
+from memcallbacks._runtime.lifecycle import claim_folder, release_folder
 from memcallbacks.snapshot.auto import AutoSnapshot
 from memcallbacks.estimate.check import StateCheck
 from memcallbacks.leaks.census import format_top_holders
@@ -45,7 +47,7 @@ def is_oom(exc: BaseException) -> bool:
         return True
     if isinstance(exc, MemoryError):
         return True
-    return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
+    return isinstance(exc, RuntimeError) and "out of memory" in safe_str(exc).lower()
 
 
 class Session:
@@ -65,7 +67,8 @@ class Session:
         self.framework = framework
         self.owner = owner  # the public class name, for messages
         self.engine = MemoryEngine(config)
-        self.log_fn: LogFn | None = None
+        self.log_fn: LogFn | None = None  # adapters pass their own methods through weak_method (lifecycle.py)
+        self.live = False  # between start() and stop(): owns its output folder
         self.output_dir: Path | None = None
         self.files: dict[str, str] = {}
         self.events: list[dict[str, Any]] = []
@@ -171,17 +174,36 @@ class Session:
         framework_log_every: int | None = None,
         logs: bool = True,
         log_first_step: bool = False,
+        expected_steps: int | None = None,
     ) -> None:
         """Choose the device backend, the output folder and the sampling/logging intervals.
 
-        Raises ``PermissionError`` for an unwritable output folder: environment problems must stop
-        the run before training, not during it.
+        Raises ``PermissionError`` for an unwritable output folder, or one another live monitor
+        writes to: environment problems must stop the run before training, not during it. Any
+        other fault here is contained (logged once; the monitor disables itself).
+        ``expected_steps``: the run's length when the framework knows it (``max_steps``): a run
+        shorter than the default sampling interval samples its last step rather than none.
         """
         config = self.config
         if config.write_files:
-            # not "./memcallbacks": run from a source checkout, that is the package itself
-            folder = config.output_dir or default_output_dir or os.path.join(os.getcwd(), "memcallbacks_output")
+            # not "./memcallbacks": run from a source checkout, that is the package itself.
+            # Resolved once, here: a later chdir must not move the files.
+            folder = os.path.abspath(config.output_dir or default_output_dir or os.path.join(os.getcwd(), "memcallbacks_output"))
+            claim_folder(folder, self, self.owner)
             self.output_dir = check_writable(folder, self.owner)
+            if config.auto_snapshot:
+                check_writable(os.path.join(folder, "snapshots"), "auto_snapshot")
+        self.live = True
+        self.log_every = config.log_every_n_steps or max(int(framework_log_every or 50), 1)
+        self.logs = bool(logs)
+        self.log_first_step = bool(log_first_step)
+        try:
+            self._start_parts(device, rank, world_size, expected_steps)
+        except Exception as exc:  # backend selection, the first reads, the leak watch: never fatal
+            self.engine.fail(exc, "monitor start")
+
+    def _start_parts(self, device: Any, rank: int | None, world_size: int | None, expected_steps: int | None) -> None:
+        config = self.config
         self.engine.start(device, rank=rank, world_size=world_size)
         if self.watch is not None:
             self.watch.stop()
@@ -203,14 +225,13 @@ class Session:
                 logger=self.log,
             )
             self.snap.start()
-        self.log_every = config.log_every_n_steps or max(int(framework_log_every or 50), 1)
-        self.logs = bool(logs)
-        self.log_first_step = bool(log_first_step)
         backend = self.engine.backend
         if config.sample_every_n_steps is not None:
             self.sample_every = config.sample_every_n_steps
         elif backend is not None and backend.kind == "cpu":
             self.sample_every = self.log_every
+            if expected_steps is not None and 0 < expected_steps < self.sample_every:
+                self.sample_every = expected_steps  # a short run (fast_dev_run) still gets a row
         else:
             self.sample_every = 1
 
@@ -418,7 +439,10 @@ class Session:
 
     def eval_batch(self) -> None:
         if self.engine.enabled:
-            self.engine.eval_batch()
+            try:
+                self.engine.eval_batch()
+            except Exception as exc:
+                self.engine.fail(exc, "evaluation batch")
 
     def end_eval(self, *, log_step: int, emit: bool = True) -> list[Any] | None:
         engine = self.engine
@@ -441,19 +465,29 @@ class Session:
 
     # ------------------------------------------------------------------ failures and the end
     def record_exception(self, exc: BaseException, step: int) -> None:
-        """Note an exception that is ending the run (an OOM becomes an event); never raises."""
-        if not is_oom(exc):
-            return
+        """Note an exception that is ending the run as an event (``"oom"`` or ``"exception"``); never raises."""
+        try:
+            self._record_exception(exc, step)
+        except Exception as internal:
+            self.log.error("%s: could not record the run's exception (internal error); the run's own exception propagates.",
+                           self.owner, exc_info=internal)
+
+    def _record_exception(self, exc: BaseException, step: int) -> None:
         engine = self.engine
+        oom = is_oom(exc)
         event = {
-            "kind": "oom",
+            "kind": "oom" if oom else "exception",
             "step": int(step),
             "rank": engine.rank,
-            "error": f"{type(exc).__name__}: {str(exc)[:2000]}",
+            "error": f"{type(exc).__name__}: {safe_str(exc)}",
             "max_allocated_bytes": engine.max_allocated,
             "max_reserved_bytes": engine.max_reserved,
         }
+        if any(e.get("error") == event["error"] and e.get("step") == event["step"] for e in self.events):
+            return  # the same exception seen by two hooks (a step context, then close)
         self.events.append(event)
+        if not oom:
+            return
         if self.snap is not None:
             self.snap.on_exception(exc, step)
         self.log.error(
@@ -481,9 +515,16 @@ class Session:
             "files": dict(self.files),
         }
 
+    def recorded_nothing(self) -> bool:
+        """No training step, no evaluation loop and no event since the last reset."""
+        return self.engine._seen_steps == 0 and not self.engine.eval_rows and not self.events
+
     def finish(self, *, gather: bool) -> dict[str, str]:
         """Close any open step and write this rank's files. ``gather`` (a collective: every rank must
-        call it) also puts every rank's summary into rank zero's ``report.json``."""
+        call it) also puts every rank's summary into rank zero's ``report.json``.
+
+        A run that recorded nothing (a second ``fit`` that had no step left to run) writes no
+        files: the folder keeps the previous run's set rather than an empty history."""
         engine = self.engine
         try:
             if engine.in_step and engine.enabled:
@@ -500,6 +541,10 @@ class Session:
             if not (self.config.write_files and self.output_dir is not None):
                 self._to_trackers(report, gathered)
                 return {}
+            if self.recorded_nothing():
+                self.log.warning("%s: this run recorded no training step and no evaluation loop; the files in %s are left "
+                                 "as they were.", self.owner, self.output_dir)
+                return self.files
             title = self.title or f"{self.framework} on {report['summary'].get('device', {}).get('device', '?')}"
             if engine.world_size > 1:
                 title += f", rank {engine.rank}"
@@ -512,13 +557,14 @@ class Session:
                 report=report,
                 plot=self.config.plot,
                 title=title,
+                ranks=summaries if summaries is not None and engine.rank == 0 else None,
             )
             if summaries is not None and engine.rank == 0:
-                combined = dict(report, files=self.files, ranks=summaries)
-                write_json(self.output_dir / "report.json", combined)
-                self.files["combined_report"] = str(self.output_dir / "report.json")
-                report = combined
+                report = dict(report, files=self.files, ranks=summaries)
             self._to_trackers(report, gathered)
+        except OSError as exc:  # a full disk, a folder removed: the previous set stays whole
+            self.log.error("%s: could not write the memory files to %s (%s); the files there are left as they were.",
+                           self.owner, self.output_dir, exc.strerror or exc)
         except Exception as exc:
             engine.fail(exc, "writing outputs")
         return self.files
@@ -535,13 +581,25 @@ class Session:
         self.trackers.finish(outputs, self.dashboard)
 
     def stop(self) -> None:
-        if self.snap is not None:
-            self.snap.stop()
+        """Undo everything the session changed in the process; each part on its own, safe to call twice."""
+        self.live = False
+        release_folder(self.output_dir, self)
+        parts: list[tuple[str, Any]] = [("snapshots", self.snap), ("leak watch", self.watch)]
+        for what, part in parts:
+            if part is None:
+                continue
+            try:
+                part.stop()
+            except Exception:
+                self.log.exception("%s: could not stop its %s; continuing.", self.owner, what)
         if self.watch is not None:
-            self.watch.stop()
             self.watch.model = self.watch.optimizer = None
         self.state.model = self.state.optimizer = None
-        self.engine.stop()
+        try:
+            self.engine.stop()
+        except Exception:
+            self.log.exception("%s: could not close its device backend; continuing.", self.owner)
+            self.engine.backend = None
 
     def format_report(self) -> str:
         from memcallbacks._runtime.report import format_report
@@ -555,11 +613,14 @@ class Session:
         state["findings"] = self._findings.to_list()
         return state
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.engine.load_state_dict(state)
-        self.events = list(state.get("events", []))
+    def load_state_dict(self, state: dict[str, Any], key: str = "state_dict") -> None:
+        """Restore a checkpointed state; a bad one raises one ``ValueError`` naming ``key`` (see saved_state.py)."""
+        read = self.engine.load_state_dict(state, key)
+        if read is None:
+            return
+        self.events = read["events"]
         fields = set(Finding.__dataclass_fields__)
-        for item in state.get("findings", []):
+        for item in read["findings"]:
             try:
                 self._findings.add(Finding(**{k: v for k, v in item.items() if k in fields}))
             except (TypeError, ValueError):

@@ -27,6 +27,10 @@ log = logging.getLogger(__name__)
 __all__ = ["register", "run"]
 
 _PROG = "memcallbacks estimate"
+
+#: ``--params`` without ``--largest-layer``: the largest unit is assumed to hold this share of the
+#: parameters (one block of a 32-block transformer, as in Llama-2-7B), and the output says so.
+DEFAULT_LAYER_SHARE = 32
 _EXAMPLES = """examples:
   memcallbacks estimate --params 4e9 --largest-layer 1e9 --precision bf16-mixed --strategies fsdp2 --world-sizes 8 --unit GB
   memcallbacks estimate --hf-config ./llama/config.json --strategies ddp,fsdp2,zero3 --world-sizes 8,64
@@ -51,7 +55,8 @@ def register(subparsers: Any) -> None:
     source.add_argument("--params", metavar="N", help="total parameter count, e.g. 7e9")
     source.add_argument("--hf-config", metavar="PATH", help="a Transformers config.json (or its directory); built on the meta device")
     source.add_argument("--model", metavar="MODULE:CLASS", help="an importable nn.Module class, instantiated with no arguments on the meta device")
-    parser.add_argument("--largest-layer", metavar="N", help="parameters of the largest FSDP unit / ZeRO-3 gathered layer (with --params)")
+    parser.add_argument("--largest-layer", metavar="N", help="parameters of the largest FSDP unit / ZeRO-3 gathered layer (with --params; "
+                        f"default: params/{DEFAULT_LAYER_SHARE}, one block of a {DEFAULT_LAYER_SHARE}-block transformer, said in the output)")
     parser.add_argument("--trainable", metavar="N", help="parameters that are trained (with --params; default: all)")
     parser.add_argument("--layer-cls", metavar="NAMES", help="comma-separated class names of the FSDP units (with a model)")
     parser.add_argument("--optimizer", default="adam", help=f"one of {', '.join(OPTIMIZERS)} with +flags (e.g. adamw+amsgrad), or bytes/param (default: adam)")
@@ -78,6 +83,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"{_PROG}: error: {exc}", file=sys.stderr)
         return 2
     table = compare(estimates, unit=args.unit)
+    assumption = getattr(args, "assumption", None)
+    if assumption:  # on stderr under --format csv, so the CSV stays machine-readable
+        print(f"note: {assumption}", file=sys.stderr if args.format == "csv" else sys.stdout)
     if args.format == "csv":
         sys.stdout.write(table.to_csv())
     else:
@@ -114,6 +122,12 @@ def _estimates(args: argparse.Namespace) -> list[MemoryEstimate]:
         common["num_params"] = _number(args.params, "--params")
         if args.largest_layer is not None:
             common["largest_layer_params"] = _number(args.largest_layer, "--largest-layer")
+        elif any(s.startswith("fsdp") or s == "zero3" for s in strategies):
+            common["largest_layer_params"] = common["num_params"] / DEFAULT_LAYER_SHARE
+            args.assumption = (
+                f"assuming --largest-layer {common['largest_layer_params']:.3g} (params/{DEFAULT_LAYER_SHARE}: one block of a "
+                f"{DEFAULT_LAYER_SHARE}-block transformer); pass --largest-layer for your model's largest FSDP unit / ZeRO-3 layer"
+            )
         if args.trainable is not None:
             common["trainable_params"] = _number(args.trainable, "--trainable")
         if args.layer_cls:

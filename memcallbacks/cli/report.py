@@ -13,10 +13,15 @@ __all__ = ["register"]
 def _run(args: argparse.Namespace) -> int:
     try:
         report, history = load_output_dir(args.output_dir)
+        text = format_report(report, history)
     except (FileNotFoundError, ValueError) as exc:
         print(f"memcallbacks report: {exc}", file=sys.stderr)
         return 2
-    print(format_report(report, history))
+    except (KeyError, TypeError, AttributeError) as exc:  # a report.json of an unexpected shape deeper down
+        print(f"memcallbacks report: {args.output_dir}: report.json has an unexpected shape ({type(exc).__name__}: {exc}); "
+              "is it a memcallbacks report?", file=sys.stderr)
+        return 2
+    print(text)
     return 0
 
 

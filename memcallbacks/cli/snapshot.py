@@ -26,7 +26,12 @@ def _load(command: str, path_text: str) -> tuple[Any, int]:
     from memcallbacks.snapshot import SnapshotError, load_snapshot
 
     path = Path(path_text)
-    if not path.exists():
+    try:
+        exists = path.exists()
+    except OSError as exc:  # a name longer than the OS allows, say
+        print(f"memcallbacks {command}: cannot look up {path_text[:200]}: {exc.strerror or exc}", file=sys.stderr)
+        return None, 2
+    if not exists:
         print(f"memcallbacks {command}: no such file: {path_text}", file=sys.stderr)
         return None, 2
     try:
@@ -43,9 +48,24 @@ def _analysis_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     if args.top <= 0:
         raise ValueError(f"--top {args.top} must be positive; try 10.")
     window = tuple(args.between) if args.between else None
+    if window is not None and min(window) < 0:
+        raise ValueError(f"--between {window[0]} {window[1]}: trace entry counts start at 0; pass two counts >= 0.")
     if window is not None and window[1] < window[0]:
         raise ValueError(f"--between {window[0]} {window[1]}: START must not be after END.")
+    if args.trigger is not None and args.trigger < 0:
+        raise ValueError(f"--trigger {args.trigger}: trace entry counts start at 0; pass a count >= 0.")
     return {"top": args.top, "window": window, "trigger": args.trigger}
+
+
+def _check_device(snapshot: dict[str, Any], device: int | None) -> None:
+    """``--device`` must name a device the snapshot holds data for."""
+    if device is None:
+        return
+    found = {i for i, trace in enumerate(snapshot.get("device_traces") or []) if trace}
+    found |= {int(s.get("device", 0) or 0) for s in snapshot.get("segments") or []}
+    if device not in found:
+        held = ", ".join(map(str, sorted(found))) or "none"
+        raise ValueError(f"--device {device}: the snapshot has no data for that device (devices with data: {held}).")
 
 
 def _run_summary(args: argparse.Namespace) -> int:
@@ -55,6 +75,7 @@ def _run_summary(args: argparse.Namespace) -> int:
     if snapshot is None:
         return rc
     try:
+        _check_device(snapshot, args.device)
         summary = summarize_snapshot(snapshot, source=args.snapshot, device=args.device, **_analysis_kwargs(args))
     except ValueError as exc:
         print(f"memcallbacks summary: {exc}", file=sys.stderr)

@@ -1,0 +1,99 @@
+"""Fault containment: the one guard every entry point from a framework into the monitor goes through.
+
+A framework calls the monitor from its hooks (Lightning callbacks, Transformers events, module and
+optimizer hooks, the plain loop's ``track``/``step``/``close``). An exception raised by the
+monitor's own code inside one of those calls must never reach the training loop: it is logged
+once with its traceback and the monitor disables itself (``MonitorConfig.strict`` re-raises
+instead, for tests). Two kinds of exception pass through on purpose:
+
+- :class:`UsageError`: a bad setup the user must fix before training (an unwritable
+  ``output_dir``, two monitors on one folder). They are raised before the first step.
+- anything raised by the user's own code that the monitor merely wraps (``accelerator.backward``),
+  which the adapters call outside the guard.
+
+Paths that run while the user's exception is unwinding (``on_exception``, teardown, ``close``)
+use ``unwinding=True``: nothing escapes them even under ``strict``, so the user's own exception
+is the one that propagates.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any, Callable, TypeVar
+
+log = logging.getLogger(__name__)
+
+__all__ = ["UsageError", "OutputDirError", "entry_point", "contain", "safe_str"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class UsageError(Exception):
+    """Mixin for errors the user must fix before training; the guard lets them through."""
+
+
+class OutputDirError(UsageError, PermissionError):
+    """The output folder cannot be written (or is another live monitor's)."""
+
+
+class SetupError(UsageError, ValueError):
+    """A setup the monitor refuses before training (two monitors writing one folder)."""
+
+
+def safe_str(exc: BaseException, limit: int = 2000) -> str:
+    """``str(exc)``, or a placeholder when the exception's own ``__str__`` raises."""
+    try:
+        text = str(exc)
+    except Exception:
+        try:
+            text = f"<{type(exc).__name__}: __str__ raised>"
+        except Exception:  # pragma: no cover - a type whose name cannot be read
+            text = "<unprintable exception>"
+    return text[:limit]
+
+
+def _session_of(owner: Any) -> Any:
+    getter = getattr(owner, "_current_session", None)
+    try:
+        return getter() if getter is not None else getattr(owner, "_session", None)
+    except Exception:
+        return None
+
+
+def contain(owner: Any, exc: BaseException, where: str, *, unwinding: bool = False) -> None:
+    """Hand an internal error to the owner's session (log once, disable); never raises when ``unwinding``."""
+    session = _session_of(owner)
+    try:
+        if session is not None:
+            session.engine.fail(exc, where)  # re-raises under strict
+        else:
+            log.exception("memcallbacks: internal error in %s; the memory monitor disables itself and training goes on.", where, exc_info=exc)
+    except Exception as again:
+        if not unwinding:
+            raise
+        if again is not exc:  # pragma: no cover - fail() only re-raises exc itself
+            log.exception("memcallbacks: internal error while handling one in %s", where, exc_info=again)
+        else:
+            log.error("memcallbacks: internal error in %s while an exception was unwinding (strict: not re-raised, "
+                      "so the training loop's own exception propagates).", where, exc_info=exc)
+
+
+def entry_point(where: str, *, unwinding: bool = False) -> Callable[[F], F]:
+    """Decorate an adapter method called by a framework: internal errors are contained (see module doc)."""
+
+    def decorate(fn: F) -> F:
+        @functools.wraps(fn)
+        def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return fn(self, *args, **kwargs)
+            except UsageError:
+                raise
+            except Exception as exc:
+                contain(self, exc, where, unwinding=unwinding)
+                return None
+
+        guarded.__memcallbacks_entry_point__ = where  # type: ignore[attr-defined]
+        return guarded  # type: ignore[return-value]
+
+    return decorate
