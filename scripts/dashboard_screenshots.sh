@@ -7,7 +7,11 @@
 # 127.0.0.1 only, renders tests/data/cuda_like_snapshot.pickle with `memcallbacks render`, and
 # screenshots both with headless Chromium (installed with apt-get when missing) into
 #   docs/img/tensorboard_dashboard.png   docs/img/snapshot_page.png
-# Not part of CI. PYTHON=... picks the interpreter (default: python3); PORT=... the TensorBoard port.
+# Chromium is driven over its DevTools protocol (scripts/chromium_shot.py, with websocket-client
+# pip-installed into the temporary folder, not into your environment): it waits in real time until
+# every CUSTOM SCALARS chart has drawn its lines, and writes nothing if that does not happen within
+# 90 s or the page throws an error. Not part of CI. PYTHON=... picks the interpreter (default:
+# python3); PORT=... the TensorBoard port.
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
@@ -33,11 +37,12 @@ fi
 "$PYTHON" -c "import memcallbacks, lightning, tensorboard" 2>/dev/null || {
     echo "install the package first: pip install torch==2.13.0 && pip install -e '.[lightning]'" >&2; exit 1; }
 
-shot() {  # shot URL OUTPUT.png [WIDTH,HEIGHT]
-    "$CHROMIUM" --headless --no-sandbox --disable-gpu --hide-scrollbars --force-device-scale-factor=1 \
-        --user-data-dir="$WORK/chromium" --window-size="${3:-1400,1000}" --virtual-time-budget=20000 \
-        --screenshot="$2" "$1" 2>/dev/null
-    echo "wrote $2"
+# the DevTools client, into the temporary folder only
+"$PYTHON" -m pip install --quiet --disable-pip-version-check --target "$WORK/pylib" websocket-client
+
+shot() {  # shot URL OUTPUT.png WIDTH,HEIGHT tensorboard|page [CHARTS]
+    PYTHONPATH="$WORK/pylib" "$PYTHON" scripts/chromium_shot.py "$1" "$2" --size "$3" --wait "$4" \
+        --charts "${5:-1}" --timeout 90 --chromium "$CHROMIUM"
 }
 
 echo "== the example run"
@@ -54,8 +59,9 @@ done
     || { cat "$WORK/tensorboard.log"; exit 1; }
 
 mkdir -p "$OUT_DIR"
-shot "http://127.0.0.1:$PORT/#custom_scalars" "$OUT_DIR/tensorboard_dashboard.png" 1400,1000
+# smoothing off: a smoothed peak is not a peak
+shot "http://127.0.0.1:$PORT/#custom_scalars&_smoothingWeight=0" "$OUT_DIR/tensorboard_dashboard.png" 1400,1000 tensorboard 3
 
 echo "== one snapshot's offline page"
 "$PYTHON" -m memcallbacks render tests/data/cuda_like_snapshot.pickle -o "$WORK/snapshot.html" > /dev/null
-shot "file://$WORK/snapshot.html" "$OUT_DIR/snapshot_page.png" 1400,1000
+shot "file://$WORK/snapshot.html" "$OUT_DIR/snapshot_page.png" 1400,1000 page
