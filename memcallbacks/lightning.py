@@ -260,7 +260,7 @@ class MemoryMonitor(SessionResults, *_callback_bases()):  # type: ignore[misc]
             return
         if session.preflight.due:  # preflight=True: this batch's step predicted on fake tensors, before it starts
             manual = None if self._automatic else "manual optimization (training_step runs its own backward and optimizer steps)"
-            session.preflight.run(batch, model=pl_module, forward_fn=training_step(batch_idx), skip=manual)
+            session.preflight.run(batch, model=pl_module, forward_fn=training_step(batch_idx), skip=manual, grads_through_forward=True)
         count = self._log_step(trainer)
         log_now = session.will_log(count)
         if session.enabled and session.wants_sample(count, log_now):

@@ -71,6 +71,8 @@ class PreflightCheck:
     def reset(self) -> None:
         self.release()
         self.prediction: Prediction | None = None
+        self.start_bytes = 0  # the prediction's step start and phase peaks, as this framework orders the step
+        self.peaks: dict[str, int] = {}
         self.status = "waiting" if self.config.preflight else "off"
         self.info: dict[str, Any] = {}
         self.precision: str | None = None
@@ -119,9 +121,14 @@ class PreflightCheck:
         self.run((tuple(args), dict(kwargs)), model=module, forward_fn=call_step, precision=precision)
 
     def run(
-        self, batch: Any, *, model: Any = None, forward_fn: Callable[..., Any] | None = None, precision: str | None = None, skip: str | None = None
+        self, batch: Any, *, model: Any = None, forward_fn: Callable[..., Any] | None = None, precision: str | None = None,
+        skip: str | None = None, grads_through_forward: bool = False,
     ) -> None:
-        """Predict the step of ``batch`` once per fit; warn when it exceeds capacity. Never raises."""
+        """Predict the step of ``batch`` once per fit; warn when it exceeds capacity. Never raises.
+
+        ``grads_through_forward``: the framework frees the previous step's gradients after forward,
+        not before the step (Lightning's automatic optimization calls ``zero_grad`` between
+        ``training_step`` and backward), so they are alive at step start and through forward."""
         if not self.due:
             return
         engine = self.session.engine
@@ -133,7 +140,7 @@ class PreflightCheck:
                 self._warn("%s: pre-flight skipped: %s. Training goes on without a prediction.", self.session.owner, skip)
                 return
             self.status = "running"
-            self._predict(model if model is not None else self.model, batch, forward_fn, precision or self.precision)
+            self._predict(model if model is not None else self.model, batch, forward_fn, precision or self.precision, grads_through_forward)
         except Exception as exc:
             self._failed(exc)
         finally:
@@ -154,22 +161,31 @@ class PreflightCheck:
             hopper=_hopper(device),
         )
 
-    def _predict(self, model: Any, batch: Any, forward_fn: Callable[..., Any] | None, precision: str | None) -> None:
+    def _predict(self, model: Any, batch: Any, forward_fn: Callable[..., Any] | None, precision: str | None, grads_kept: bool) -> None:
         global _running
         _running += 1
         try:
-            self._predict_and_check(model, batch, forward_fn, precision)
+            self._predict_and_check(model, batch, forward_fn, precision, grads_kept)
         finally:
             _running -= 1
 
-    def _predict_and_check(self, model: Any, batch: Any, forward_fn: Callable[..., Any] | None, precision: str | None) -> None:
+    def _adopt(self, p: "Prediction", grads_kept: bool) -> int:
+        """Keep ``p`` and its step as the framework orders it; returns the gradient bytes alive at step start."""
+        grads = int(p.breakdown.get("optimizer", {}).get("grads", 0)) if grads_kept else 0
+        self.prediction, self.status = p, "predicted"
+        self.start_bytes = p.start_bytes + grads
+        self.peaks = dict(p.phase_peaks())
+        self.peaks["forward"] += grads
+        return grads
+
+    def _predict_and_check(self, model: Any, batch: Any, forward_fn: Callable[..., Any] | None, precision: str | None, grads_kept: bool) -> None:
         from memcallbacks.preflight import max_batch_size, predict
 
         if model is None:
             raise ValueError("no model to predict; give the monitor the model (Monitor(model, optimizer))")
         kwargs = self._predict_kwargs(forward_fn, precision)
         p = predict(model, batch, self.optimizer, **kwargs)
-        self.prediction, self.status = p, "predicted"
+        grads = self._adopt(p, grads_kept)
         engine = self.session.engine
         capacity = self.config.capacity_bytes or engine.capacity
         source = "capacity_bytes" if self.config.capacity_bytes else ("host RAM" if engine.device_info.get("kind") == "cpu" else "device capacity")
@@ -183,20 +199,28 @@ class PreflightCheck:
             frame="above_step_start" if self.relative else "allocated",
             tolerance=self.config.preflight_tolerance,
             prediction=p.to_dict(),
+            grads_alive_at_step_start_bytes=grads,
+            peaks=dict(self.peaks),
         )
         if self.optimizer is None:
             self.info["note"] = "no optimizer known to the monitor: the prediction has no optimizer step or state"
-        worst = p if p.first_step is None or p.peak_bytes >= p.first_step.peak_bytes else p.first_step
-        self.info["fits"] = not capacity or worst.peak_bytes <= capacity
+        phase = max(self.peaks, key=lambda ph: self.peaks[ph])
+        peak, first = self.peaks[phase], False
+        if p.first_step is not None and p.first_step.peak_bytes > peak:
+            phase, peak, first = p.first_step.peak_phase, p.first_step.peak_bytes, True
+        self.info["fits"] = not capacity or peak <= capacity
         if self.info["fits"]:
             return
         fit = None
-        if size is not None and size > 1:
-            fit = max_batch_size(model, lambda n: resize_batch(batch, size, n), capacity, self.optimizer, low=1, high=size - 1, **kwargs)
-            self.info["max_batch_size"] = {"batch_size": fit.batch_size, "peak_bytes": fit.peak_bytes, "tried": dict(fit.tried)}
-        self.session.add_finding(self._over_capacity(worst, worst is not p, capacity, source, size, fit))
+        if size is not None and size > 1 and capacity > grads:
+            # the gradients kept through forward do not grow with the batch
+            fit = max_batch_size(model, lambda n: resize_batch(batch, size, n), capacity - grads, self.optimizer, low=1, high=size - 1, **kwargs)
+            self.info["max_batch_size"] = {"batch_size": fit.batch_size, "peak_bytes": fit.peak_bytes + grads, "tried": dict(fit.tried)}
+        self.session.add_finding(self._over_capacity(p, phase, peak, first, capacity, source, size, fit, grads))
 
-    def _over_capacity(self, p: "Prediction", first: bool, capacity: int, source: str, size: int | None, fit: "BatchFit | None") -> Finding:
+    def _over_capacity(
+        self, p: "Prediction", phase: str, peak: int, first: bool, capacity: int, source: str, size: int | None, fit: "BatchFit | None", grads: int
+    ) -> Finding:
         holders = ", ".join(f"{name} {format_bytes(b)}" for name, b in p.biggest_holders(3))
         modules = ", ".join(f"{name} {format_bytes(b)}" for name, b in p.top_modules[:3])
         if fit is None:
@@ -204,19 +228,19 @@ class PreflightCheck:
         elif fit.batch_size == 0:
             sizing = f"No batch size fits: batch size 1 is predicted to peak at {format_bytes(fit.peak_bytes)}."
         else:
-            sizing = (f"The largest batch size that fits is {fit.batch_size} (predicted peak {format_bytes(fit.peak_bytes)}); "
+            sizing = (f"The largest batch size that fits is {fit.batch_size} (predicted peak {format_bytes(fit.peak_bytes + grads)}); "
                       f"this batch has {size} (dimension 0 of its first tensor).")
         which = "the first step" if first else "each step"
         message = (
-            f"pre-flight: {which} is predicted to peak at {format_bytes(p.peak_bytes)} in {p.peak_phase}, above the "
+            f"pre-flight: {which} is predicted to peak at {format_bytes(peak)} in {phase}, above the "
             f"{format_bytes(capacity)} of {source}, so it would likely run out of memory. At that peak: {holders}"
             + (f"; top modules by activations: {modules}" if modules else "")
             + f". {sizing} Fix: a smaller batch, activation checkpointing, a lower precision or sharding."
         )
-        details = {"phase": p.peak_phase, "predicted_peak_bytes": p.peak_bytes, "capacity_bytes": capacity, "batch_size": size,
+        details = {"phase": phase, "predicted_peak_bytes": peak, "capacity_bytes": capacity, "batch_size": size,
                    "max_batch_size": fit.batch_size if fit is not None else None}
         return Finding(kind="preflight", key="preflight:capacity", step=int(self.session.current_step), message=message,
-                       bytes=int(p.peak_bytes - capacity), details=details)
+                       bytes=int(peak - capacity), details=details)
 
     def _failed(self, exc: Exception) -> None:
         from memcallbacks.preflight import PreflightError
@@ -235,14 +259,12 @@ class PreflightCheck:
     # ------------------------------------------------------------------ comparing with measured steps
     def levels(self, row: list[Any]) -> dict[str, float] | None:
         """Each phase's predicted peak in the frame of ``row``'s measured peaks (None without a prediction)."""
-        p = self.prediction
-        if p is None:
+        if self.prediction is None:
             return None
-        peaks = p.phase_peaks()
         if self.relative:
             base = float(row[RESERVED])
-            return {ph: base + peaks[ph] - p.start_bytes for ph in PHASES}
-        return {ph: float(peaks[ph]) for ph in PHASES}
+            return {ph: base + self.peaks[ph] - self.start_bytes for ph in PHASES}
+        return {ph: float(self.peaks[ph]) for ph in PHASES}
 
     def compare(self, row: list[Any]) -> None:
         """A sampled steady-state step (one micro-batch, after an optimizer step): measured vs predicted per phase."""
@@ -295,15 +317,13 @@ class PreflightCheck:
     def add_columns(self, frame: Any) -> Any:
         """``predicted_peak_{forward,backward,optimizer}`` (in the measured peaks' frame) and
         ``predicted_peak_error`` (measured step peak minus the predicted one), when there is a prediction."""
-        p = self.prediction
-        if p is None or frame.empty:
+        if self.prediction is None or frame.empty:
             return frame
-        peaks = p.phase_peaks()
         base = frame["reserved"].astype(float) if self.relative else 0.0
-        start = p.start_bytes if self.relative else 0
+        start = self.start_bytes if self.relative else 0
         columns = [f"predicted_peak_{ph}" for ph in PHASES]
         for ph, col in zip(PHASES, columns):
-            frame[col] = base + float(peaks[ph] - start)
+            frame[col] = base + float(self.peaks[ph] - start)
         frame["predicted_peak_error"] = frame["peak_allocated"] - frame[columns].max(axis=1)
         return frame
 
@@ -312,11 +332,10 @@ class PreflightCheck:
         if not self.config.preflight:
             return None
         out: dict[str, Any] = {"status": self.status, **self.info}
-        p = self.prediction
-        if p is not None:
-            start = p.start_bytes if self.relative else 0
+        if self.prediction is not None:
+            start = self.start_bytes if self.relative else 0
             phases = {}
-            for ph, peak in p.phase_peaks().items():
+            for ph, peak in self.peaks.items():
                 predicted = peak - start
                 measured = self.measured_max.get(ph)
                 phases[ph] = {

@@ -105,7 +105,9 @@ def _preflight_lines(pre: dict[str, Any] | None) -> list[str]:
     p = pre.get("prediction") or {}
     frame = "above the RSS at step start" if pre.get("frame") == "above_step_start" else "allocated"
     comparison = pre.get("comparison") or {}
-    lines = [f"  pre-flight                 predicted peak {format_bytes(p.get('peak_bytes'))} in {p.get('peak_phase')} "
+    peaks = pre.get("peaks") or {}  # as the framework orders the step (Lightning: last step's grads through forward)
+    phase = max(peaks, key=peaks.__getitem__) if peaks else p.get("peak_phase")
+    lines = [f"  pre-flight                 predicted peak {format_bytes(peaks.get(phase, p.get('peak_bytes')))} in {phase} "
              f"({p.get('device')}, {p.get('precision')}, batch size {pre.get('batch_size')}); measured vs predicted, "
              f"{frame}, max over {comparison.get('steps_compared', 0)} steady step(s):"]
     for phase, c in (comparison.get("phases") or {}).items():
