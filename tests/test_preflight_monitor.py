@@ -265,3 +265,52 @@ def test_preflight_off_adds_nothing() -> None:
     monitor.close()
     assert monitor.report()["preflight"] is None and not set(PREDICTED) & set(monitor.history.columns)
     assert net.events == ["forward", "forward"]  # no fake steps ran
+
+
+# ------------------------------------------------------------------ Accelerate and Transformers
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_accelerate_predictions_match_measured_peaks(tmp_path: Path) -> None:
+    pytest.importorskip("accelerate")
+    from accelerate import Accelerator
+
+    from memcallbacks.accelerate import AccelerateMemoryMonitor
+
+    accelerator = Accelerator(cpu=True)
+    net = Net()
+    x, y = (torch.cat(t) for t in zip(*data(5)))
+    model, optimizer, loader = accelerator.prepare(
+        net, torch.optim.AdamW(net.parameters(), lr=1e-3), DataLoader(TensorDataset(x, y), batch_size=BATCH)
+    )
+    monitor = AccelerateMemoryMonitor(accelerator, preflight=True, write_files=False, **CPU)
+    for xb, yb in monitor.track(loader):
+        accelerator.backward(F.cross_entropy(model(xb), yb))
+        optimizer.step()
+        optimizer.zero_grad()
+    monitor.close()
+    pre = assert_close_to_prediction(monitor)
+    assert pre["optimizer"] == "AdamW" and pre["batch_size"] == BATCH and not monitor.findings
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_transformers_trainer_logs_predictions(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    from memcallbacks.transformers import MemoryMonitorCallback
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=32, bos_token_id=0, eos_token_id=0)
+    ids = torch.randint(0, 128, (32, 16), generator=torch.Generator().manual_seed(0))
+    dataset = [{"input_ids": row, "labels": row} for row in ids]
+    monitor = MemoryMonitorCallback(preflight=True, write_files=False, **CPU)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "out"), use_cpu=True, report_to=[], logging_steps=1, max_steps=3,
+        per_device_train_batch_size=4, save_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
+    )
+    trainer = transformers.Trainer(model=transformers.GPT2LMHeadModel(config), args=args, train_dataset=dataset, callbacks=[monitor])
+    trainer.train()
+    pre = monitor.report()["preflight"]
+    assert pre["status"] == "predicted" and pre["batch_size"] == 4 and pre["optimizer"] == "AdamW"
+    assert pre["prediction"]["top_modules"]  # model(**inputs).loss ran on the fake copy
+    logged = [h for h in trainer.state.log_history if "memory/predicted_peak_forward(GiB)" in h]
+    assert [h["step"] for h in logged] == [1, 2, 3]
+    assert set(PREDICTED) <= set(monitor.history.columns)
+    assert not [f for f in monitor.findings if f.kind == "preflight"]
