@@ -221,8 +221,8 @@ class PreflightCheck:
     def _over_capacity(
         self, p: "Prediction", phase: str, peak: int, first: bool, capacity: int, source: str, size: int | None, fit: "BatchFit | None", grads: int
     ) -> Finding:
-        holders = ", ".join(f"{name} {format_bytes(b)}" for name, b in p.biggest_holders(3))
-        modules = ", ".join(f"{name} {format_bytes(b)}" for name, b in p.top_modules[:3])
+        holders = ", ".join(f"{name} ({format_bytes(b)})" for name, b in p.biggest_holders(3))
+        modules = ", ".join(f"{name} ({format_bytes(b)})" for name, b in p.top_modules[:3])
         if fit is None:
             sizing = f"The batch size could not be searched (batch size {size}, dimension 0 of the batch's first tensor)."
         elif fit.batch_size == 0:
