@@ -216,17 +216,22 @@ class PreflightCheck:
             # the gradients kept through forward do not grow with the batch
             fit = max_batch_size(model, lambda n: resize_batch(batch, size, n), capacity - grads, self.optimizer, low=1, high=size - 1, **kwargs)
             self.info["max_batch_size"] = {"batch_size": fit.batch_size, "peak_bytes": fit.peak_bytes + grads, "tried": dict(fit.tried)}
-        self.session.add_finding(self._over_capacity(p, phase, peak, first, capacity, source, size, fit, grads))
+        at_peak = dict((p.first_step if first else p).breakdown.get(phase, {}))
+        if phase == "forward" and not first:
+            at_peak["grads"] = at_peak.get("grads", 0) + grads  # the previous step's, kept through forward
+        self.session.add_finding(self._over_capacity(p, phase, peak, at_peak, first, capacity, source, size, fit, grads))
 
     def _over_capacity(
-        self, p: "Prediction", phase: str, peak: int, first: bool, capacity: int, source: str, size: int | None, fit: "BatchFit | None", grads: int
+        self, p: "Prediction", phase: str, peak: int, at_peak: dict[str, int], first: bool, capacity: int, source: str, size: int | None,
+        fit: "BatchFit | None", grads: int,
     ) -> Finding:
-        holders = ", ".join(f"{name} ({format_bytes(b)})" for name, b in p.biggest_holders(3))
+        biggest = sorted(((k, v) for k, v in at_peak.items() if v > 0), key=lambda kv: kv[1], reverse=True)[:3]
+        holders = ", ".join(f"{name} ({format_bytes(b)})" for name, b in biggest)
         modules = ", ".join(f"{name} ({format_bytes(b)})" for name, b in p.top_modules[:3])
         if fit is None:
             sizing = f"The batch size could not be searched (batch size {size}, dimension 0 of the batch's first tensor)."
         elif fit.batch_size == 0:
-            sizing = f"No batch size fits: batch size 1 is predicted to peak at {format_bytes(fit.peak_bytes)}."
+            sizing = f"No batch size fits: batch size 1 is predicted to peak at {format_bytes(fit.peak_bytes + grads)}."
         else:
             sizing = (f"The largest batch size that fits is {fit.batch_size} (predicted peak {format_bytes(fit.peak_bytes + grads)}); "
                       f"this batch has {size} (dimension 0 of its first tensor).")

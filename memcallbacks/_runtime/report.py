@@ -117,6 +117,6 @@ def _preflight_lines(pre: dict[str, Any] | None) -> list[str]:
     if pre.get("capacity_bytes"):
         fit = pre.get("max_batch_size")
         verdict = "fits" if pre.get("fits") else "exceeds"
-        tail = f"; largest batch size that fits: {fit['batch_size']}" if fit else ""
+        tail = "" if not fit else f"; largest batch size that fits: {fit['batch_size']}" if fit["batch_size"] else "; no batch size fits"
         lines.append(f"    {verdict} {format_bytes(pre['capacity_bytes'])} ({pre.get('capacity_source')}){tail}")
     return lines
