@@ -2,6 +2,11 @@
 
     python benchmarks/preflight.py            # the table in docs/preflight.md
     python benchmarks/preflight.py --scale 1  # the sizes tests/test_preflight.py uses
+    python benchmarks/preflight.py --device cuda --quick --json preflight_cuda.json   # scripts/gpu_check.sh
+
+On CUDA the ground truth is ``torch.cuda.max_memory_allocated`` per phase of the real steady-state
+step (the peak counter reset between phases), against ``predict(..., device="cuda")``; without a
+GPU ``--device cuda`` prints that none is present and exits 0.
 
 Ground truth is the same real step's exact allocated bytes from ``torch.profiler`` memory events
 (:func:`memcallbacks.preflight.measure_step`); the ratio is predicted / measured. The MemTracker
@@ -12,6 +17,8 @@ column is torch's ``torch.distributed._tools.mem_tracker.MemTracker`` run on the
 from __future__ import annotations
 
 import argparse
+import gc
+import json
 import resource
 import sys
 import time
@@ -57,6 +64,77 @@ def memtracker_peak(case: Case) -> int | None:
     except Exception as exc:  # a comparison column only
         print(f"  MemTracker failed on {case.name}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return None
+
+
+PHASES = ("forward", "backward", "optimizer")
+
+
+def _to(value: object, device: str) -> object:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        return {k: _to(v, device) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to(v, device) for v in value)
+    return value
+
+
+def measure_cuda_step(case: Case, batch: object) -> dict[str, int]:
+    """One warm-up step, then the steady-state step's ``max_memory_allocated`` per phase (reset between phases)."""
+    autocast = torch.autocast("cuda", dtype=case.autocast_dtype, enabled=case.autocast_dtype is not None)
+    phases: dict[str, int] = {}
+    for step in range(2):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        with autocast:
+            loss = case.forward_fn(case.model, batch)
+        torch.cuda.synchronize()
+        phases["forward"] = torch.cuda.max_memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        loss.backward()
+        torch.cuda.synchronize()
+        phases["backward"] = torch.cuda.max_memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        case.optimizer.step()
+        case.optimizer.zero_grad(set_to_none=True)
+        del loss
+        torch.cuda.synchronize()
+        phases["optimizer"] = torch.cuda.max_memory_allocated()
+    return phases
+
+
+def cuda_table(scale: int) -> dict[str, object]:
+    """Predicted (``device="cuda"``) against measured ``max_memory_allocated`` per phase, per zoo model."""
+    hopper = torch.cuda.get_device_capability()[0] >= 9
+    rows = []
+    print("| model | predicted fwd / bwd / opt (MiB) | measured fwd / bwd / opt (MiB) | ratio fwd | bwd | opt |\n|---|---|---|---:|---:|---:|")
+    for key, build in CASES.items():
+        gc.collect()
+        torch.cuda.empty_cache()
+        before = torch.cuda.memory_allocated()
+        torch.manual_seed(0)
+        case = build(scale)
+        case.model.to("cuda")  # in place: the optimizer keeps its parameters
+        batch = _to(case.batch, "cuda")
+        try:
+            p = predict(case.model, batch, case.optimizer, forward_fn=case.forward_fn, precision=case.precision, device="cuda", hopper=hopper)
+            measured = measure_cuda_step(case, batch)
+        except Exception as exc:  # one model failing must not hide the others
+            rows.append({"model": case.name, "error": f"{type(exc).__name__}: {exc}"})
+            print(f"| {case.name} | failed: {type(exc).__name__}: {exc} |")
+            continue
+        predicted = p.phase_peaks()
+        ratio = {ph: predicted[ph] / measured[ph] for ph in PHASES}
+        rows.append({"model": case.name, "scale": scale, "precision": case.precision, "allocated_before_case_bytes": before,
+                     "predicted_bytes": predicted, "measured_bytes": measured, "ratio": ratio, "notes": list(p.notes)})
+        mib = lambda d: " / ".join(f"{d[ph] / 2**20:.2f}" for ph in PHASES)  # noqa: E731
+        print(f"| {case.name} | {mib(predicted)} | {mib(measured)} | " + " | ".join(f"{ratio[ph]:.4f}" for ph in PHASES) + " |", flush=True)
+        del case, batch, p
+    errors = [abs(r - 1) for row in rows for r in row.get("ratio", {}).values()]
+    worst = max(errors) if errors else None
+    print(f"\nworst phase error: {worst * 100:.2f}% (target 10%)" if worst is not None else "\nno model measured")
+    return {"device": torch.cuda.get_device_name(), "capability": list(torch.cuda.get_device_capability()), "hopper": hopper,
+            "torch": torch.__version__, "cuda": torch.version.cuda, "rows": rows, "worst_phase_error": worst}
 
 
 def accuracy_table(scale: int) -> list[str]:
@@ -107,11 +185,28 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scale", type=int, default=2, help="model/batch size multiplier (tests use 1)")
     parser.add_argument("--skip-1b", action="store_true", help="skip the 1B-parameter speed check")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cpu: against torch.profiler's exact bytes; cuda: against torch.cuda.max_memory_allocated per phase")
+    parser.add_argument("--quick", action="store_true", help="one size (scale 1 on CPU, 4 on CUDA), no 1B check")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = parser.parse_args()
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            print("benchmarks/preflight.py --device cuda: no GPU is present (torch.cuda.is_available() is False); nothing measured.")
+            if args.json:
+                Path(args.json).write_text(json.dumps({"device": "cuda", "skipped": "no GPU present"}, indent=2))
+            return
+        result = cuda_table(4 if args.quick else args.scale)
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=2))
+        return
     torch.set_num_threads(2)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, scale {args.scale}\n")
-    accuracy_table(args.scale)
-    if not args.skip_1b:
+    scale = 1 if args.quick else args.scale
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, scale {scale}\n")
+    rows = accuracy_table(scale)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"device": "cpu", "scale": scale, "table": rows}, indent=2))
+    if not (args.skip_1b or args.quick):
         print("\n" + one_billion())
 
 

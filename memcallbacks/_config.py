@@ -108,6 +108,23 @@ class MonitorConfig:
     """Unexplained bytes (baseline minus expected model states minus the current batch) tolerated
     before an ``"unexplained"`` finding."""
 
+    preflight: bool = False
+    """Before the first step runs, predict its memory per phase on fake tensors
+    (:func:`memcallbacks.preflight.predict` with the run's model, optimizer, precision and first
+    batch), log the predicted peaks, warn when they exceed ``capacity_bytes`` (naming the phase,
+    the biggest holders and the largest batch size that fits), and compare every sampled
+    steady-state step's measured peaks with the prediction (a ``"preflight"`` finding past
+    ``preflight_tolerance``). A step that cannot run on fake tensors is one warning; training goes
+    on. See docs/preflight.md, "In the monitor"."""
+
+    capacity_bytes: int | None = None
+    """Bytes the pre-flight's predicted peak is checked against. ``None``: the device's capacity
+    (CUDA: total memory; CPU: host RAM)."""
+
+    preflight_tolerance: float = 0.25
+    """A sampled step's measured phase peak more than this fraction (plus 8 MiB) above the
+    pre-flight's prediction is a ``"preflight"`` finding, with the gap in bytes."""
+
     auto_snapshot: bool = False
     """Capture memory snapshots automatically when something goes wrong: a step's peak above
     ``snapshot_capacity_fraction`` of the device (or ``snapshot_peak_bytes``), new allocator
@@ -223,6 +240,14 @@ class MonitorConfig:
             if getattr(self, name) is not None and not self.auto_snapshot:
                 raise _fail(name, getattr(self, name), "it is a snapshot trigger and does nothing without auto_snapshot=True; "
                             f"set auto_snapshot=True, or leave {name} at None.")
+        if not isinstance(self.preflight, bool):
+            raise _fail("preflight", self.preflight, "pass True or False.")
+        cap = self.capacity_bytes
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1 << 20):
+            raise _fail("capacity_bytes", cap, "pass a byte count of at least 2**20 (e.g. 80 * 2**30), or None for the device's capacity.")
+        tol = self.preflight_tolerance
+        if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not 0 <= tol <= 10:
+            raise _fail("preflight_tolerance", tol, "pass a fraction in [0, 10], e.g. 0.25 for 25% above the prediction.")
         if self.auto_snapshot and not self.write_files:
             raise _fail("auto_snapshot", True, "snapshots are files: keep write_files=True (and an output_dir), or set auto_snapshot=False.")
         if not isinstance(self.prefix, str) or not self.prefix.strip("/") or self.prefix != self.prefix.strip("/ "):

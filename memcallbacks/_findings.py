@@ -11,7 +11,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["Finding", "FindingLog"]
 
-KINDS = ("growth", "lingering", "cycle", "unexplained")
+KINDS = ("growth", "lingering", "cycle", "unexplained", "preflight")
 
 
 @dataclass
@@ -23,7 +23,7 @@ class Finding:
     """
 
     kind: str
-    """``"growth"``, ``"lingering"``, ``"cycle"`` or ``"unexplained"``."""
+    """``"growth"``, ``"lingering"``, ``"cycle"``, ``"unexplained"`` or ``"preflight"``."""
     step: int
     """Optimizer step at which the finding was (last) confirmed."""
     message: str

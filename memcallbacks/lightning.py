@@ -40,6 +40,7 @@ import torch
 from memcallbacks._config import MonitorConfig, check_config_names, resolve_config
 from memcallbacks._runtime.guard import SetupError, entry_point
 from memcallbacks._runtime.results import SessionResults
+from memcallbacks._runtime.preflight_steps import training_step
 from memcallbacks._runtime.session import Session
 from memcallbacks._runtime.sampling import BACKWARD, FORWARD, OPTIMIZER, OTHER
 from memcallbacks.trackers import Trackers
@@ -264,6 +265,9 @@ class MemoryMonitor(SessionResults, *_callback_bases()):  # type: ignore[misc]
         if session.step_open:  # a further micro-batch of the open step (gradient accumulation)
             session.begin_step(0)
             return
+        if session.preflight.due:  # preflight=True: this batch's step predicted on fake tensors, before it starts
+            manual = None if self._automatic else "manual optimization (training_step runs its own backward and optimizer steps)"
+            session.preflight.run(batch, model=pl_module, forward_fn=training_step(batch_idx), skip=manual, grads_through_forward=True)
         count = self._log_step(trainer)
         log_now = session.will_log(count)
         if session.enabled and session.wants_sample(count, log_now):

@@ -20,6 +20,7 @@ from torch import nn
 from memcallbacks._config import MonitorConfig, resolve_config
 from memcallbacks._runtime.guard import entry_point
 from memcallbacks._runtime.lifecycle import Cleanup, weak_method
+from memcallbacks._runtime.preflight_check import fake_step_running
 from memcallbacks._runtime.results import SessionResults
 from memcallbacks._runtime.session import LogFn, Session
 from memcallbacks._runtime.sampling import BACKWARD, FORWARD, OPTIMIZER, OTHER, PHASES
@@ -170,6 +171,7 @@ class Monitor(SessionResults):
     def _hook_model(self, model: nn.Module) -> None:
         """Watch ``model``'s forward passes (its hooks are installed now unless they are off)."""
         self._hooked_models.append(model)
+        self._session.preflight.watch_first_forward(model)  # preflight=True: predicted at its first training forward
         if self._forward_hooks_on:
             self._register_forward_hooks(model)
 
@@ -241,6 +243,8 @@ class Monitor(SessionResults):
 
     @entry_point("optimizer pre-hook")
     def _optimizer_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if fake_step_running():  # the pre-flight's fake optimizer, not the loop's
+            return
         if self._session.lingering_due:
             self._session.check_lingering(self._batch)
         if self._session.step_open:
@@ -248,6 +252,8 @@ class Monitor(SessionResults):
 
     @entry_point("optimizer hook")
     def _optimizer_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if fake_step_running():
+            return
         self._ever_stepped = True  # an optimizer exists: batches without a step accumulate
         if self._session.step_open:
             self._stepped = True

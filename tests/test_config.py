@@ -49,6 +49,9 @@ INVALID = {
     "max_snapshots": [0, None, -1],
     "max_snapshot_bytes": [1000, None, 2.0**31],
     "snapshot_max_entries": [10, None],
+    "preflight": [1, "yes", None],
+    "capacity_bytes": [0, -1, 1000, 2.0**31, True, "80GB"],
+    "preflight_tolerance": [-0.1, 11, True, "0.25", None, float("nan")],
 }
 INVALID_CASES = [(field, value) for field, values in INVALID.items() for value in values]
 
@@ -81,6 +84,9 @@ def test_invalid_value_names_field_and_value(field, value):
         ("prefix", "train/memory"),
         ("write_files", False),
         ("strict", True),
+        ("capacity_bytes", 1 << 20),
+        ("preflight_tolerance", 0),
+        ("preflight_tolerance", 10),
     ],
 )
 def test_boundary_values_are_accepted(field, value):

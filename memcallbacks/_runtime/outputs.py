@@ -172,6 +172,8 @@ def history_figure(history: Any, *, title: str = "", peak_source: str = "") -> A
     for col, label, color in phases:
         if col in history and history[col].notna().any():
             ax.plot(x, history[col].to_numpy() / gib, label=f"{label} peak", color=color, linewidth=1.4)
+        if f"predicted_{col}" in history:  # pre-flight's prediction, in the same frame as the measured peak
+            ax.plot(x, history[f"predicted_{col}"].to_numpy() / gib, label=f"{label} predicted", color=color, linestyle="--", linewidth=1.0)
     ax.plot(x, history["allocated"].to_numpy() / gib, label="allocated at step start", color="black", linewidth=1.4)
     ax.plot(x, history["reserved"].to_numpy() / gib, label="reserved at step start", color="tab:gray", linestyle="--", linewidth=1.2)
     if "host_rss" in history and peak_source != "rss_high_water_mark":
@@ -187,6 +189,8 @@ def history_figure(history: Any, *, title: str = "", peak_source: str = "") -> A
     for col, label, color in phases:
         if col in history and history[col].notna().any():
             ax2.plot(x, (history[col].to_numpy() - base) / mib, label=label, color=color, linewidth=1.4)
+        if f"predicted_{col}" in history:
+            ax2.plot(x, (history[f"predicted_{col}"].to_numpy() - base) / mib, color=color, linestyle="--", linewidth=1.0)
     ax2.axhline(0, color="black", linewidth=0.8)
     ax2.set_ylabel(f"peak above {base_col}\nat step start (MiB)")
     ax2.set_xlabel("optimizer step")

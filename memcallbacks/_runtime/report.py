@@ -109,6 +109,7 @@ def format_report(report: dict[str, Any], history: Any = None) -> str:
                      f"({states.get('strategy')}, {states.get('precision')}, world size {states.get('world_size')}: params "
                      f"{format_bytes(exp.get('params'))}, grads {format_bytes(exp.get('grads'))}, optimizer {format_bytes(exp.get('optimizer'))}); "
                      f"unexplained {format_bytes(states.get('unexplained_bytes'))}")
+    lines += _preflight_lines(report.get("preflight"))
     snaps = report.get("snapshots") or []
     if snaps:
         lines.append(f"  snapshots                  {len(snaps)}: " + "; ".join(f"step {r.get('step')} ({r.get('trigger')})" for r in snaps[:3]))
@@ -131,3 +132,31 @@ def format_report(report: dict[str, Any], history: Any = None) -> str:
         for kind, path in files.items():
             lines.append(f"    {kind:<14} {path}")
     return "\n".join(lines)
+
+
+def _preflight_lines(pre: dict[str, Any] | None) -> list[str]:
+    """The pre-flight section: status, predicted vs measured per phase, capacity (docs/preflight.md)."""
+    if not pre:
+        return []
+    status = pre.get("status")
+    if status != "predicted":
+        why = pre.get("error") or pre.get("reason") or "no training forward was seen"
+        return [f"  pre-flight                 {status}: {why}"]
+    p = pre.get("prediction") or {}
+    frame = "above the RSS at step start" if pre.get("frame") == "above_step_start" else "allocated"
+    comparison = pre.get("comparison") or {}
+    peaks = pre.get("peaks") or {}  # as the framework orders the step (Lightning: last step's grads through forward)
+    phase = max(peaks, key=peaks.__getitem__) if peaks else p.get("peak_phase")
+    lines = [f"  pre-flight                 predicted peak {format_bytes(peaks.get(phase, p.get('peak_bytes')))} in {phase} "
+             f"({p.get('device')}, {p.get('precision')}, batch size {pre.get('batch_size')}); measured vs predicted, "
+             f"{frame}, max over {comparison.get('steps_compared', 0)} steady step(s):"]
+    for phase, c in (comparison.get("phases") or {}).items():
+        ratio = f"x{c['ratio']:.3f}" if c.get("ratio") is not None else ""
+        lines.append(f"    {phase:<10} predicted {format_bytes(c.get('predicted_bytes')):>12}   measured "
+                     f"{format_bytes(c.get('measured_max_bytes')):>12}   {ratio}")
+    if pre.get("capacity_bytes"):
+        fit = pre.get("max_batch_size")
+        verdict = "fits" if pre.get("fits") else "exceeds"
+        tail = "" if not fit else f"; largest batch size that fits: {fit['batch_size']}" if fit["batch_size"] else "; no batch size fits"
+        lines.append(f"    {verdict} {format_bytes(pre['capacity_bytes'])} ({pre.get('capacity_source')}){tail}")
+    return lines

@@ -37,7 +37,7 @@ class SessionResults:
             from memcallbacks._runtime.sampling import empty_history
 
             return empty_history()
-        return session.engine.history_frame()
+        return session.history_frame()
 
     @property
     def eval_history(self) -> Any:

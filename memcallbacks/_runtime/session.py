@@ -23,6 +23,7 @@ from memcallbacks._findings import Finding, FindingLog
 from memcallbacks._runtime.outputs import REPORT_VERSION, check_writable, write_outputs
 from memcallbacks._runtime.guard import safe_str
 from memcallbacks._runtime.lifecycle import claim_folder, release_folder
+from memcallbacks._runtime.preflight_check import PreflightCheck
 from memcallbacks.snapshot.auto import AutoSnapshot
 from memcallbacks.estimate.check import StateCheck
 from memcallbacks.leaks.census import format_top_holders
@@ -75,6 +76,7 @@ class Session:
         self._findings = FindingLog()
         self.watch: LeakWatch | None = None
         self.state = StateCheck(config)
+        self.preflight = PreflightCheck(self)  # preflight=True: the first batch's step predicted, then compared
         self.snap: AutoSnapshot | None = None
         self.trackers: Trackers | None = None  # rank zero's trackers (TensorBoard, W&B, MLflow); adapters set it
         self._new_findings: list[Finding] = []
@@ -99,6 +101,7 @@ class Session:
         self._findings = FindingLog()
         self._new_findings = []
         self.state = StateCheck(self.config)
+        self.preflight.reset()
         self.step_open = False
 
     @property
@@ -147,6 +150,7 @@ class Session:
         """What the census and the theory check look at (adapters call this at train start)."""
         if self.watch is not None:
             self.watch.model, self.watch.optimizer = model, optimizer
+        self.preflight.set_objects(model, optimizer, precision=precision, strategy=strategy, world_size=world_size)
         try:
             self.state.set_objects(
                 model, optimizer, precision=precision, strategy=strategy, world_size=world_size, allocated_now=self._allocated_now
@@ -381,6 +385,8 @@ class Session:
                     self.watch.end_step(self.current_step, batch, loss)
                     if row is not None:
                         row[MONITOR_TIME_S] += time.perf_counter() - t0
+                if row is not None:
+                    self.preflight.compare(row)
                 if row is not None and self.snap is not None:
                     new, self._new_findings = self._new_findings, []
                     self.snap.after_row(self.current_step, row, new)
@@ -400,6 +406,7 @@ class Session:
         p = self.config.prefix
         nan = float("nan")
         extra = {f"{p}/findings": float(len(self._findings))}
+        extra.update(self.preflight.metrics(row))
         if self.dashboard.capacity:
             extra[f"{p}/capacity(GiB)"] = float(self.engine.capacity or 0) / GIB
         if self.config.estimate_model_states:
@@ -510,6 +517,7 @@ class Session:
             "findings": self._findings.to_list(),
             "events": list(self.events),
             "model_states": dict(self.state.info),
+            "preflight": self.preflight.report(),
             "gc": list(self.watch.gc_results) if self.watch is not None else [],
             "snapshots": list(self.snap.records) if self.snap is not None else [],
             "files": dict(self.files),
@@ -552,7 +560,7 @@ class Session:
                 self.output_dir,
                 rank=engine.rank,
                 world_size=engine.world_size,
-                history=engine.history_frame(),
+                history=self.history_frame(),
                 eval_history=engine.eval_frame(),
                 report=report,
                 plot=self.config.plot,
@@ -596,6 +604,10 @@ class Session:
             self.watch.model = self.watch.optimizer = None
         self.state.model = self.state.optimizer = None
         try:
+            self.preflight.release()
+        except Exception:
+            self.log.exception("%s: could not release the pre-flight model copy; continuing.", self.owner)
+        try:
             self.engine.stop()
         except Exception:
             self.log.exception("%s: could not close its device backend; continuing.", self.owner)
@@ -604,7 +616,11 @@ class Session:
     def format_report(self) -> str:
         from memcallbacks._runtime.report import format_report
 
-        return format_report(self.report(), self.engine.history_frame())
+        return format_report(self.report(), self.history_frame())
+
+    def history_frame(self) -> Any:
+        """The engine's history, with the pre-flight's predicted columns when there is a prediction."""
+        return self.preflight.add_columns(self.engine.history_frame())
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:
