@@ -33,7 +33,7 @@ class MonitorConfig:
     overhead_budget: float = 0.01
     """The monitor's own time allowed, as a fraction of step time, when it chooses the sampling
     interval (``sample_every_n_steps=None``). Watching (growth and lingering detection) runs every
-    step unless its cost alone exceeds half the budget. The chosen intervals and the achieved
+    step unless its cost alone exceeds the budget. The chosen intervals and the achieved
     overhead are in ``report.json`` (``summary.cadence``), the text report and the logged
     ``memory/overhead`` key."""
 

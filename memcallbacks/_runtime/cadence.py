@@ -2,17 +2,16 @@
 
 Three cadences, each with its own job:
 
-* **watch** (every step): one cheap memory read at step start (RSS from ``/proc/self/statm`` on
-  CPU, the allocator's ``memory_allocated`` on accelerators) for growth detection and the snapshot
-  triggers, plus the lingering check. It runs whether or not anything is logged.
+* **watch** (every step): one memory read at step start (glibc's in-use heap on CPU, the
+  allocator's ``memory_allocated`` on accelerators) for growth detection and the snapshot triggers, plus the lingering check. It runs whether or not anything is logged.
 * **sample**: per-phase peaks and a history row. Its interval is chosen from the measured cost
   of a sampled step and the measured step time so that the monitor stays within
   ``overhead_budget`` (``sample_every_n_steps`` overrides it).
 * **log**: a logger write, every ``log_every_n_steps`` (the framework's setting by default). Logged
   steps are always sampled.
 
-The watch is thinned only when its own cost alone would exceed the budget (steps under ~2 ms on
-CPU, where one ``statm`` read takes 5-15 µs in a training process).
+The watch is thinned only when its own cost alone would exceed the budget (very short CPU steps,
+where one ``mallinfo2`` read can take 15-150 µs in a fragmented training heap).
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ import time
 from typing import Any, Callable
 
 from memcallbacks._config import MonitorConfig
-from memcallbacks._runtime.devices import host_rss_reader
+from memcallbacks._runtime.devices import heap_in_use_bytes, host_rss_reader
 
 __all__ = ["Cadence", "watch_reader", "LINGERING_EVERY_STEP_UNTIL"]
 
@@ -38,11 +37,11 @@ MAX_WATCH_INTERVAL = 8
 
 
 def watch_reader(backend: Any) -> Callable[[], int]:
-    """The cheapest read that still sees a tensor leak step over step (docs/benchmarks.md):
-    resident set size on CPU (``statm``: ~4 µs, where glibc ``mallinfo2`` takes 14-47 µs in a
-    training heap), the caching allocator's own counter elsewhere (~1 µs)."""
+    """The read that sees a tensor leak step over step (docs/benchmarks.md): glibc's in-use heap on
+    CPU (``mallinfo2``; RSS from ``statm`` is cheaper but lags a leak while freed heap is reused),
+    the caching allocator's own counter elsewhere (~1 µs)."""
     if backend.kind == "cpu":
-        return host_rss_reader()
+        return heap_in_use_bytes
     return lambda: backend.current()[0]
 
 
@@ -107,9 +106,12 @@ class Cadence:
         """Evaluation or a checkpoint between steps: the next start-to-start gap is not a step."""
         self._last_start = None
 
-    def charge(self, seconds: float, sampled: bool) -> None:
+    def charge(self, seconds: float, sampled: bool, typical: bool = True) -> None:
+        """Add the monitor's own time for one step; ``typical=False`` (a census after a finding)
+        counts in the overhead but not in the costs that choose the intervals."""
         self.own_s += seconds
-        (self._sample_costs if sampled else self._watch_costs).append(seconds)
+        if typical:
+            (self._sample_costs if sampled else self._watch_costs).append(seconds)
 
     def choose(self) -> None:
         """Pick the watch and sample intervals that keep the monitor within the budget."""

@@ -297,7 +297,7 @@ class Session:
                     for finding in found:
                         self.add_finding(finding)
                 engine.begin_step(step, epoch, batch_idx, False)
-                self.cadence.charge(time.perf_counter() - t0, sampled=False)
+                self.cadence.charge(time.perf_counter() - t0, sampled=False, typical=not found)
                 return
             t0 = time.perf_counter()
             found = watch.before_baseline(step, batch, lingering=not defer_lingering) if watch is not None else []
