@@ -150,6 +150,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="skip the 64 KiB/step rate (the longest runs)")
     args = parser.parse_args()
     warnings.simplefilter("ignore")
+    import lightning.pytorch  # noqa: F401  (imported first: importing it resets its loggers' levels)
+
     for name in ("lightning", "lightning.pytorch", "lightning.fabric", "memcallbacks"):
         logging.getLogger(name).setLevel(logging.ERROR)
     torch.set_num_threads(1)
