@@ -25,10 +25,17 @@ class MonitorConfig:
 
     sample_every_n_steps: int | None = None
     """Measure per-phase peaks on every N-th optimizer step (and always on logged steps); other
-    steps cost nothing and leave no row. ``None`` picks per device: every step on CUDA and other
-    accelerators (one allocator-stats call per phase boundary), and the logging interval on CPU,
-    where each peak read is a system call (~15-35 µs on a busy VM) and the heap census
-    (``mallinfo2``) can cost 30-100 µs."""
+    steps are only watched (one cheap memory read for leak detection) and leave no row. ``None``:
+    the monitor measures its own cost and the step time and picks the interval that keeps it
+    within ``overhead_budget`` (every step on a GPU with steps of a few ms; every few dozen steps
+    for a tiny model on CPU, where each peak read is a system call)."""
+
+    overhead_budget: float = 0.01
+    """The monitor's own time allowed, as a fraction of step time, when it chooses the sampling
+    interval (``sample_every_n_steps=None``). Watching (growth and lingering detection) runs every
+    step unless its cost alone exceeds the budget. The chosen intervals and the achieved
+    overhead are in ``report.json`` (``summary.cadence``), the text report and the logged
+    ``memory/overhead`` key."""
 
     cpu_mmap_threshold: int | None = None
     """CPU on glibc only: fix malloc's mmap threshold (``mallopt(M_MMAP_THRESHOLD)``) to this many
@@ -72,8 +79,8 @@ class MonitorConfig:
     the next step starts; checked every step, ~2 µs) and ``"growth"`` (the step-start baseline
     rising step over step; checked on sampled steps). Findings name their holders."""
 
-    growth_warmup_steps: int = 10
-    """Sampled steps ignored by the growth test at the start (the first optimizer steps allocate
+    growth_warmup_steps: int = 4
+    """Watched steps ignored by the growth test at the start (the first optimizer steps allocate
     optimizer state)."""
 
     growth_min_bytes_per_step: int = 64 << 10
@@ -179,6 +186,9 @@ class MonitorConfig:
         n = self.sample_every_n_steps
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
             raise _fail("sample_every_n_steps", n, "pass a positive integer (1 = every step), or None to choose per device.")
+        b = self.overhead_budget
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 < b <= 1:
+            raise _fail("overhead_budget", b, "pass a fraction of step time in (0, 1], e.g. 0.01 for 1%.")
         t = self.cpu_mmap_threshold
         if t is not None and (isinstance(t, bool) or not isinstance(t, int) or not 4096 <= t <= 1 << 30):
             raise _fail("cpu_mmap_threshold", t, "pass a byte count between 4096 and 2**30 (e.g. 1 << 20), or None to leave malloc alone.")

@@ -120,6 +120,7 @@ class Monitor(SessionResults):
         self._output: Any = None  # a graph tensor of this step's forward, held until the step ends
         self._batch: Any = None  # the item track() yielded, held until the step ends
         self._closed = False
+        self._weak_backward_start = weak_method(self._backward_start)
         self._explicit = False  # track() or step() marks boundaries; the forward hook then leaves steps alone
         self._warned_closed = False
         device = self._device_for(device, model, optimizer)
@@ -220,7 +221,7 @@ class Monitor(SessionResults):
                 self._output = tensors[0]  # its graph is what a kept loss would keep alive
             if session.engine.sampling:  # backward boundaries matter only on sampled steps
                 for tensor in tensors:
-                    tensor.register_hook(self._backward_start)
+                    tensor.register_hook(self._weak_backward_start)  # weak: a kept output must not keep the monitor
         except Exception as exc:
             session.engine.fail(exc, "forward hook")
 

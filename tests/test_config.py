@@ -18,6 +18,7 @@ FIELDS = [f.name for f in dataclasses.fields(MonitorConfig)]
 INVALID = {
     "log_every_n_steps": [0, -1, 1.5, True, "2"],
     "sample_every_n_steps": [0, -3, 2.0, False, "1"],
+    "overhead_budget": [0, -0.1, 1.5, True, "0.01", float("nan")],
     "cpu_mmap_threshold": [4095, 2**30 + 1, 0, -1, True, 65536.0],
     "output_dir": [3, ["runs"], b"runs"],
     "write_files": [1, "yes", None],

@@ -117,6 +117,13 @@ def format_report(report: dict[str, Any], history: Any = None) -> str:
     if cost:
         lines.append(f"  monitor's own time         {cost['median']:.0f} µs median per sampled step")
     findings = report.get("findings") or []
+    cadence = s.get("cadence")
+    if cadence:
+        overhead = cadence.get("overhead")
+        lines.append(f"  cadence                    watch every {cadence['watch_every_n_steps']}, sample every "
+                     f"{cadence['sample_every_n_steps']} ({cadence['sample_interval_source']}), log every "
+                     f"{cadence['log_every_n_steps'] or '- (nowhere to log)'} steps; own time "
+                     f"{'?' if overhead is None else f'{100 * overhead:.2f}%'} of step time (budget {100 * cadence['overhead_budget']:g}%)")
     lines.append(f"  findings                   {len(findings) or 'none'}")
     for f in findings:
         lines.append(f"    [{f.get('kind')}] step {f.get('step')}: {f.get('message')}")

@@ -17,8 +17,10 @@ import torch
 
 from memcallbacks._runtime import distributed as _distributed
 from memcallbacks._config import MonitorConfig
-from memcallbacks._runtime.columns import ALLOCATED, E_STAGE, MONITOR_TIME_S, OPTIMIZER
-from memcallbacks._runtime.sampling import GIB, MemoryEngine
+from memcallbacks._runtime.cadence import LINGERING_EVERY_STEP_UNTIL, Cadence, watch_reader
+from memcallbacks._runtime.columns import E_STAGE, MONITOR_TIME_S, OPTIMIZER
+from memcallbacks._runtime.extras import extra_metrics, load_session_state, session_state
+from memcallbacks._runtime.sampling import MemoryEngine
 from memcallbacks._findings import Finding, FindingLog
 from memcallbacks._runtime.outputs import REPORT_VERSION, check_writable, write_outputs
 from memcallbacks._runtime.guard import safe_str
@@ -33,12 +35,9 @@ from memcallbacks.trackers.ranks import receive_snapshots, snapshot_payload
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Session", "LogFn", "is_oom"]
+__all__ = ["Session", "LogFn", "is_oom", "LINGERING_EVERY_STEP_UNTIL"]
 
 LogFn = Callable[[dict[str, float], int], None]
-
-# Lingering references are checked after every one of the first steps, then on sampled steps only.
-LINGERING_EVERY_STEP_UNTIL = 20
 
 
 def is_oom(exc: BaseException) -> bool:
@@ -60,6 +59,7 @@ class Session:
         state["watch"] = None  # detectors hold weak references; start() builds new ones
         state["snap"] = None
         state["trackers"] = None
+        state["_watch_read"] = None
         return state
 
     def __init__(self, config: MonitorConfig, framework: str, owner: str, logger: logging.Logger | None = None) -> None:
@@ -84,10 +84,8 @@ class Session:
         self._lingering_due = False
         self.title = ""
         self._warned: set[str] = set()
-        self.sample_every = 1
-        self.log_every = 50
-        self.logs = True  # False: the run has nowhere to log (no logger), so no step is a logged step
-        self.log_first_step = False
+        self.cadence = Cadence(config)
+        self._watch_read: Callable[[], int] | None = None
         self.step_open = False
         self.log_this_step = False
         self.current_step = 0
@@ -185,8 +183,8 @@ class Session:
         Raises ``PermissionError`` for an unwritable output folder, or one another live monitor
         writes to: environment problems must stop the run before training, not during it. Any
         other fault here is contained (logged once; the monitor disables itself).
-        ``expected_steps``: the run's length when the framework knows it (``max_steps``): a run
-        shorter than the default sampling interval samples its last step rather than none.
+        ``expected_steps``: the run's length when the framework knows it (``max_steps``); the
+        cadence samples the first steps of every run, so a short one (``fast_dev_run``) still has rows.
         """
         config = self.config
         if config.write_files:
@@ -198,9 +196,10 @@ class Session:
             if config.auto_snapshot:
                 check_writable(os.path.join(folder, "snapshots"), "auto_snapshot")
         self.live = True
-        self.log_every = config.log_every_n_steps or max(int(framework_log_every or 50), 1)
-        self.logs = bool(logs)
-        self.log_first_step = bool(log_first_step)
+        # the cadence first: even a monitor whose start fails below must agree with the other ranks on logged steps
+        self.cadence = Cadence(config)
+        log_every = config.log_every_n_steps or max(int(framework_log_every or 50), 1)
+        self.cadence.configure(log_every=log_every, logs=logs, log_first_step=log_first_step)
         try:
             self._start_parts(device, rank, world_size, expected_steps)
         except Exception as exc:  # backend selection, the first reads, the leak watch: never fatal
@@ -217,27 +216,19 @@ class Session:
             self.snap.stop()
             self.snap = None
         if config.auto_snapshot and self.output_dir is not None and self.engine.backend is not None:
-            backend = self.engine.backend
-            self.snap = AutoSnapshot(
-                config,
-                device_kind=backend.kind,
-                capacity=backend.capacity(),
-                output_dir=self.output_dir,
-                rank=self.engine.rank,
-                world_size=self.engine.world_size,
-                alloc_retries_at_start=backend.counters().get("alloc_retries", 0),
-                logger=self.log,
-            )
+            engine = self.engine
+            self.snap = AutoSnapshot.for_backend(config, engine.backend, self.output_dir, engine.rank, engine.world_size, self.log)
             self.snap.start()
         backend = self.engine.backend
-        if config.sample_every_n_steps is not None:
-            self.sample_every = config.sample_every_n_steps
-        elif backend is not None and backend.kind == "cpu":
-            self.sample_every = self.log_every
-            if expected_steps is not None and 0 < expected_steps < self.sample_every:
-                self.sample_every = expected_steps  # a short run (fast_dev_run) still gets a row
-        else:
-            self.sample_every = 1
+        self._watch_read = watch_reader(backend) if backend is not None else None
+
+    @property
+    def log_every(self) -> int:
+        return self.cadence.log_every
+
+    @property
+    def sample_every(self) -> int:
+        return self.cadence.sample_every
 
     def warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
@@ -266,9 +257,7 @@ class Session:
         Every ``log_every`` steps (the monitor's ``log_every_n_steps``, else the framework's),
         plus the first step where the framework logs it; never when the run has nowhere to log.
         Decided from counts only, so every rank agrees (logged steps join a collective)."""
-        if not self.logs:
-            return False
-        return (count + 1) % self.log_every == 0 or (self.log_first_step and count == 0)
+        return self.cadence.will_log(count)
 
     @property
     def lingering_pending(self) -> bool:
@@ -278,8 +267,8 @@ class Session:
 
     def wants_sample(self, count: int, log: bool) -> bool:
         """Whether the step after ``count`` steps is measured in full: logged steps, every
-        ``sample_every``-th step, and the step where the theory check is due."""
-        return log or (count + 1) % self.sample_every == 0 or (self.state.wanted and self.engine.optimizer_steps_total > 0)
+        ``sample_every``-th step (see :class:`Cadence`), and the step where the theory check is due."""
+        return self.cadence.wants_sample(count, log) or (self.state.wanted and self.engine.optimizer_steps_total > 0)
 
     def begin_step(
         self,
@@ -326,24 +315,28 @@ class Session:
             if snap.busy:  # a capture or a deferred dump counts steps
                 snap.on_step_start(step)
         try:
+            self.cadence.step_started(n)
             watch = self.watch
             if sample is None:
                 sample = self.wants_sample(n, log)
-            if not sample:  # the fast path: nothing but the (cheap when healthy) lingering check
+            if not sample:  # the fast path: the watch only (one cheap read, the lingering check)
+                t0 = time.perf_counter()
                 if watch is not None:
-                    for finding in watch.before_baseline(step, batch, lingering=not defer_lingering):
+                    found = watch.before_baseline(step, batch, lingering=not defer_lingering)
+                    found += self._watch(n, batch)
+                    for finding in found:
                         self.add_finding(finding)
                 engine.begin_step(step, epoch, batch_idx, False)
+                self.cadence.charge(time.perf_counter() - t0, sampled=False, typical=not found)
                 return
             t0 = time.perf_counter()
             found = watch.before_baseline(step, batch, lingering=not defer_lingering) if watch is not None else []
+            found += self._watch(n, batch)
             check_state = self.state.wanted and engine.optimizer_steps_total > 0
             spent = time.perf_counter() - t0
             engine.begin_step(step, epoch, batch_idx, True)
             t1 = time.perf_counter()
             baseline = engine.step_baseline
-            if baseline is not None and watch is not None:
-                found += watch.after_baseline(step, baseline, batch)
             if check_state and baseline is not None:
                 finding = self._check_state(step, baseline, batch)
                 if finding is not None and watch is not None:
@@ -357,6 +350,12 @@ class Session:
             engine.add_own_time(spent + time.perf_counter() - t1)
         except Exception as exc:
             engine.fail(exc, "step start")
+
+    def _watch(self, count: int, batch: Any) -> list[Finding]:
+        """The watch cadence: one cheap memory read at step start, fed to growth detection."""
+        if self.watch is None or self._watch_read is None or not self.cadence.wants_watch(count):
+            return []
+        return self.watch.after_baseline(count, self._watch_read(), batch)
 
     def boundary(self, closing: int) -> None:
         engine = self.engine
@@ -387,40 +386,23 @@ class Session:
                         row[MONITOR_TIME_S] += time.perf_counter() - t0
                 if row is not None:
                     self.preflight.compare(row)
-                if row is not None and self.snap is not None:
+                    self.cadence.charge(row[MONITOR_TIME_S], sampled=True)
+                if self.snap is not None and (row is not None or self._new_findings):
                     new, self._new_findings = self._new_findings, []
-                    self.snap.after_row(self.current_step, row, new)
+                    if row is not None:
+                        self.snap.after_row(self.current_step, row, new)
+                    else:  # a watched step found something: the finding triggers, not the row
+                        self.snap.after_findings(self.current_step, new)
             except Exception as exc:
                 engine.fail(exc, "step end")
         self.step_open = False
         if self.log_this_step and (row is not None or engine.world_size > 1):
             try:
-                metrics = engine.log_values(row, self._extra_metrics(row))
+                metrics = engine.log_values(row, extra_metrics(self, row))
                 self.emit(metrics, self.current_step if log_step is None else log_step)
             except Exception as exc:
                 engine.fail(exc, "logging")
         return row
-
-    def _extra_metrics(self, row: list[Any] | None) -> dict[str, float]:
-        """Findings count, theory check and gc, with the same keys on every rank and every logged step."""
-        p = self.config.prefix
-        nan = float("nan")
-        extra = {f"{p}/findings": float(len(self._findings))}
-        extra.update(self.preflight.metrics(row))
-        if self.dashboard.capacity:
-            extra[f"{p}/capacity(GiB)"] = float(self.engine.capacity or 0) / GIB
-        if self.config.estimate_model_states:
-            unexplained = self.state.unexplained(float(row[ALLOCATED])) if row is not None else None
-            extra[f"{p}/expected(GiB)"] = self.state.expected_states / GIB if self.state.expected_level is not None else nan
-            extra[f"{p}/unexplained(GiB)"] = unexplained / GIB if unexplained is not None else nan
-        if self.snap is not None or self.config.auto_snapshot:
-            extra[f"{p}/snapshots"] = float(len(self.snap.records)) if self.snap is not None else nan
-        if self.config.gc_every_n_steps:
-            last = self.watch.last_gc if self.watch is not None else None
-            extra[f"{p}/gc_time(ms)"] = last["seconds"] * 1e3 if last else nan
-            extra[f"{p}/gc_collected"] = float(last["collected"]) if last else nan
-            extra[f"{p}/gc_freed(GiB)"] = (last["bytes_freed"] or 0) / GIB if last else nan
-        return extra
 
     @property
     def dashboard(self) -> Dashboard:
@@ -513,7 +495,7 @@ class Session:
             "memcallbacks_version": __version__,
             "framework": self.framework,
             "config": self.config.to_dict(),
-            "summary": self.engine.summary(),
+            "summary": dict(self.engine.summary(), cadence=self.cadence.summary()),
             "findings": self._findings.to_list(),
             "events": list(self.events),
             "model_states": dict(self.state.info),
@@ -624,20 +606,8 @@ class Session:
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:
-        state = self.engine.state_dict()
-        state["events"] = list(self.events)
-        state["findings"] = self._findings.to_list()
-        return state
+        return session_state(self)
 
     def load_state_dict(self, state: dict[str, Any], key: str = "state_dict") -> None:
         """Restore a checkpointed state; a bad one raises one ``ValueError`` naming ``key`` (see saved_state.py)."""
-        read = self.engine.load_state_dict(state, key)
-        if read is None:
-            return
-        self.events = read["events"]
-        fields = set(Finding.__dataclass_fields__)
-        for item in read["findings"]:
-            try:
-                self._findings.add(Finding(**{k: v for k, v in item.items() if k in fields}))
-            except (TypeError, ValueError):
-                log.debug("dropping unreadable finding from checkpoint: %r", item)
+        load_session_state(self, state, key)

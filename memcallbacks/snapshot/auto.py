@@ -80,6 +80,13 @@ class AutoSnapshot:
         if config.snapshot_peak_bytes is not None:
             self.threshold = min(self.threshold or float("inf"), float(config.snapshot_peak_bytes))
 
+    @classmethod
+    def for_backend(cls, config: MonitorConfig, backend: Any, output_dir: Path, rank: int, world_size: int,
+                    logger: logging.Logger | None = None) -> "AutoSnapshot":
+        """The policy for a run on ``backend`` (its kind, capacity and allocator retries so far)."""
+        return cls(config, device_kind=backend.kind, capacity=backend.capacity(), output_dir=output_dir, rank=rank,
+                   world_size=world_size, alloc_retries_at_start=backend.counters().get("alloc_retries", 0), logger=logger)
+
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
         from memcallbacks._runtime.outputs import check_writable
@@ -237,6 +244,12 @@ class AutoSnapshot:
                 self.fire(f"periodic@{step}", step, f"every {every} steps")
         except Exception:
             self.log.exception("memcallbacks: snapshot trigger check failed; training goes on.")
+
+    def after_findings(self, step: int, new_findings: list[Any]) -> None:
+        """After a watched (unsampled) step that raised findings: the finding triggers only."""
+        if self.config.snapshot_on_findings:
+            for finding in new_findings:
+                self.fire(f"finding:{finding.key}", step, f"{finding.kind} finding")
 
     def fire(self, key: str, step: int, reason: str) -> None:
         """A trigger fired (once per key): dump now if history is recording, else capture the next steps."""
