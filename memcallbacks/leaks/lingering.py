@@ -230,11 +230,15 @@ class LingeringDetector:
             return None
         older_alive = not older or any(t is not None and id(t) not in current for t in (r() for r in older))
         watched = {(st.device, st.data_ptr()) for st, _ in outputs}
-        if outputs and (older_outputs is None or alive_outputs(older_outputs, current_ptrs)):
-            # outputs of two steps ago alive too: kept by a list or a cache (retention, the growth
-            # detector's), or too early to tell
-            self.occurrences["retained:outputs"] = self.occurrences.get("retained:outputs", 0) + 1
-            outputs = []
+        too_early = bool(outputs) and not older_outputs
+        if outputs:
+            # an output whose counterpart of two steps ago is alive too is kept by a list, a cache or
+            # a chain (retention, the growth detector's), or it is too early to tell
+            retained = set() if too_early else _retained(output_refs_, older_outputs)  # type: ignore[arg-type]
+            kept = [(st, ref) for st, ref in outputs if not too_early and id(ref) not in retained]
+            if len(kept) < len(outputs):
+                self.occurrences["retained:outputs"] = self.occurrences.get("retained:outputs", 0) + 1
+            outputs = kept
 
         held: dict[Any, int] = {}
         targets: list[torch.Tensor] = []
@@ -246,8 +250,13 @@ class LingeringDetector:
         graph_seen = graph
         if graph:
             # After backward a kept loss's graph holds only parameters: alive, but not a cause.
-            graph = self._measure_graph(sentinel, held, targets, watched)
+            graph_held, root_held = self._measure_graph(sentinel, held, targets, watched)
         batch = self._lingering_batch(batch, held, older_alive)
+        if graph:
+            # the root's own storage alone (a kept scalar loss) names the graph only when nothing else lingers
+            graph = graph_held or (root_held and not batch and not outputs)
+            if not graph:
+                self._root_ref = None  # the holders then name what lingers, not the graph
         key = "lingering:" + "+".join(k for k, v in (("batch", batch), ("graph", graph), ("outputs", outputs)) if v)
         if key in self._reported or not (batch or graph_seen or outputs):
             return None
@@ -259,7 +268,8 @@ class LingeringDetector:
         output_bytes = sum(n for k, n in held.items() if k in output_keys and k not in batch_keys)
         total = sum(held.values())
         if total < self.min_bytes or total == 0:
-            self._back_off(seen_key, step)
+            if not too_early:  # measure again next step, when the outputs of two steps ago are known
+                self._back_off(seen_key, step)
             return None
         self._reported.add(key)
         self._reported.add(seen_key)
@@ -268,15 +278,19 @@ class LingeringDetector:
         described = [ref.described for _, ref in outputs]
         return self._finding(step, key, batch, graph, batch_bytes, total, described, output_bytes)
 
-    def _measure_graph(self, sentinel: Any, held: dict[Any, int], targets: list[torch.Tensor], outputs: set[Any] = frozenset()) -> bool:  # type: ignore[assignment]
+    def _measure_graph(
+        self, sentinel: Any, held: dict[Any, int], targets: list[torch.Tensor], outputs: set[Any] = frozenset()  # type: ignore[assignment]
+    ) -> tuple[bool, bool]:
         """Add the storages the marked graph holds (not parameters) to ``held``, the root tensor's own
-        storage included (a kept ``logits`` holds its own bytes even when its graph holds none);
-        True if the graph holds any bytes besides the watched ``outputs``' storages."""
+        storage included (a kept ``logits`` holds its own bytes even when its graph holds none), the
+        watched ``outputs``' storages left out; ``(the graph holds bytes, the root holds bytes)``."""
         root = self._graph_root(sentinel)
         added: dict[Any, int] = {}
+        root_keys: set[Any] = set()
         if root is not None:
             if not is_parameter(root):
                 _add_storages(root, added, targets)
+                root_keys = {k for k in added if k not in outputs}
             for t, _how in graph_tensors([root]):
                 if is_parameter(t):
                     continue
@@ -289,10 +303,11 @@ class LingeringDetector:
         for k, n in added.items():
             if k not in outputs:  # a watched output counts as an output (or, kept with older ones, not here)
                 held.setdefault(k, n)
-        if not any(k not in outputs for k in added):
-            return False
+        graph_held = any(k not in outputs and k not in root_keys for k in added)
+        if not graph_held and not root_keys:
+            return False, False
         self._root_ref = weakref.ref(root)
-        return True
+        return graph_held, bool(root_keys)
 
     def _lingering_batch(self, batch: list[torch.Tensor], held: dict[Any, int], older_alive: bool) -> list[torch.Tensor]:
         """The batch tensors that count: those the graph holds, plus the others unless older batches live too."""
@@ -428,6 +443,11 @@ def _reaching_sentinel(with_graph: list[tuple[torch.Tensor, Any]], sentinel: Any
             except Exception:
                 continue
     return None
+
+
+def _retained(refs: list[OutputRef], older: list[OutputRef]) -> set[int]:
+    """Ids of the refs in ``refs`` whose counterpart in ``older`` (same position) is still alive."""
+    return {id(r) for r, o in zip(refs, older) if o.storage() is not None}
 
 
 def _add_storages(t: Any, held: dict[Any, int], targets: list[torch.Tensor]) -> None:

@@ -100,10 +100,12 @@ class LeakWatch:
             found.append(finding)
         chain = self.lingering.chains.check(step)
         if chain is not None:
-            found.append(self._chain(step, chain))
+            finding = self._chain(step, chain)
+            if finding is not None:
+                found.append(finding)
         return found
 
-    def _chain(self, step: int, chain: list[tuple[int, Any]]) -> Finding:
+    def _chain(self, step: int, chain: list[tuple[int, Any]]) -> Finding | None:
         """The finding for graphs of several earlier steps alive at once, with the variable that links them."""
         steps = [s for s, _ in chain]
         oldest = chain[0][1]
@@ -115,22 +117,31 @@ class LeakWatch:
             nbytes = graph_bytes(root)
             search = find_holders([root], time_budget_s=self.config.census_time_budget_s, ignore=self._ignore)
             holders = [f"{p.path} -> autograd graphs of steps {steps[0]}..{steps[-1]} and on" for p in search.paths[:2]]
+            if not holders and self._garbage_note([root]) is not None:
+                return None  # graphs waiting in cyclic garbage, not a chain: the collection watch reports cycles
             del root
         return chain_finding(step, steps, nbytes, holders)
+
+    def _garbage_note(self, targets: list[Any]) -> Any:
+        if self.collections is not None:
+            self.collections.own = True
+        try:
+            return cyclic_garbage_note(targets)
+        finally:
+            if self.collections is not None:
+                self.collections.own = False
 
     def _blame_garbage(self, finding: Finding) -> None:
         """No live object holds what lingers: if it sits in cyclic garbage, say so (and which cycle)."""
         assert self.lingering is not None
         targets = self.lingering.alive_tensors()
+        root = self.lingering.graph_root()
+        if root is not None:
+            targets.append(root)
+        del root
         if not targets:
             return
-        if self.collections is not None:
-            self.collections.own = True
-        try:
-            note = cyclic_garbage_note(targets)
-        finally:
-            if self.collections is not None:
-                self.collections.own = False
+        note = self._garbage_note(targets)
         del targets
         if note is None:
             return
