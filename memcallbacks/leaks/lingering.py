@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import gc
 import logging
-import warnings
 import weakref
 from typing import Any
 
@@ -15,15 +13,14 @@ from memcallbacks._runtime.torch_private import node_metadata
 from memcallbacks._storage import storage_keys
 from memcallbacks._units import MiB, format_bytes
 from memcallbacks.leaks.chains import GraphChains
+from memcallbacks.leaks.marks import METADATA_KEY, find_graph_root
 from memcallbacks.leaks.kept import OutputRef, alive_outputs, output_refs, storage_tensor
 from memcallbacks.leaks.tensors import graph_tensors, is_parameter, iter_tensors
 
 log = logging.getLogger(__name__)
 
-__all__ = ["METADATA_KEY", "LingeringDetector", "find_graph_root"]
+__all__ = ["METADATA_KEY", "LingeringDetector", "find_graph_root"]  # find_graph_root: from marks.py
 
-METADATA_KEY = "memcallbacks"
-"""Key of the sentinel memcallbacks puts into ``grad_fn.metadata``."""
 
 
 class _Sentinel:
@@ -396,53 +393,6 @@ class LingeringDetector:
         """The lingering tensors behind the last finding (for :func:`find_holders`), if still alive."""
         tensors = [t for t in (r() for r in self._targets) if t is not None]
         return tensors + [storage_tensor(st) for st in (r() for r in self._output_targets) if st is not None]
-
-
-def find_graph_root(sentinel: Any) -> Any:
-    """A live tensor whose graph reaches a node carrying ``sentinel`` (a scan of the heap: only
-    called when the graph is known to be alive, i.e. when something is already suspicious)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # proxies of deprecated names warn when isinstance() looks at them
-        objects = [obj for obj in gc.get_objects() if isinstance(obj, _Tensor)]
-    with_graph = []
-    for obj in objects:
-        try:
-            fn = obj.grad_fn
-        except Exception:
-            continue
-        if fn is None:
-            continue
-        try:
-            if node_metadata(fn).get(METADATA_KEY) is sentinel:
-                return obj
-        except Exception:
-            continue
-        with_graph.append((obj, fn))
-    del objects
-    return _reaching_sentinel(with_graph, sentinel)
-
-
-def _reaching_sentinel(with_graph: list[tuple[torch.Tensor, Any]], sentinel: Any, budget: int = 20_000) -> Any:
-    """The first tensor whose graph (``(tensor, grad_fn)`` pairs) reaches a node marked with ``sentinel``.
-
-    ``budget``: nodes visited over all candidates.
-    """
-    seen: set[int] = set()
-    for obj, fn in with_graph:
-        stack = [fn]
-        while stack and budget > 0:
-            node = stack.pop()
-            if id(node) in seen:
-                continue
-            seen.add(id(node))
-            budget -= 1
-            try:
-                if node_metadata(node).get(METADATA_KEY) is sentinel:
-                    return obj
-                stack.extend(n for n, _ in node.next_functions if n is not None)
-            except Exception:
-                continue
-    return None
 
 
 def _retained(refs: list[OutputRef], older: list[OutputRef]) -> set[int]:
