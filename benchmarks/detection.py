@@ -183,6 +183,7 @@ def bench_census(sizes: list[int]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer rates and sizes")
+    parser.add_argument("--no-adapters", action="store_true", help="skip the per-adapter runs at default settings")
     args = parser.parse_args()
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
@@ -198,6 +199,10 @@ def main() -> None:
     if heap_in_use_bytes() is not None:
         bench_time_to_find(args.quick)
     bench_census([300_000, 1_000_000] if args.quick else [250_000, 500_000, 1_000_000])
+    if not args.no_adapters:
+        from detection_adapters import bench_adapters  # this script's folder is sys.path[0]
+
+        bench_adapters(args.quick)
 
 
 if __name__ == "__main__":

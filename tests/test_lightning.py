@@ -128,13 +128,15 @@ def test_trainer_log_every_n_steps_is_followed_when_the_monitor_has_none(tmp_pat
     assert_matches_history(tensorboard_scalars(tmp_path / "tb"), history, train_loss_steps, rel=1e-6)
 
 
-def test_cpu_default_samples_only_the_logged_steps(tmp_path):
+def test_cpu_default_samples_the_logged_steps_and_the_measuring_steps(tmp_path):
+    # at defaults the first steps are sampled to measure the monitor's cost (the overhead budget then
+    # picks the interval); logged steps are always sampled, and what is logged is the history's row
     monitor = MemoryMonitor()
     fit(tmp_path, monitor, max_steps=6, log_every_n_steps=2, logger=loggers(tmp_path))
 
     history = monitor.history
-    assert list(history["step"]) == [1, 3, 5]
-    assert monitor.summary()["steps_seen"] == 6 and monitor.summary()["steps_sampled"] == 3
+    assert list(history["step"]) == [0, 1, 2, 3, 4, 5]
+    assert monitor.summary()["steps_seen"] == 6 and monitor.summary()["steps_sampled"] == 6
     assert_matches_history(csv_metrics(tmp_path / "csv" / "version_0" / "metrics.csv"), history, [1, 3, 5], rel=1e-12)
 
 

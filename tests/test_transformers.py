@@ -99,7 +99,7 @@ def test_log_every_n_steps_makes_the_trainer_log_those_steps(tmp_path: Path) -> 
     scalars = tensorboard_scalars(tmp_path / "out")
     assert [s for s, _ in scalars["train/memory/peak_step(GiB)"]] == [2, 4]
     assert [s for s, _ in scalars["train/loss"]] == [2, 3, 4]  # the Trainer's own steps are kept
-    assert list(monitor.history["step"]) == [1, 3]  # CPU: the logged steps are the sampled ones
+    assert {1, 3} <= set(monitor.history["step"])  # logged steps are sampled (at defaults the first steps too: they measure the cost)
 
 
 class Recorder(TrainerCallback):

@@ -99,8 +99,8 @@ class Cadence:
             self.step_s += elapsed
             self.steps += 1
         self._last_start = now
-        if count >= MEASURE_STEPS and count % CHOOSE_EVERY == 0:
-            self.choose()
+        if count >= MEASURE_STEPS and (count - MEASURE_STEPS) % CHOOSE_EVERY == 0:
+            self.choose()  # first as soon as the measured steps are over, then every CHOOSE_EVERY
 
     def pause(self) -> None:
         """Evaluation or a checkpoint between steps: the next start-to-start gap is not a step."""

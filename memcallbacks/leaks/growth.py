@@ -64,8 +64,10 @@ class GrowthDetector:
     * Theil–Sen slope >= ``min_rate_bytes`` per step;
     * growth over the window (slope x span) >= ``min_growth_bytes`` and >= ``noise_factor`` x
       the median within-block range (the step-to-step noise);
-    * no single block-to-block jump carries more than ``max_jump_fraction`` of the growth
-      (one-off steps such as a lazily built cache are not leaks).
+    * no single block-to-block jump carries more than ``max_jump_fraction`` of the growth, and no
+      two together more than ``max_two_jumps_fraction`` (one-off steps such as a lazily built
+      cache or a native library's workspace are not leaks, even when two of them fall in one
+      window on a heap that creeps up by a few KiB per step).
 
     Fast leaks are also tested on blocks of 1 and 2 steps (``fast_block_steps``), where the
     within-block range says nothing about noise; there each block-to-block rise must also be
@@ -88,6 +90,7 @@ class GrowthDetector:
         z_min: float = 2.3,
         noise_factor: float = 2.0,
         max_jump_fraction: float = 0.5,
+        max_two_jumps_fraction: float = 0.75,
         fast_block_steps: tuple[int, ...] = (1, 2),
         min_step_fraction: float = 0.25,
     ) -> None:
@@ -101,6 +104,8 @@ class GrowthDetector:
             ("z_min", z_min, z_min > 0, "use e.g. 2.3"),
             ("noise_factor", noise_factor, noise_factor >= 0, "use 0 or more"),
             ("max_jump_fraction", max_jump_fraction, 0 < max_jump_fraction <= 1, "use a value in (0, 1]"),
+            ("max_two_jumps_fraction", max_two_jumps_fraction, max_jump_fraction <= max_two_jumps_fraction <= 1,
+             "use a value between max_jump_fraction and 1"),
         )
         for name, value, ok, fix in checks:
             if not ok:
@@ -114,6 +119,7 @@ class GrowthDetector:
         self.z_min = z_min
         self.noise_factor = noise_factor
         self.max_jump_fraction = max_jump_fraction
+        self.max_two_jumps_fraction = max_two_jumps_fraction
         self.fast_block_steps = tuple(n for n in fast_block_steps if 1 <= n < block_steps)
         self.min_step_fraction = min_step_fraction
         self.reset()
@@ -125,6 +131,7 @@ class GrowthDetector:
         self._coarse = _Level(8, self.max_blocks)  # 8 fine blocks per coarse block
         self._fast = [_Level(n, self.min_blocks) for n in self.fast_block_steps]
         self._floor0: tuple[int, int] | None = None  # (step, bytes) of the first floor after warm-up
+        self._last_step: int | None = None
         self.last: Finding | None = None
         """The latest growth finding, if the leak has been confirmed."""
 
@@ -142,6 +149,10 @@ class GrowthDetector:
                 finding = self._fast_block_closed(step, level)
                 if finding is not None:
                     return finding
+        # A block spans ``block_steps`` steps, not samples: when the watch is thinned (every k-th
+        # step read) a block holds fewer reads, so the latency in steps does not grow with k.
+        gap = step - self._last_step if self._last_step is not None and step > self._last_step else 1
+        self._last_step = step
         fine = self._fine  # _Level.add inlined: this is the per-step path
         if fine.n == 0:
             fine.step0 = step
@@ -151,7 +162,7 @@ class GrowthDetector:
         elif baseline_bytes > fine.hi:
             fine.hi = baseline_bytes
         fine.n += 1
-        if fine.n < fine.size:
+        if step + gap - fine.step0 < fine.size:
             return None
         fine.blocks.append((fine.step0, fine.lo, fine.hi))
         fine.n = 0
@@ -258,8 +269,8 @@ class GrowthDetector:
         if growth < self.min_growth_bytes or growth < self.noise_factor * noise:
             return None
         total = ys[-1] - ys[0]
-        jump = max(ys[i + 1] - ys[i] for i in range(n - 1))
-        if jump > self.max_jump_fraction * total:
+        jumps = sorted(ys[i + 1] - ys[i] for i in range(n - 1))
+        if jumps[-1] > self.max_jump_fraction * total or jumps[-1] + jumps[-2] > self.max_two_jumps_fraction * total:
             return None
         # A leak that started inside the window is steeper than the whole-window slope says.
         recent = sorted((ys[j] - ys[i]) / ((xs[j] - xs[i]) or 1) for i in range(n - 4, n) for j in range(i + 1, n))

@@ -1,0 +1,160 @@
+"""At DEFAULT settings, the step at which each adapter reports a leak of each rate (issue 11, item 4).
+
+Each run is a real CPU training run of a small MLP (256 -> 512 -> 1, batch 128, a few ms per step) with
+one planted leak from step 0: a written tensor of ``rate`` bytes appended to a list every step. The
+monitor is built with no arguments beyond where to write its files. The step counted is the growth
+finding's ``first_step`` (the warm-up counts against the monitor).
+
+Run alone (``python benchmarks/detection_adapters.py [--quick]``) or as part of ``detection.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+KiB, MiB = 1024, 1024 * 1024
+DIM, BATCH = 256, 128
+# the issue's targets: (rate, found within this many steps of the leak's start)
+TARGETS = [(4 * MiB, 12), (1 * MiB, 20), (256 * KiB, 35), (64 * KiB, 300)]
+
+
+def _mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(DIM, 512), nn.ReLU(), nn.Linear(512, 1))
+
+
+def _leak(rate: int) -> torch.Tensor:
+    return torch.ones(rate // 4)  # written: its pages are really in use
+
+
+def _first_growth(findings: list[Any]) -> int | None:
+    for f in findings:
+        if f.kind == "growth":
+            return f.first_step if f.first_step is not None else f.step
+    return None
+
+
+def run_lightning(rate: int, steps: int, workdir: Path, logger: bool) -> int | None:
+    import lightning.pytorch as L
+    from lightning.pytorch.loggers import CSVLogger
+
+    from memcallbacks import MemoryMonitor
+
+    kept: list[torch.Tensor] = []
+
+    class Leaky(L.Callback):
+        def on_train_batch_end(self, *args: Any) -> None:
+            kept.append(_leak(rate))
+
+    class Net(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = _mlp()
+
+        def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+            return self.net(batch).pow(2).mean()
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    mon = MemoryMonitor(output_dir=str(workdir / "mem"), plot=False)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, default_root_dir=str(workdir),
+                        logger=CSVLogger(str(workdir), name="csv") if logger else False, callbacks=[mon, Leaky()],
+                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    trainer.fit(Net(), torch.utils.data.DataLoader(torch.randn(steps * BATCH, DIM), batch_size=BATCH))
+    return _first_growth(mon.findings)
+
+
+def _plain_loop(monitor: Any, model: nn.Module, optimizer: Any, steps: int, rate: int, backward: Callable[[Any], None]) -> None:
+    kept: list[torch.Tensor] = []
+    for x in monitor.track(list(torch.randn(steps, BATCH, DIM))):
+        backward(model(x).pow(2).mean())
+        optimizer.step()
+        optimizer.zero_grad()
+        kept.append(_leak(rate))
+    monitor.close()
+
+
+def run_plain(rate: int, steps: int, workdir: Path, log_fn: bool) -> int | None:
+    from memcallbacks import Monitor
+
+    model = _mlp()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    monitor = Monitor(model, optimizer, (lambda metrics, step: None) if log_fn else None, output_dir=str(workdir / "mem"), plot=False)
+    _plain_loop(monitor, model, optimizer, steps, rate, lambda loss: loss.backward())
+    return _first_growth(monitor.findings)
+
+
+def run_accelerate(rate: int, steps: int, workdir: Path) -> int | None:
+    import accelerate
+
+    from memcallbacks.accelerate import AccelerateMemoryMonitor
+
+    accelerator = accelerate.Accelerator(cpu=True, project_dir=str(workdir))
+    model = _mlp()
+    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    monitor = AccelerateMemoryMonitor(accelerator, plot=False)
+    try:
+        _plain_loop(monitor, model, optimizer, steps, rate, accelerator.backward)
+    finally:
+        accelerator.end_training()
+    return _first_growth(monitor.findings)
+
+
+ADAPTERS: dict[str, Callable[[int, int, Path], int | None]] = {
+    "Lightning, CSVLogger": lambda r, n, d: run_lightning(r, n, d, logger=True),
+    "Lightning, logger=False": lambda r, n, d: run_lightning(r, n, d, logger=False),
+    "plain Monitor, log_fn": lambda r, n, d: run_plain(r, n, d, log_fn=True),
+    "plain Monitor, no log_fn": lambda r, n, d: run_plain(r, n, d, log_fn=False),
+    "Accelerate": run_accelerate,
+}
+
+
+def _label(rate: int) -> str:
+    return f"{rate // MiB} MiB" if rate >= MiB else f"{rate // KiB} KiB"
+
+
+def bench_adapters(quick: bool = False) -> list[dict[str, Any]]:
+    """One run per (adapter, rate); prints the table and returns its rows."""
+    targets = TARGETS[:3] if quick else TARGETS
+    print("\n## Step at which a leak is found at DEFAULT settings, per adapter (leak from step 0; target in brackets)")
+    print("| adapter | " + " | ".join(f"{_label(r)}/step (≤ {w})" for r, w in targets) + " |")
+    print("|---|" + "---|" * len(targets))
+    rows = []
+    for name, run in ADAPTERS.items():
+        cells = []
+        for rate, within in targets:
+            with tempfile.TemporaryDirectory(prefix="memcallbacks-detect-") as tmp:
+                t0 = time.perf_counter()
+                step = run(rate, within + 40, Path(tmp))
+                seconds = time.perf_counter() - t0
+            gc.collect()
+            rows.append({"adapter": name, "rate": rate, "within": within, "step": step, "seconds": round(seconds, 1)})
+            ok = step is not None and step <= within
+            cells.append(f"{'not found' if step is None else step} {'✓' if ok else '✗'}")
+        print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="skip the 64 KiB/step rate (the longest runs)")
+    args = parser.parse_args()
+    warnings.simplefilter("ignore")
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric", "memcallbacks"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    torch.set_num_threads(1)
+    bench_adapters(args.quick)
+
+
+if __name__ == "__main__":
+    main()
