@@ -297,7 +297,7 @@ class MemoryMonitor(SessionResults, *_callback_bases()):  # type: ignore[misc]
         loss, self._loss = self._loss, None
         if self._stepped or not self._automatic:
             log_step = self._log_step(trainer) if session.log_this_step else None
-            session.end_step(OPTIMIZER if self._automatic else OTHER, log_step=log_step, batch=batch, loss=loss)
+            session.end_step(OPTIMIZER if self._automatic else OTHER, log_step=log_step, batch=batch, loss=loss, outputs=outputs)
         else:  # accumulating gradients: the step goes on with the next batch
             session.boundary(OTHER)
         self._stepped = False

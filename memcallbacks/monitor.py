@@ -118,6 +118,7 @@ class Monitor(SessionResults):
         self._longest_window = 0  # the most batches seen between two optimizer steps
         self._backward_open = False
         self._output: Any = None  # a graph tensor of this step's forward, held until the step ends
+        self._outputs: list[torch.Tensor] = []  # the tensors of this step's forward outputs (leak detection)
         self._batch: Any = None  # the item track() yielded, held until the step ends
         self._closed = False
         self._weak_backward_start = weak_method(self._backward_start)
@@ -219,6 +220,8 @@ class Monitor(SessionResults):
             tensors = _first_grad_tensors(output)
             if tensors and self._output is None:
                 self._output = tensors[0]  # its graph is what a kept loss would keep alive
+            if len(self._outputs) < 8:
+                self._outputs.extend(tensors[: 8 - len(self._outputs)])  # a kept `logits` is watched
             if session.engine.sampling:  # backward boundaries matter only on sampled steps
                 for tensor in tensors:
                     tensor.register_hook(self._weak_backward_start)  # weak: a kept output must not keep the monitor
@@ -268,16 +271,17 @@ class Monitor(SessionResults):
         )
 
     def _end(self) -> None:
-        batch, output = self._batch, self._output
+        batch, output, outputs = self._batch, self._output, self._outputs
         self._batch = self._output = None
+        self._outputs = []
         if self._session.step_open:
-            self._session.end_step(OTHER, batch=batch, loss=output)
+            self._session.end_step(OTHER, batch=batch, loss=output, outputs=outputs)
             self._step += 1
             if self._stepped:
                 if self._window > self._longest_window:
                     self._longest_window = self._window
                 self._window = 0
-        del batch, output
+        del batch, output, outputs
         self._stepped = False
         self._backward_open = False
 
@@ -490,8 +494,9 @@ class Monitor(SessionResults):
             return False
         logged = session.log_this_step
         output, self._output = self._output, None  # the step's forward output, for leak detection
-        session.end_step(OTHER, log_step=log_step, loss=output)
-        del output
+        outputs, self._outputs = self._outputs, []
+        session.end_step(OTHER, log_step=log_step, loss=output, outputs=outputs)
+        del output, outputs
         return logged
 
     def state_dict(self) -> dict[str, Any]:

@@ -403,7 +403,7 @@ def test_lingering_fires_on_seed_000_loop_and_census_names_the_holder():
     f = found[0]
     assert f.step == 1 and f.details["from_step"] == 0  # the first affected step
     assert f.kind == "lingering" and f.details["graph_alive"] and f.details["batch_tensors_alive"] == 1
-    assert f.bytes == 2 * 256 * 512 * 4  # the embedding and its grad
+    assert f.bytes == 2 * 256 * 512 * 4 + 4  # the embedding, its grad and the kept loss itself (a float32 scalar)
     assert "loss.item()" in f.message and "del outputs" in f.message
     assert len(found) == 1  # once per cause, not once per step
     assert det.occurrences["seen:batch+graph"] == 3
@@ -443,7 +443,7 @@ def test_lingering_sees_user_loss_when_framework_hands_over_divided_loss():
         det.end_step(step, data, handed)
         del handed, data, loss
     assert found and found[0].details["graph_alive"]
-    assert found[0].bytes == 2 * 256 * 512 * 4  # the embedding (in the batch) and its grad
+    assert found[0].bytes == 2 * 256 * 512 * 4 + 4  # the embedding (in the batch), its grad and the kept loss itself
     assert any(p.startswith("test_lingering_sees_user_loss_when_framework_hands_over_divided_loss() local kept[0]")
                and "-> autograd graph -> leaf tensor 256x512 float32" in p for p in paths), paths
 

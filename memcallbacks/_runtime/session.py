@@ -365,10 +365,13 @@ class Session:
             except Exception as exc:
                 engine.fail(exc, "phase boundary")
 
-    def end_step(self, closing: int = OPTIMIZER, *, log_step: int | None = None, batch: Any = None, loss: Any = None) -> list[Any] | None:
+    def end_step(
+        self, closing: int = OPTIMIZER, *, log_step: int | None = None, batch: Any = None, loss: Any = None, outputs: Any = None
+    ) -> list[Any] | None:
         """Close the step, append its row and, on logged steps, emit its metrics through ``log_fn``.
 
-        ``batch`` and ``loss`` (the step's last) are handed to leak detection as weak references."""
+        ``batch``, ``loss`` (the step's last) and ``outputs`` (the model's outputs the adapter saw)
+        are handed to leak detection as weak references."""
         engine = self.engine
         row = None
         if self._lingering_due:
@@ -381,7 +384,7 @@ class Session:
                 # sampled steps, where the weak references and graph marks (~2-30 µs) are affordable
                 if self.watch is not None and (sampled or self.current_count < LINGERING_EVERY_STEP_UNTIL):
                     t0 = time.perf_counter()
-                    self.watch.end_step(self.current_step, batch, loss)
+                    self.watch.end_step(self.current_step, batch, loss, outputs)
                     if row is not None:
                         row[MONITOR_TIME_S] += time.perf_counter() - t0
                 if row is not None:

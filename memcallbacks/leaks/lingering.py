@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import gc
 import logging
-import warnings
 import weakref
 from typing import Any
 
@@ -14,14 +12,15 @@ from memcallbacks._findings import Finding
 from memcallbacks._runtime.torch_private import node_metadata
 from memcallbacks._storage import storage_keys
 from memcallbacks._units import MiB, format_bytes
+from memcallbacks.leaks.chains import GraphChains
+from memcallbacks.leaks.marks import METADATA_KEY, find_graph_root
+from memcallbacks.leaks.kept import OutputRef, alive_outputs, output_refs, storage_tensor
 from memcallbacks.leaks.tensors import graph_tensors, is_parameter, iter_tensors
 
 log = logging.getLogger(__name__)
 
-__all__ = ["METADATA_KEY", "LingeringDetector"]
+__all__ = ["METADATA_KEY", "LingeringDetector", "find_graph_root"]  # find_graph_root: from marks.py
 
-METADATA_KEY = "memcallbacks"
-"""Key of the sentinel memcallbacks puts into ``grad_fn.metadata``."""
 
 
 class _Sentinel:
@@ -82,6 +81,10 @@ class LingeringDetector:
         self._batch_refs: list[weakref.ref[torch.Tensor]] = []
         self._older_refs: list[weakref.ref[torch.Tensor]] | None = None  # None: no batch two steps ago
         self._loss_ref: weakref.ref[torch.Tensor] | None = None
+        self._output_refs: list[OutputRef] = []
+        self._older_output_refs: list[OutputRef] | None = None
+        self._output_targets: list[Any] = []  # weak references to the storages behind the last finding
+        self.chains = GraphChains()
         self._sentinel_ref: weakref.ref[_Sentinel] | None = None
         self._from_step: int | None = None
         self._targets: list[weakref.ref[torch.Tensor]] = []
@@ -94,26 +97,44 @@ class LingeringDetector:
         ``"seen:graph"``, ...); ``"retained:batch"`` counts measured steps whose previous batch
         was kept together with older ones (not lingering)."""
 
-    def end_step(self, step: int, batch: Any = None, loss: Any = None) -> None:
-        """Remember step ``step``'s batch and loss graph, weakly. Never keeps them alive."""
+    def end_step(self, step: int, batch: Any = None, loss: Any = None, outputs: Any = None) -> None:
+        """Remember step ``step``'s batch, loss graph and model outputs, weakly. Never keeps them alive.
+
+        ``outputs``: the step's model outputs (tensors or containers of them); their storages are
+        watched (a kept ``logits``) and their graphs marked like the loss's (a running sum of them)."""
         self._batch_refs = self._batch_weakrefs(batch)
         self._from_step = step
         self._loss_ref = None
         self._sentinel_ref = None
-        if isinstance(loss, _Tensor):
-            fn = loss.grad_fn
-            if fn is not None:
-                sentinel = _Sentinel()
-                sentinel.step = step
+        exclude: set[int] = set()
+        for r in self._batch_refs:
+            t = r()
+            if t is not None:
                 try:
-                    node_metadata(fn)[METADATA_KEY] = sentinel
+                    exclude.add(t.untyped_storage().data_ptr())
+                except Exception:
+                    pass
+        self._output_refs = output_refs(outputs, exclude) if outputs is not None else []
+        graphs = [t for t in [loss, *iter_tensors(outputs, max_items=64)] if isinstance(t, _Tensor) and t.grad_fn is not None] if outputs is not None else (
+            [loss] if isinstance(loss, _Tensor) and loss.grad_fn is not None else []
+        )
+        if not graphs:
+            return
+        sentinel = _Sentinel()
+        sentinel.step = step
+        try:
+            for i, t in enumerate(graphs[:8]):
+                fn = t.grad_fn
+                node_metadata(fn)[METADATA_KEY] = sentinel
+                if i == 0:  # the loss: also its next nodes (a framework may hand over loss / n)
                     for nxt, _ in fn.next_functions:
                         if nxt is not None and _markable(type(nxt)):
                             node_metadata(nxt)[METADATA_KEY] = sentinel
-                except Exception:  # exotic node types without metadata
-                    log.debug("could not mark the loss graph of step %s", step, exc_info=True)
-                self._sentinel_ref = weakref.ref(sentinel)
-                self._loss_ref = weakref.ref(loss)
+        except Exception:  # exotic node types without metadata
+            log.debug("could not mark the loss graph of step %s", step, exc_info=True)
+        self._sentinel_ref = weakref.ref(sentinel)
+        self._loss_ref = weakref.ref(graphs[0])
+        self.chains.mark(step, sentinel)
 
     def _batch_weakrefs(self, batch: Any) -> list[weakref.ref[torch.Tensor]]:
         """Weak references to the batch's tensors (parameters excepted), at most ``max_tensors``."""
@@ -141,10 +162,10 @@ class LingeringDetector:
     @property
     def pending(self) -> bool:
         """``end_step`` left references for the next ``check`` to look at."""
-        return bool(self._batch_refs) or self._sentinel_ref is not None
+        return bool(self._batch_refs) or self._sentinel_ref is not None or bool(self._output_refs)
 
     def check(self, step: int, current_batch: Any = None) -> Finding | None:
-        """At the start of ``step``: a Finding if the previous step's batch or graph is alive.
+        """At the start of ``step``: a Finding if the previous step's batch, graph or outputs are alive.
 
         ``current_batch``: this step's batch, when known; a batch reused as is (the same tensor
         objects every step) is not lingering.
@@ -152,77 +173,138 @@ class LingeringDetector:
         batch_refs = self._batch_refs
         older = self._older_refs
         sref = self._sentinel_ref
+        output_refs_ = self._output_refs
+        older_outputs = self._older_output_refs
         self._older_refs = batch_refs
+        self._older_output_refs = output_refs_
         self._batch_refs = []
+        self._output_refs = []
         self._sentinel_ref = None
         sentinel = sref() if sref is not None else None
-        any_batch = False
-        for r in batch_refs:
-            if r() is not None:
-                any_batch = True
-                break
-        if not any_batch and sentinel is None:
+        any_alive = sentinel is not None
+        if not any_alive:
+            for r in batch_refs:
+                if r() is not None:
+                    any_alive = True
+                    break
+        if not any_alive:
+            for o in output_refs_:
+                if o.storage() is not None:
+                    any_alive = True
+                    break
+        if not any_alive:
             return None
-        return self._examine(step, batch_refs, older, sentinel, current_batch)
+        return self._examine(step, batch_refs, older, sentinel, current_batch, output_refs_, older_outputs)
 
     def _examine(
-        self, step: int, batch_refs: list[Any], older: list[Any] | None, sentinel: _Sentinel | None, current_batch: Any
+        self,
+        step: int,
+        batch_refs: list[Any],
+        older: list[Any] | None,
+        sentinel: _Sentinel | None,
+        current_batch: Any,
+        output_refs_: list[OutputRef] = (),  # type: ignore[assignment]
+        older_outputs: list[OutputRef] | None = None,
     ) -> Finding | None:
-        current = {id(t) for t in iter_tensors(current_batch)} if current_batch is not None else set()
+        current_tensors = list(iter_tensors(current_batch)) if current_batch is not None else []
+        current = {id(t) for t in current_tensors}
+        current_ptrs = set()
+        for t in current_tensors:
+            try:
+                current_ptrs.add(t.untyped_storage().data_ptr())
+            except Exception:
+                pass
         batch = [t for t in (r() for r in batch_refs) if t is not None and id(t) not in current]
+        outputs = alive_outputs(list(output_refs_), current_ptrs)
         graph = sentinel is not None
-        if not batch and not graph:
+        if not batch and not graph and not outputs:
             return None
         # The situation seen (before measuring) decides whether to measure: once reported, or
         # while backing off after a measurement below min_bytes, it is only counted.
-        seen_key = "seen:" + "+".join(k for k, v in (("batch", batch), ("graph", graph)) if v)
+        seen_key = "seen:" + "+".join(k for k, v in (("batch", batch), ("graph", graph), ("outputs", outputs)) if v)
         self.occurrences[seen_key] = self.occurrences.get(seen_key, 0) + 1
         if seen_key in self._reported or step < self._next_measure.get(seen_key, -1):
             return None
         older_alive = not older or any(t is not None and id(t) not in current for t in (r() for r in older))
+        watched = {(st.device, st.data_ptr()) for st, _ in outputs}
+        too_early = bool(outputs) and not older_outputs
+        if outputs:
+            # an output whose counterpart of two steps ago is alive too is kept by a list, a cache or
+            # a chain (retention, the growth detector's), or it is too early to tell
+            retained = set() if too_early else _retained(output_refs_, older_outputs)  # type: ignore[arg-type]
+            kept = [(st, ref) for st, ref in outputs if not too_early and id(ref) not in retained]
+            if len(kept) < len(outputs):
+                self.occurrences["retained:outputs"] = self.occurrences.get("retained:outputs", 0) + 1
+            outputs = kept
 
         held: dict[Any, int] = {}
         targets: list[torch.Tensor] = []
+        output_keys: set[Any] = set()
+        for st, ref in outputs:
+            output_keys.add((st.device, st.data_ptr()))
+            held[(st.device, st.data_ptr())] = int(st.nbytes())
         self._root_ref = None
         graph_seen = graph
         if graph:
             # After backward a kept loss's graph holds only parameters: alive, but not a cause.
-            graph = self._measure_graph(sentinel, held, targets)
+            graph_held, root_held = self._measure_graph(sentinel, held, targets, watched)
         batch = self._lingering_batch(batch, held, older_alive)
-        key = "lingering:" + "+".join(k for k, v in (("batch", batch), ("graph", graph)) if v)
-        if key in self._reported or not (batch or graph_seen):
+        if graph:
+            # the root's own storage alone (a kept scalar loss) names the graph only when nothing else lingers
+            graph = graph_held or (root_held and not batch and not outputs)
+            if not graph:
+                self._root_ref = None  # the holders then name what lingers, not the graph
+        key = "lingering:" + "+".join(k for k, v in (("batch", batch), ("graph", graph), ("outputs", outputs)) if v)
+        if key in self._reported or not (batch or graph_seen or outputs):
             return None
         batch_keys: set[Any] = set()
         for t in batch:
             _add_storages(t, held, targets)
             batch_keys.update(k for k, _ in storage_keys(t))
         batch_bytes = sum(n for k, n in held.items() if k in batch_keys)
+        output_bytes = sum(n for k, n in held.items() if k in output_keys and k not in batch_keys)
         total = sum(held.values())
         if total < self.min_bytes or total == 0:
-            self._back_off(seen_key, step)
+            if not too_early:  # measure again next step, when the outputs of two steps ago are known
+                self._back_off(seen_key, step)
             return None
         self._reported.add(key)
         self._reported.add(seen_key)
         self._targets = [weakref.ref(t) for t in targets]
-        return self._finding(step, key, batch, graph, batch_bytes, total)
+        self._output_targets = [weakref.ref(st) for st, _ in outputs]
+        described = [ref.described for _, ref in outputs]
+        return self._finding(step, key, batch, graph, batch_bytes, total, described, output_bytes)
 
-    def _measure_graph(self, sentinel: Any, held: dict[Any, int], targets: list[torch.Tensor]) -> bool:
-        """Add the storages the marked graph holds (not parameters) to ``held``; True if there were any."""
+    def _measure_graph(
+        self, sentinel: Any, held: dict[Any, int], targets: list[torch.Tensor], outputs: set[Any] = frozenset()  # type: ignore[assignment]
+    ) -> tuple[bool, bool]:
+        """Add the storages the marked graph holds (not parameters) to ``held``, the root tensor's own
+        storage included (a kept ``logits`` holds its own bytes even when its graph holds none), the
+        watched ``outputs``' storages left out; ``(the graph holds bytes, the root holds bytes)``."""
         root = self._graph_root(sentinel)
+        added: dict[Any, int] = {}
+        root_keys: set[Any] = set()
         if root is not None:
+            if not is_parameter(root):
+                _add_storages(root, added, targets)
+                root_keys = {k for k in added if k not in outputs}
             for t, _how in graph_tensors([root]):
                 if is_parameter(t):
                     continue
-                _add_storages(t, held, targets)
+                _add_storages(t, added, targets)
                 try:
                     if t.is_leaf and t.grad is not None:
-                        _add_storages(t.grad, held, targets)
+                        _add_storages(t.grad, added, targets)
                 except Exception:
                     pass
-        if not held:
-            return False
+        for k, n in added.items():
+            if k not in outputs:  # a watched output counts as an output (or, kept with older ones, not here)
+                held.setdefault(k, n)
+        graph_held = any(k not in outputs and k not in root_keys for k in added)
+        if not graph_held and not root_keys:
+            return False, False
         self._root_ref = weakref.ref(root)
-        return True
+        return graph_held, bool(root_keys)
 
     def _lingering_batch(self, batch: list[torch.Tensor], held: dict[Any, int], older_alive: bool) -> list[torch.Tensor]:
         """The batch tensors that count: those the graph holds, plus the others unless older batches live too."""
@@ -244,25 +326,38 @@ class LingeringDetector:
         self._next_measure[seen_key] = step + backoff if backoff <= self.max_backoff_steps else 2**62
 
     def _finding(
-        self, step: int, key: str, batch: list[torch.Tensor], graph: bool, batch_bytes: int, total: int
+        self, step: int, key: str, batch: list[torch.Tensor], graph: bool, batch_bytes: int, total: int,
+        outputs: list[str] = (), output_bytes: int = 0,  # type: ignore[assignment]
     ) -> Finding:
-        graph_bytes = total - batch_bytes
+        graph_bytes = total - batch_bytes - output_bytes
         from_step = self._from_step if self._from_step is not None else step - 1
         what = []
         n = len(batch)
         if batch:
             what.append(f"{n} tensor{'s' if n != 1 else ''} of its batch ({format_bytes(batch_bytes)})")
+        if outputs:
+            what.append(f"model output{'s' if len(outputs) != 1 else ''} {', '.join(outputs[:3])} ({format_bytes(output_bytes)})")
         if graph:
-            what.append(f"its autograd graph (holding {format_bytes(graph_bytes)} more)" if batch else f"autograd graph (holding {format_bytes(graph_bytes)})")
-        verb = "were" if graph and batch or n > 1 else "was"
+            what.append(f"its autograd graph (holding {format_bytes(graph_bytes)} more)" if what else f"autograd graph (holding {format_bytes(graph_bytes)})")
+        verb = "were" if len(what) > 1 or n > 1 or len(outputs) > 1 else "was"
+        if outputs and not graph:
+            cause = (
+                "Something keeps the forward output from one step to the next, usually a loop variable "
+                "(`logits = model(x)`, `outputs = model(**batch)`) that lives until the next step rebinds "
+                "it, so two steps' outputs are alive at the next forward. `del logits` (or `del outputs`) "
+                "once the loss is computed, or keep only what you need (`preds = logits.argmax(-1)`)."
+            )
+        else:
+            cause = (
+                "Something keeps them from one step to the next, usually "
+                "a loss returned with its graph and kept by the loop until the next step rebinds the "
+                "variable (`return {\"loss\": loss}`, `outputs = train_one_step(batch)`): the graph holds "
+                "the inputs that require grad and their gradients. Return `loss.item()` (or "
+                "`loss.detach()`), or `del outputs, batch` at the end of the loop body."
+            )
         message = (
             f"Step {from_step}'s {' and '.join(what)} {verb} still alive when step {step} started, "
-            f"{format_bytes(total)} in all. Something keeps them from one step to the next, usually "
-            "a loss returned with its graph and kept by the loop until the next step rebinds the "
-            "variable (`return {\"loss\": loss}`, `outputs = train_one_step(batch)`): the graph holds "
-            "the inputs that require grad and their gradients. Return `loss.item()` (or "
-            "`loss.detach()`), or `del outputs, batch` at the end of the loop body. The holders "
-            "show where the reference lives."
+            f"{format_bytes(total)} in all. {cause} The holders show where the reference lives."
         )
         return Finding(
             kind="lingering",
@@ -276,6 +371,8 @@ class LingeringDetector:
                 "graph_alive": graph,
                 "batch_bytes": int(batch_bytes),
                 "graph_bytes": int(graph_bytes),
+                "outputs_alive": len(outputs),
+                "output_bytes": int(output_bytes),
             },
         )
 
@@ -286,27 +383,7 @@ class LingeringDetector:
             return loss
         # The user kept another tensor of the graph: the loss before the framework divided it,
         # or (plain loops, where the monitor marks the model's output) the loss computed from it.
-        # Find a live tensor whose graph reaches a node carrying this step's sentinel. Only runs
-        # when the graph is alive, i.e. when something is already suspicious.
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # proxies of deprecated names warn when isinstance() looks at them
-            objects = [obj for obj in gc.get_objects() if isinstance(obj, _Tensor)]
-        with_graph = []
-        for obj in objects:
-            try:
-                fn = obj.grad_fn
-            except Exception:
-                continue
-            if fn is None:
-                continue
-            try:
-                if node_metadata(fn).get(METADATA_KEY) is sentinel:
-                    return obj
-            except Exception:
-                continue
-            with_graph.append((obj, fn))
-        del objects
-        return _reaching_sentinel(with_graph, sentinel)
+        return find_graph_root(sentinel)
 
     def graph_root(self) -> torch.Tensor | None:
         """The live tensor through which the last finding's graph is held (e.g. the user's loss), if any."""
@@ -314,30 +391,13 @@ class LingeringDetector:
 
     def alive_tensors(self) -> list[torch.Tensor]:
         """The lingering tensors behind the last finding (for :func:`find_holders`), if still alive."""
-        return [t for t in (r() for r in self._targets) if t is not None]
+        tensors = [t for t in (r() for r in self._targets) if t is not None]
+        return tensors + [storage_tensor(st) for st in (r() for r in self._output_targets) if st is not None]
 
 
-def _reaching_sentinel(with_graph: list[tuple[torch.Tensor, Any]], sentinel: Any, budget: int = 20_000) -> Any:
-    """The first tensor whose graph (``(tensor, grad_fn)`` pairs) reaches a node marked with ``sentinel``.
-
-    ``budget``: nodes visited over all candidates.
-    """
-    seen: set[int] = set()
-    for obj, fn in with_graph:
-        stack = [fn]
-        while stack and budget > 0:
-            node = stack.pop()
-            if id(node) in seen:
-                continue
-            seen.add(id(node))
-            budget -= 1
-            try:
-                if node_metadata(node).get(METADATA_KEY) is sentinel:
-                    return obj
-                stack.extend(n for n, _ in node.next_functions if n is not None)
-            except Exception:
-                continue
-    return None
+def _retained(refs: list[OutputRef], older: list[OutputRef]) -> set[int]:
+    """Ids of the refs in ``refs`` whose counterpart in ``older`` (same position) is still alive."""
+    return {id(r) for r, o in zip(refs, older) if o.storage() is not None}
 
 
 def _add_storages(t: Any, held: dict[Any, int], targets: list[torch.Tensor]) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import re
+import types
 from typing import Any
 
 import torch
@@ -12,7 +13,7 @@ from memcallbacks._runtime.torch_private import is_autograd_node
 from memcallbacks.leaks.roots import Roots, frame_locals
 from memcallbacks.leaks.tensors import describe_tensor
 
-__all__ = ["GRAPH_HOP", "edge_fragment", "holder_of", "render_chain"]
+__all__ = ["GRAPH_HOP", "edge_fragment", "holder_of", "is_owner", "render_chain"]
 
 GRAPH_HOP = " -> autograd graph"
 """The fragment of a path where it enters an autograd graph (written once per path)."""
@@ -139,22 +140,54 @@ def _attr_edge(parent: Any, child: Any) -> tuple[str, bool]:
     return f" -> {type(child).__name__}", False
 
 
-def render_chain(chain: list[Any], roots: Roots) -> tuple[str, str, bool]:
-    """``(path, holder, via_graph)`` for a chain root value -> ... -> tensor.
+_CONTAINERS = (dict, list, tuple, set, frozenset, collections.deque)
+_NOT_OWNERS = (type, types.ModuleType, types.FunctionType, types.MethodType, types.BuiltinFunctionType, types.FrameType, torch.Tensor)
 
-    A path through an nn.Module starts at the outermost module (``LitModel.cache[17]``),
-    whichever frame or global led to it.
-    """
+
+def is_owner(obj: Any) -> bool:
+    """An instance of a class that owns state by attribute (a Trainer, a callback, a user's object):
+    not a container, tensor, function, frame, module object or autograd node."""
+    tp = type(obj)
+    if tp.__module__ == "builtins" or isinstance(obj, _CONTAINERS) or isinstance(obj, _NOT_OWNERS) or is_autograd_node(obj):
+        return False
+    return hasattr(obj, "__dict__") or bool(getattr(tp, "__slots__", None))
+
+
+def _start(chain: list[Any], roots: Roots) -> tuple[int, str, str]:
+    """Where a path starts: ``(index in chain, label, where)``.
+
+    The outermost nn.Module on the way (``LitModel.cache[17]``), whichever frame or global led to
+    it; else, from a frame's local, the owning object by its type (``MyTrainer._train_logits``,
+    ``Trainer.callbacks[1] (ImageLogger).pending``): the local itself when it is one, the first
+    one on the way when the local is a library frame's (its name says nothing stable). Globals
+    and user locals that are containers or tensors keep their names (``local logits``)."""
     for k, obj in enumerate(chain):
         if isinstance(obj, torch.nn.Module):
-            chain = chain[k:]
-            path, where = type(obj).__name__, ""
-            break
+            return k, type(obj).__name__, ""
         if is_autograd_node(obj) or isinstance(obj, torch.Tensor):
-            path, where = roots.label(chain[0])
             break
-    else:
-        path, where = roots.label(chain[0])
+    label, where = roots.label(chain[0])
+    if not roots.is_frame_local(chain[0]):
+        return 0, label, where
+    library = id(chain[0]) in roots.library_frame_values
+    for k, obj in enumerate(chain[:-1]):
+        if is_autograd_node(obj) or isinstance(obj, torch.Tensor):
+            break
+        if is_owner(obj):
+            return k, type(obj).__name__, ""
+        if not library:
+            break
+    return 0, label, where
+
+
+def render_chain(chain: list[Any], roots: Roots) -> tuple[str, str, bool]:
+    """``(path, holder, via_graph)`` for a chain root value -> ... -> tensor (see :func:`_start`).
+
+    An object reached by subscript on the way is named by its type when the path goes on through
+    its attributes: ``Trainer.callbacks[1] (ImageLogger).pending``.
+    """
+    k, path, where = _start(chain, roots)
+    chain = chain[k:]
     attr_mode = False
     via_graph = False
     skip = 0
@@ -171,6 +204,8 @@ def render_chain(chain: list[Any], roots: Roots) -> tuple[str, str, bool]:
                 frag = f" -> {getattr(parent, '__qualname__', '?')}() closure variable {names[index]}"
                 skip = 2  # tuple -> cell -> value
                 attr_mode = False
+        if frag.endswith("]") and i + 2 < len(chain) and is_owner(child) and not isinstance(child, torch.nn.Module):
+            frag += f" ({type(child).__name__})"
         if frag.startswith(" -> ") and where:
             path += " " + where
             where = ""

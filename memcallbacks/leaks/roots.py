@@ -32,6 +32,14 @@ def frame_locals(frame: Any) -> list[tuple[str, Any]]:
         return []
 
 
+_STDLIB_PREFIX = os.path.dirname(os.__file__) + os.sep
+
+
+def _is_library_file(fname: str) -> bool:
+    """Whether code in ``fname`` is installed or standard-library code (not the user's)."""
+    return "site-packages" in fname or "dist-packages" in fname or fname.startswith(_STDLIB_PREFIX)
+
+
 def _is_library(name: str, mod: Any) -> bool:
     """Whether a module's globals are searched late: memcallbacks, torch, installed and stdlib modules."""
     if name == "__main__":
@@ -47,14 +55,21 @@ def _is_library(name: str, mod: Any) -> bool:
 
 
 class Roots:
-    """Root objects, in two phases: frame locals and user-module globals, then library-module globals.
+    """Root objects, in three phases: the locals of user code's frames and user-module globals, then
+    the locals of library frames (Lightning's loops, the Transformers Trainer), then library-module
+    globals.
 
-    Most holders are found from the first phase; library globals (a large part of the heap) are
-    searched only when targets remain. Labels are made on demand.
+    Most holders are found from the first phase. Library frames come second so that a holder is
+    named from a stable owner (``Trainer.callbacks[1] (ImageLogger).pending``, reached from the
+    user's ``trainer``) rather than from whichever framework frame happened to be on the stack
+    (``_call_callback_hooks() local callback.pending``); what only a library frame holds is still
+    found. Library globals (a large part of the heap) are searched only when targets remain.
+    Labels are made on demand.
     """
 
     def __init__(self) -> None:
-        self.phases: list[list[Any]] = [[], []]
+        self.phases: list[list[Any]] = [[], [], []]
+        self.library_frame_values: set[int] = set()  # ids of root values that only library frames hold
         self.blocked: set[int] = set()  # ids of module objects and dicts, frames: never expanded
         self._frame_roots: dict[int, tuple[str, str]] = {}
         self._globals: list[tuple[str, dict[str, Any]]] = []
@@ -67,7 +82,6 @@ class Roots:
         except Exception:
             return
         me = threading.get_ident()
-        values = self.phases[0]
         for tid in sorted(frames, key=lambda t: t != me):
             f = frames[tid]
             while f is not None:
@@ -75,9 +89,13 @@ class Roots:
                 code = f.f_code
                 if not code.co_filename.startswith(_PACKAGE_PREFIX) and code.co_flags & CO_OPTIMIZED:
                     where = f"({os.path.basename(code.co_filename)}:{f.f_lineno})"
+                    library = _is_library_file(code.co_filename)
+                    values = self.phases[1 if library else 0]
                     for name, value in frame_locals(f):
                         if id(value) not in self._frame_roots:
                             self._frame_roots[id(value)] = (f"{code.co_name}() local {name}", where)
+                            if library:
+                                self.library_frame_values.add(id(value))
                         values.append(value)
                 f = f.f_back
         del frames
@@ -95,7 +113,11 @@ class Roots:
             if name.split(".")[0] == "memcallbacks":
                 continue
             self._globals.append((name, d))
-            self.phases[1 if _is_library(name, mod) else 0].extend(d.values())
+            self.phases[2 if _is_library(name, mod) else 0].extend(d.values())
+
+    def is_frame_local(self, obj: Any) -> bool:
+        """Whether ``obj`` is a root because a frame's local variable holds it."""
+        return id(obj) in self._frame_roots
 
     def label(self, obj: Any) -> tuple[str, str]:
         """``(label, where)`` of a root object; where is ``"(file:line)"`` for frame locals."""
@@ -111,6 +133,7 @@ class Roots:
 
     def release(self) -> None:
         """Drop every reference to root objects and labelled values."""
-        self.phases = [[], []]
+        self.phases = [[], [], []]
+        self.library_frame_values = set()
         self._frame_roots = {}
         self._globals = []

@@ -15,6 +15,7 @@ from memcallbacks._runtime.torch_private import saved_tensors_of
 
 __all__ = [
     "batch_bytes",
+    "graph_bytes",
     "describe_tensor",
     "graph_tensors",
     "is_parameter",
@@ -139,3 +140,11 @@ def graph_tensors(
 def batch_bytes(batch: Any) -> int:
     """Bytes of the distinct storages of the tensors in ``batch`` (nested containers)."""
     return distinct_bytes(iter_tensors(batch))
+
+
+def graph_bytes(root: torch.Tensor) -> int:
+    """Bytes of the distinct storages a tensor and its autograd graph keep, parameters left out."""
+    seen: dict[Any, int] = {}
+    tensors = [] if is_parameter(root) else [root]
+    tensors += [t for t, _how in graph_tensors([root]) if not is_parameter(t)]
+    return distinct_bytes(tensors, seen)

@@ -17,11 +17,14 @@ from typing import Any, Callable
 from memcallbacks._config import MonitorConfig
 from memcallbacks._findings import Finding
 from memcallbacks.leaks.census import Census, take_census
+from memcallbacks.leaks.chains import chain_finding
 from memcallbacks.leaks.cycles import GarbageCollector
+from memcallbacks.leaks.garbage import cyclic_garbage_note
+from memcallbacks.leaks.gc_watch import CollectionWatch
 from memcallbacks.leaks.growth import GrowthDetector
 from memcallbacks.leaks.holders import find_holders
-from memcallbacks.leaks.lingering import LingeringDetector
-from memcallbacks.leaks.tensors import describe_tensor
+from memcallbacks.leaks.lingering import LingeringDetector, find_graph_root
+from memcallbacks.leaks.tensors import describe_tensor, graph_bytes
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +61,13 @@ class LeakWatch:
             if config.gc_every_n_steps
             else None
         )
+        # Python's automatic collections, measured through gc.callbacks (a `cycle` finding needs no
+        # configuration); off when the periodic collection has turned them off anyway
+        self.collections = (
+            CollectionWatch(allocated_now, min_bytes=config.lingering_min_bytes)
+            if config.detect_leaks and not config.gc_disable_automatic
+            else None
+        )
         self.gc_results: list[dict[str, Any]] = []
         self._growth_census: Census | None = None
         self._growth_census_countdown = -1
@@ -68,25 +78,92 @@ class LeakWatch:
     def start(self) -> None:
         if self.gc is not None:
             self.gc.start()
+        if self.collections is not None:
+            self.collections.start()
 
     def stop(self) -> None:
         if self.gc is not None:
             self.gc.stop()
+        if self.collections is not None:
+            self.collections.stop()
 
     # ------------------------------------------------------------------ at step start, before the baseline
     def check_lingering(self, step: int, batch: Any) -> list[Finding]:
         if self.lingering is None:
             return []
+        found = []
         finding = self.lingering.check(step, current_batch=batch)
-        if finding is None:
-            return []
-        finding.holders = self.lingering_holders()
-        return [finding]
+        if finding is not None:
+            finding.holders = self.lingering_holders()
+            if not finding.holders:
+                self._blame_garbage(finding)
+            found.append(finding)
+        chain = self.lingering.chains.check(step)
+        if chain is not None:
+            finding = self._chain(step, chain)
+            if finding is not None:
+                found.append(finding)
+        return found
+
+    def _chain(self, step: int, chain: list[tuple[int, Any]]) -> Finding | None:
+        """The finding for graphs of several earlier steps alive at once, with the variable that links them."""
+        steps = [s for s, _ in chain]
+        oldest = chain[0][1]
+        del chain
+        root = find_graph_root(oldest)
+        holders: list[str] = []
+        nbytes = 0
+        if root is not None:
+            nbytes = graph_bytes(root)
+            search = find_holders([root], time_budget_s=self.config.census_time_budget_s, ignore=self._ignore)
+            holders = [f"{p.path} -> autograd graphs of steps {steps[0]}..{steps[-1]} and on" for p in search.paths[:2]]
+            if not holders and self._garbage_note([root]) is not None:
+                return None  # graphs waiting in cyclic garbage, not a chain: the collection watch reports cycles
+            del root
+        return chain_finding(step, steps, nbytes, holders)
+
+    def _garbage_note(self, targets: list[Any]) -> Any:
+        if self.collections is not None:
+            self.collections.own = True
+        try:
+            return cyclic_garbage_note(targets)
+        finally:
+            if self.collections is not None:
+                self.collections.own = False
+
+    def _blame_garbage(self, finding: Finding) -> None:
+        """No live object holds what lingers: if it sits in cyclic garbage, say so (and which cycle)."""
+        assert self.lingering is not None
+        targets = self.lingering.alive_tensors()
+        root = self.lingering.graph_root()
+        if root is not None:
+            targets.append(root)
+        del root
+        if not targets:
+            return
+        note = self._garbage_note(targets)
+        del targets
+        if note is None:
+            return
+        finding.holders = note.holders
+        finding.details["in_cyclic_garbage"] = True
+        finding.message = note.message(finding.message)
 
     def before_baseline(self, step: int, batch: Any, *, lingering: bool = True) -> list[Finding]:
         found: list[Finding] = self.check_lingering(step, batch) if lingering else []
+        collections = self.collections
+        if collections is not None and collections.due:
+            finding = self._inspect_collections(collections, step)
+            if finding is not None:
+                found.append(finding)
         if self.gc is not None:
-            result = self.gc.maybe_collect(step)
+            if collections is not None:
+                collections.own = True
+            try:
+                result = self.gc.maybe_collect(step)
+            finally:
+                if collections is not None:
+                    collections.own = False
             if result is not None:
                 self.gc_results.append(
                     {"step": step, "seconds": result.seconds, "collected": result.collected, "bytes_freed": result.bytes_freed}
@@ -97,6 +174,13 @@ class LeakWatch:
                 if finding is not None:
                     found.append(finding)
         return found
+
+    def _inspect_collections(self, collections: CollectionWatch, step: int) -> Finding | None:
+        try:
+            return collections.inspect(step)
+        except Exception:
+            log.debug("could not inspect the garbage", exc_info=True)
+            return None
 
     @property
     def last_gc(self) -> dict[str, Any] | None:
@@ -144,9 +228,9 @@ class LeakWatch:
         return [finding]
 
     # ------------------------------------------------------------------ at step end
-    def end_step(self, step: int, batch: Any, loss: Any) -> None:
+    def end_step(self, step: int, batch: Any, loss: Any, outputs: Any = None) -> None:
         if self.lingering is not None:
-            self.lingering.end_step(step, batch, loss)
+            self.lingering.end_step(step, batch, loss, outputs)
 
     # ------------------------------------------------------------------ attribution
     def lingering_holders(self) -> list[str]:
