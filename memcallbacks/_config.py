@@ -180,6 +180,13 @@ class MonitorConfig:
     monitor. For tests; a production run should never die because of its monitor."""
 
     def __post_init__(self) -> None:
+        # one ValueError naming the field, the value and the fix, before any training starts
+        self._check_cadence_and_files()
+        self._check_leak_detection()
+        self._check_snapshots()
+        self._check_preflight_and_prefix()
+
+    def _check_cadence_and_files(self) -> None:
         n = self.log_every_n_steps
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
             raise _fail("log_every_n_steps", n, "pass a positive integer, or None to follow the framework's setting.")
@@ -201,6 +208,8 @@ class MonitorConfig:
         for name in ("write_files", "plot", "log_to_trackers", "log_validation", "reduce_across_ranks", "strict"):
             if not isinstance(getattr(self, name), bool):
                 raise _fail(name, getattr(self, name), "pass True or False.")
+
+    def _check_leak_detection(self) -> None:
         rows = self.max_history_rows
         if isinstance(rows, bool) or not isinstance(rows, int) or rows < 100:
             raise _fail("max_history_rows", rows, "pass an integer of at least 100.")
@@ -225,6 +234,8 @@ class MonitorConfig:
             raise _fail("gc_every_n_steps", g, "pass a positive integer (e.g. 100), or None to leave garbage collection to Python.")
         if self.gc_disable_automatic and g is None:
             raise _fail("gc_disable_automatic", True, "it needs gc_every_n_steps set; otherwise nothing would ever collect cycles.")
+
+    def _check_snapshots(self) -> None:
         for name in ("auto_snapshot", "snapshot_on_alloc_retries", "snapshot_on_findings"):
             if not isinstance(getattr(self, name), bool):
                 raise _fail(name, getattr(self, name), "pass True or False.")
@@ -250,6 +261,8 @@ class MonitorConfig:
             if getattr(self, name) is not None and not self.auto_snapshot:
                 raise _fail(name, getattr(self, name), "it is a snapshot trigger and does nothing without auto_snapshot=True; "
                             f"set auto_snapshot=True, or leave {name} at None.")
+
+    def _check_preflight_and_prefix(self) -> None:
         if not isinstance(self.preflight, bool):
             raise _fail("preflight", self.preflight, "pass True or False.")
         cap = self.capacity_bytes

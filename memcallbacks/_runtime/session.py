@@ -13,25 +13,21 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
-
-from memcallbacks._runtime import distributed as _distributed
 from memcallbacks._config import MonitorConfig
 from memcallbacks._runtime.cadence import LINGERING_EVERY_STEP_UNTIL, Cadence, watch_reader
 from memcallbacks._runtime.columns import E_STAGE, MONITOR_TIME_S, OPTIMIZER
 from memcallbacks._runtime.extras import extra_metrics, load_session_state, session_state
 from memcallbacks._runtime.sampling import MemoryEngine
 from memcallbacks._findings import Finding, FindingLog
-from memcallbacks._runtime.outputs import REPORT_VERSION, check_writable, write_outputs
-from memcallbacks._runtime.guard import safe_str
+from memcallbacks._runtime.outputs import check_writable
 from memcallbacks._runtime.lifecycle import claim_folder, release_folder
 from memcallbacks._runtime.preflight_check import PreflightCheck
+from memcallbacks._runtime.run_end import RunEnd, is_oom
 from memcallbacks.snapshot.auto import AutoSnapshot
 from memcallbacks.estimate.check import StateCheck
 from memcallbacks.leaks.census import format_top_holders
 from memcallbacks.leaks.watch import LeakWatch
-from memcallbacks.trackers import Dashboard, RunOutputs, Trackers
-from memcallbacks.trackers.ranks import receive_snapshots, snapshot_payload
+from memcallbacks.trackers import Dashboard, Trackers
 
 log = logging.getLogger(__name__)
 
@@ -40,17 +36,7 @@ __all__ = ["Session", "LogFn", "is_oom", "LINGERING_EVERY_STEP_UNTIL"]
 LogFn = Callable[[dict[str, float], int], None]
 
 
-def is_oom(exc: BaseException) -> bool:
-    """True for torch's OutOfMemoryError, host MemoryError, and RuntimeErrors that say "out of memory"."""
-    oom_type = getattr(torch, "OutOfMemoryError", None)
-    if oom_type is not None and isinstance(exc, oom_type):
-        return True
-    if isinstance(exc, MemoryError):
-        return True
-    return isinstance(exc, RuntimeError) and "out of memory" in safe_str(exc).lower()
-
-
-class Session:
+class Session(RunEnd):
     """One process's monitor state. Every method is safe to call when disabled."""
 
     def __getstate__(self) -> dict[str, Any]:
@@ -454,124 +440,6 @@ class Session:
         except Exception as exc:
             engine.fail(exc, "evaluation logging")
         return row
-
-    # ------------------------------------------------------------------ failures and the end
-    def record_exception(self, exc: BaseException, step: int) -> None:
-        """Note an exception that is ending the run as an event (``"oom"`` or ``"exception"``); never raises."""
-        try:
-            self._record_exception(exc, step)
-        except Exception as internal:
-            self.log.error("%s: could not record the run's exception (internal error); the run's own exception propagates.",
-                           self.owner, exc_info=internal)
-
-    def _record_exception(self, exc: BaseException, step: int) -> None:
-        engine = self.engine
-        oom = is_oom(exc)
-        event = {
-            "kind": "oom" if oom else "exception",
-            "step": int(step),
-            "rank": engine.rank,
-            "error": f"{type(exc).__name__}: {safe_str(exc)}",
-            "max_allocated_bytes": engine.max_allocated,
-            "max_reserved_bytes": engine.max_reserved,
-        }
-        if any(e.get("error") == event["error"] and e.get("step") == event["step"] for e in self.events):
-            return  # the same exception seen by two hooks (a step context, then close)
-        self.events.append(event)
-        if not oom:
-            return
-        if self.snap is not None:
-            self.snap.on_exception(exc, step)
-        self.log.error(
-            "%s: out of memory at step %d on rank %d; writing the memory report before the error propagates.",
-            self.owner,
-            event["step"],
-            engine.rank,
-        )
-
-    def report(self) -> dict[str, Any]:
-        """What ``report.json`` holds: version, config, summary, findings, events and files."""
-        from memcallbacks import __version__
-
-        return {
-            "version": REPORT_VERSION,
-            "memcallbacks_version": __version__,
-            "framework": self.framework,
-            "config": self.config.to_dict(),
-            "summary": dict(self.engine.summary(), cadence=self.cadence.summary()),
-            "findings": self._findings.to_list(),
-            "events": list(self.events),
-            "model_states": dict(self.state.info),
-            "preflight": self.preflight.report(),
-            "gc": list(self.watch.gc_results) if self.watch is not None else [],
-            "snapshots": list(self.snap.records) if self.snap is not None else [],
-            "files": dict(self.files),
-        }
-
-    def recorded_nothing(self) -> bool:
-        """No training step, no evaluation loop and no event since the last reset."""
-        return self.engine._seen_steps == 0 and not self.engine.eval_rows and not self.events
-
-    def finish(self, *, gather: bool) -> dict[str, str]:
-        """Close any open step and write this rank's files. ``gather`` (a collective: every rank must
-        call it) also puts every rank's summary into rank zero's ``report.json``.
-
-        A run that recorded nothing (a second ``fit`` that had no step left to run) writes no
-        files: the folder keeps the previous run's set rather than an empty history."""
-        engine = self.engine
-        try:
-            if engine.in_step and engine.enabled:
-                engine.end_step()
-            self.step_open = False
-            if self.snap is not None:
-                self.snap.stop()  # writes a capture cut short by the end of training
-            report = self.report()
-            distributed = engine.world_size > 1 and _distributed.is_distributed()
-            # one collective: every rank's summary, and its snapshot files for rank zero's trackers
-            payload = snapshot_payload(report["snapshots"], engine.rank) if self.config.log_to_trackers and engine.rank > 0 else None
-            gathered = _distributed.gather_objects((report["summary"], payload)) if gather and distributed else None
-            summaries = [g[0] for g in gathered] if gathered is not None else None
-            if not (self.config.write_files and self.output_dir is not None):
-                self._to_trackers(report, gathered)
-                return {}
-            if self.recorded_nothing():
-                self.log.warning("%s: this run recorded no training step and no evaluation loop; the files in %s are left "
-                                 "as they were.", self.owner, self.output_dir)
-                return self.files
-            title = self.title or f"{self.framework} on {report['summary'].get('device', {}).get('device', '?')}"
-            if engine.world_size > 1:
-                title += f", rank {engine.rank}"
-            self.files = write_outputs(
-                self.output_dir,
-                rank=engine.rank,
-                world_size=engine.world_size,
-                history=self.history_frame(),
-                eval_history=engine.eval_frame(),
-                report=report,
-                plot=self.config.plot,
-                title=title,
-                ranks=summaries if summaries is not None and engine.rank == 0 else None,
-            )
-            if summaries is not None and engine.rank == 0:
-                report = dict(report, files=self.files, ranks=summaries)
-            self._to_trackers(report, gathered)
-        except OSError as exc:  # a full disk, a folder removed: the previous set stays whole
-            self.log.error("%s: could not write the memory files to %s (%s); the files there are left as they were.",
-                           self.owner, self.output_dir, exc.strerror or exc)
-        except Exception as exc:
-            engine.fail(exc, "writing outputs")
-        return self.files
-
-    def _to_trackers(self, report: dict[str, Any], gathered: list[Any] | None) -> None:
-        """Rank zero, after the files are written: the report, plot and every rank's snapshots to the trackers."""
-        if self.trackers is None or not self.config.log_to_trackers or self.engine.rank != 0:
-            return
-        snapshots = [dict(r, rank=0) for r in report.get("snapshots", [])]
-        snapshots += receive_snapshots([g[1] for g in gathered or []], self.output_dir)
-        outputs = RunOutputs(
-            self.config.prefix, report, dict(self.files), snapshots, list(self.findings), self.format_report()
-        )
-        self.trackers.finish(outputs, self.dashboard)
 
     def stop(self) -> None:
         """Undo everything the session changed in the process; each part on its own, safe to call twice."""
