@@ -4,8 +4,8 @@
 
 Used by scripts/dashboard_screenshots.sh. Unlike ``chromium --screenshot`` this waits in real time
 for a condition and checks the page: ``--wait tensorboard`` waits until every chart of the
-CUSTOM SCALARS tab has drawn its lines, ``--wait page`` until the document and its images have
-loaded. If the condition is not met within ``--timeout`` seconds, or the page threw an uncaught
+CUSTOM SCALARS tab has drawn a line per series, ``--wait page`` until the document and its
+images have loaded. If the condition is not met within ``--timeout`` seconds, or the page threw an uncaught
 JavaScript error, nothing is written and the exit status is 1, with the page's errors printed.
 Needs ``websocket-client``; Chromium listens on 127.0.0.1 on a port it picks itself.
 """
@@ -27,24 +27,21 @@ from typing import Any
 
 import websocket  # websocket-client
 
-# Walks shadow roots: TensorBoard's dashboards are Polymer elements. Per chart (vz-line-chart2):
-# its title, how many line paths have a drawn outline, and how many data series it holds.
+# Walks shadow roots (TensorBoard's dashboards are Polymer elements). Per CUSTOM SCALARS card: its
+# title, how many data series it holds, and how many line paths its vz-line-chart2 has drawn.
 CHARTS_JS = r"""(() => {
-  const found = [];
-  (function walk(root) {
+  const deep = (root, tag, out = []) => {
     root.querySelectorAll('*').forEach(el => {
-      if (el.tagName === 'TF-CUSTOM-SCALAR-MULTI-LINE-CHART-CARD') found.push(el);
-      if (el.shadowRoot) walk(el.shadowRoot);
+      if (el.tagName === tag) out.push(el);
+      if (el.shadowRoot) deep(el.shadowRoot, tag, out);
     });
-  })(document);
-  return JSON.stringify(found.map(card => {
-    const root = card.shadowRoot || card;
-    const chart = root.querySelector('vz-line-chart2');
-    const scope = chart ? (chart.shadowRoot || chart) : root;
-    const lines = [...scope.querySelectorAll('path.line')];
-    return {title: (card.title || (root.querySelector('.tf-card-heading, #title') || {}).textContent || '').trim(),
-            drawn: lines.filter(p => (p.getAttribute('d') || '').length > 1).length,
-            series: (card._seriesNames || []).length};
+    return out;
+  };
+  return JSON.stringify(deep(document, 'TF-CUSTOM-SCALAR-MULTI-LINE-CHART-CARD').map(card => {
+    const lines = deep(card.shadowRoot || card, 'VZ-LINE-CHART2')
+      .flatMap(chart => [...(chart.shadowRoot || chart).querySelectorAll('path.line')]);
+    return {title: card.title || '', series: (card._seriesNames || []).length,
+            drawn: lines.filter(p => (p.getAttribute('d') || '').length > 1).length};
   }));
 })()"""
 
@@ -115,7 +112,7 @@ def ready(page: Page, wait: str, charts: int) -> tuple[bool, Any]:
         state = page.value(PAGE_JS)
         return bool(state), state
     state = page.value(CHARTS_JS) or []
-    return len(state) >= charts and all(c["drawn"] > 0 for c in state), state
+    return len(state) >= charts and all(0 < c["series"] <= c["drawn"] for c in state), state
 
 
 def shoot(args: argparse.Namespace) -> int:
