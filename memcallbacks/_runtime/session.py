@@ -380,18 +380,18 @@ class Session:
         nan = float("nan")
         extra = {f"{p}/findings": float(len(self._findings))}
         if self.dashboard.capacity:
-            extra[f"{p}/capacity(GiB)"] = float(self.engine.capacity or 0) / GIB
+            extra[f"{p}/capacity_GiB"] = float(self.engine.capacity or 0) / GIB
         if self.config.estimate_model_states:
             unexplained = self.state.unexplained(float(row[ALLOCATED])) if row is not None else None
-            extra[f"{p}/expected(GiB)"] = self.state.expected_states / GIB if self.state.expected_level is not None else nan
-            extra[f"{p}/unexplained(GiB)"] = unexplained / GIB if unexplained is not None else nan
+            extra[f"{p}/expected_GiB"] = self.state.expected_states / GIB if self.state.expected_level is not None else nan
+            extra[f"{p}/unexplained_GiB"] = unexplained / GIB if unexplained is not None else nan
         if self.snap is not None or self.config.auto_snapshot:
             extra[f"{p}/snapshots"] = float(len(self.snap.records)) if self.snap is not None else nan
         if self.config.gc_every_n_steps:
             last = self.watch.last_gc if self.watch is not None else None
-            extra[f"{p}/gc_time(ms)"] = last["seconds"] * 1e3 if last else nan
+            extra[f"{p}/gc_time_ms"] = last["seconds"] * 1e3 if last else nan
             extra[f"{p}/gc_collected"] = float(last["collected"]) if last else nan
-            extra[f"{p}/gc_freed(GiB)"] = (last["bytes_freed"] or 0) / GIB if last else nan
+            extra[f"{p}/gc_freed_GiB"] = (last["bytes_freed"] or 0) / GIB if last else nan
         return extra
 
     @property
