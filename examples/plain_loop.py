@@ -66,7 +66,7 @@ def main() -> None:
         writer = None
 
         def log_fn(metrics: dict[str, float], step: int) -> None:
-            print(f"step {step}: peak {metrics['memory/peak_step(GiB)']:.3f} GiB")
+            print(f"step {step}: peak {metrics['memory/peak_step_GiB']:.3f} GiB")
 
     # CPU only: tensors of 256 KiB or more go back to the OS when freed, so RSS peaks follow tensor
     # lifetimes (MonitorConfig.cpu_mmap_threshold); on a GPU the allocator's own peaks are used.

@@ -77,10 +77,10 @@ def main() -> None:
         print()
         print("first steps (MiB):")
         print(table.to_string(index=False))
-        logged = [h for h in trainer.state.log_history if "memory/peak_step(GiB)" in h]
+        logged = [h for h in trainer.state.log_history if "memory/peak_step_GiB" in h]
         print()
         print(f"{len(logged)} Trainer log entries carry memory/ keys, e.g. step {logged[0]['step']}: "
-              f"loss {logged[0]['loss']:.3f}, peak {logged[0]['memory/peak_step(GiB)']:.3f} GiB")
+              f"loss {logged[0]['loss']:.3f}, peak {logged[0]['memory/peak_step_GiB']:.3f} GiB")
         print(f"TensorBoard: tensorboard --logdir {args.out}   (keys under train/memory/)")
 
 

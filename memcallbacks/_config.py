@@ -173,7 +173,7 @@ class MonitorConfig:
     """Trace entries kept (CUDA ring buffer, CPU capture)."""
 
     prefix: str = "memory"
-    """First component of every logged key (``memory/allocated(GiB)``)."""
+    """First component of every logged key (``memory/allocated_GiB``)."""
 
     strict: bool = False
     """Re-raise exceptions raised inside the monitor instead of logging them and disabling the

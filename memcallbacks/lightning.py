@@ -9,19 +9,19 @@ Logged keys (``prefix`` defaults to ``memory``; GiB = 2**30 bytes; full table in
 ==============================  ==========================================================
 key                             meaning
 ==============================  ==========================================================
-memory/allocated(GiB)           allocated at step start (the step's baseline)
-memory/reserved(GiB)            reserved at step start (CPU: process RSS)
-memory/peak_forward(GiB)        peak during forward (training_step up to the loss)
-memory/peak_backward(GiB)       peak during backward
-memory/peak_optimizer(GiB)      peak from the optimizer step's start (clipping included) to step end
-memory/peak_step(GiB)           peak over the whole step
-memory/peak_reserved(GiB)       reserved peak over the step (CPU: RSS high-water mark)
-memory/max_allocated(GiB)       peak since fit start
-memory/host_rss(GiB)            host resident set size at step start
-memory/monitor_time(ms)         the monitor's own time in this step
+memory/allocated_GiB            allocated at step start (the step's baseline)
+memory/reserved_GiB             reserved at step start (CPU: process RSS)
+memory/peak_forward_GiB         peak during forward (training_step up to the loss)
+memory/peak_backward_GiB        peak during backward
+memory/peak_optimizer_GiB       peak from the optimizer step's start (clipping included) to step end
+memory/peak_step_GiB            peak over the whole step
+memory/peak_reserved_GiB        reserved peak over the step (CPU: RSS high-water mark)
+memory/max_allocated_GiB        peak since fit start
+memory/host_rss_GiB             host resident set size at step start
+memory/monitor_time_ms          the monitor's own time in this step
 memory/alloc_retries, ooms,     cumulative allocator counters (CUDA/XPU only)
-memory/inactive_split(GiB)
-memory/val/...(GiB)             validation (test/..., predict/...) allocated at start and peak
+memory/inactive_split_GiB
+memory/val/..._GiB              validation (test/..., predict/...) allocated at start and peak
 ==============================  ==========================================================
 """
 

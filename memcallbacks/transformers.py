@@ -6,7 +6,7 @@ micro-batches, ``on_pre_optimizer_step``/``on_optimizer_step`` around the optimi
 model. On logged steps the metrics are merged into the ``logs`` of the Trainer's own ``on_log``
 event, so every ``report_to`` integration (TensorBoard, W&B, MLflow, ...) and
 ``trainer.state.log_history`` receive them, under the Trainer's naming (TensorBoard shows
-``train/memory/peak_step(GiB)``).
+``train/memory/peak_step_GiB``).
 """
 
 from __future__ import annotations

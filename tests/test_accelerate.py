@@ -61,14 +61,14 @@ def test_tensorboard_tracker_receives_per_phase_peaks(tmp_path: Path) -> None:
     history = pd.read_csv(tmp_path / "memcallbacks" / "history.csv").set_index("step")
     assert list(history.index) == [0, 1, 2, 3, 4, 5]
     scalars = tensorboard_scalars(tmp_path / "exp")
-    assert {"memory/peak_forward(GiB)", "memory/peak_backward(GiB)", "memory/peak_optimizer(GiB)", "memory/peak_step(GiB)"} <= set(scalars)
-    for key, column in [("memory/peak_forward(GiB)", "peak_forward"), ("memory/reserved(GiB)", "reserved"), ("memory/peak_step(GiB)", "peak_allocated")]:
+    assert {"memory/peak_forward_GiB", "memory/peak_backward_GiB", "memory/peak_optimizer_GiB", "memory/peak_step_GiB"} <= set(scalars)
+    for key, column in [("memory/peak_forward_GiB", "peak_forward"), ("memory/reserved_GiB", "reserved"), ("memory/peak_step_GiB", "peak_allocated")]:
         assert [s for s, _ in scalars[key]] == [1, 3, 5]
         for step, value in scalars[key]:
             assert value == pytest.approx(history.loc[step, column] / GIB, rel=1e-6)  # float32 in the event file
-    forward = dict(scalars["memory/peak_forward(GiB)"])
-    backward = dict(scalars["memory/peak_backward(GiB)"])
-    start = dict(scalars["memory/reserved(GiB)"])
+    forward = dict(scalars["memory/peak_forward_GiB"])
+    backward = dict(scalars["memory/peak_backward_GiB"])
+    start = dict(scalars["memory/reserved_GiB"])
     for step in (1, 3, 5):
         assert (forward[step] - start[step]) * GIB / MIB >= 0.85 * TEMP_MIB
         assert (backward[step] - start[step]) * GIB / MIB < 0.5 * TEMP_MIB
@@ -174,7 +174,7 @@ def test_explicit_step_and_phase_for_loops_hooks_cannot_see(tmp_path: Path) -> N
     assert ((h["peak_forward"] - h["reserved"]) / MIB >= 0.85 * TEMP_MIB).all()
     optimizer_rise = (h["peak_optimizer"] - h["reserved"]) / MIB
     assert ((optimizer_rise >= 0.85 * TEMP_MIB / 2) & (optimizer_rise < 0.85 * TEMP_MIB)).all()
-    assert calls[0][1]["memory/peak_forward(GiB)"] == pytest.approx(h["peak_forward"][0] / GIB)
+    assert calls[0][1]["memory/peak_forward_GiB"] == pytest.approx(h["peak_forward"][0] / GIB)
 
 
 def test_oom_inside_step_writes_report(tmp_path: Path) -> None:
@@ -271,8 +271,8 @@ def test_two_processes_log_max_over_ranks(tmp_path: Path) -> None:
     assert [list(h.index) for h in ranks] == [[0, 1, 2], [0, 1, 2]]
     assert not (mem / "history.csv").exists()
     scalars = tensorboard_scalars(tmp_path / "exp")  # written by rank 0 only
-    assert [s for s, _ in scalars["memory/peak_step(GiB)"]] == [0, 1, 2]
-    for step, value in scalars["memory/peak_step(GiB)"]:
+    assert [s for s, _ in scalars["memory/peak_step_GiB"]] == [0, 1, 2]
+    for step, value in scalars["memory/peak_step_GiB"]:
         per_rank = [h.loc[step, "peak_allocated"] for h in ranks]
         assert value == pytest.approx(max(per_rank) / GIB, rel=1e-6)
         assert (per_rank[1] - per_rank[0]) / MIB >= 0.5 * RANK_TEMP_MIB

@@ -35,20 +35,20 @@ from memcallbacks._runtime.sampling import COLUMNS
 
 # documented key -> history column it is computed from (bytes / 2**30)
 STEP_KEY_COLUMNS = {
-    "memory/allocated(GiB)": "allocated",
-    "memory/reserved(GiB)": "reserved",
-    "memory/peak_forward(GiB)": "peak_forward",
-    "memory/peak_backward(GiB)": "peak_backward",
-    "memory/peak_optimizer(GiB)": "peak_optimizer",
-    "memory/peak_step(GiB)": "peak_allocated",
-    "memory/peak_reserved(GiB)": "peak_reserved",
-    "memory/host_rss(GiB)": "host_rss",
+    "memory/allocated_GiB": "allocated",
+    "memory/reserved_GiB": "reserved",
+    "memory/peak_forward_GiB": "peak_forward",
+    "memory/peak_backward_GiB": "peak_backward",
+    "memory/peak_optimizer_GiB": "peak_optimizer",
+    "memory/peak_step_GiB": "peak_allocated",
+    "memory/peak_reserved_GiB": "peak_reserved",
+    "memory/host_rss_GiB": "host_rss",
 }
-STEP_KEYS = [*STEP_KEY_COLUMNS, "memory/max_allocated(GiB)", "memory/monitor_time(ms)"]
+STEP_KEYS = [*STEP_KEY_COLUMNS, "memory/max_allocated_GiB", "memory/monitor_time_ms"]
 VAL_KEY_COLUMNS = {
-    "memory/val/allocated(GiB)": "allocated",
-    "memory/val/peak(GiB)": "peak_allocated",
-    "memory/val/peak_reserved(GiB)": "peak_reserved",
+    "memory/val/allocated_GiB": "allocated",
+    "memory/val/peak_GiB": "peak_allocated",
+    "memory/val/peak_reserved_GiB": "peak_reserved",
 }
 SCRIPTS = Path(__file__).parent / "scripts"
 
@@ -65,7 +65,7 @@ def loggers(tmp_path):
 
 
 def expected(row: pd.Series, key: str) -> float:
-    if key == "memory/monitor_time(ms)":
+    if key == "memory/monitor_time_ms":
         return row["monitor_time_s"] * 1e3
     return row[STEP_KEY_COLUMNS[key]] / GIB
 
@@ -76,12 +76,12 @@ def assert_matches_history(logged: dict, history: pd.DataFrame, steps: list[int]
     for key in STEP_KEYS:
         assert [s for s, _ in logged[key]] == steps, key
         for step, value in logged[key]:
-            if key == "memory/max_allocated(GiB)":
+            if key == "memory/max_allocated_GiB":
                 # the running lifetime peak: at least this step's peak, never more than the final one
                 assert rows.loc[step, "peak_allocated"] / GIB * (1 - rel) <= value <= history["peak_allocated"].max() / GIB * (1 + rel) + 1
             else:
                 assert value == pytest.approx(expected(rows.loc[step], key), rel=rel), (key, step)
-    lifetime = [v for _, v in logged["memory/max_allocated(GiB)"]]
+    lifetime = [v for _, v in logged["memory/max_allocated_GiB"]]
     assert lifetime == sorted(lifetime)
 
 
@@ -202,8 +202,8 @@ def test_manual_optimization_with_two_optimizers(tmp_path):
 
     csv = csv_metrics(tmp_path / "csv" / "version_0" / "metrics.csv")
     # logged where Lightning logs the model's own losses (one logger step per batch)
-    assert [s for s, _ in csv["memory/peak_step(GiB)"]] == [s for s, _ in csv["loss_d"]] == [0, 1, 2]
-    assert [v for _, v in csv["memory/peak_step(GiB)"]] == pytest.approx(list(history["peak_allocated"] / GIB), rel=1e-12)
+    assert [s for s, _ in csv["memory/peak_step_GiB"]] == [s for s, _ in csv["loss_d"]] == [0, 1, 2]
+    assert [v for _, v in csv["memory/peak_step_GiB"]] == pytest.approx(list(history["peak_allocated"] / GIB), rel=1e-12)
 
 
 def test_manual_optimization_monitor_log_every_n_steps_means_what_the_trainers_does(tmp_path):
@@ -215,7 +215,7 @@ def test_manual_optimization_monitor_log_every_n_steps_means_what_the_trainers_d
     lightning_steps = [s for s, _ in csv["loss_d"]]
     assert lightning_steps == [1, 3]
     assert len(monitor.history) == 2, "sample_every_n_steps=2 sampled no step of a 2-optimizer manual loop"
-    assert [s for s, _ in csv.get("memory/peak_step(GiB)", [])] == lightning_steps
+    assert [s for s, _ in csv.get("memory/peak_step_GiB", [])] == lightning_steps
 
 
 def test_fast_dev_run(tmp_path):
@@ -255,8 +255,8 @@ def test_validation_and_sanity_check_are_kept_apart_from_training_rows(tmp_path)
     assert (evals["peak_allocated"] >= evals["allocated"]).all()
 
     csv = csv_metrics(tmp_path / "csv" / "version_0" / "metrics.csv")
-    assert [s for s, _ in csv["memory/val/peak(GiB)"]] == [s for s, _ in csv["val_loss"]] == [1, 3]  # no sanity-check point
-    assert [v for _, v in csv["memory/val/peak(GiB)"]] == pytest.approx(list(evals["peak_allocated"][1:] / GIB), rel=1e-12)
+    assert [s for s, _ in csv["memory/val/peak_GiB"]] == [s for s, _ in csv["val_loss"]] == [1, 3]  # no sanity-check point
+    assert [v for _, v in csv["memory/val/peak_GiB"]] == pytest.approx(list(evals["peak_allocated"][1:] / GIB), rel=1e-12)
     on_disk = pd.read_csv(monitor.output_dir / "eval_history.csv")
     assert list(on_disk["stage"]) == ["sanity_check", "validate", "validate"]
 
@@ -278,8 +278,8 @@ def test_validate_test_predict_on_a_fresh_trainer(tmp_path):
 
     csv = csv_metrics(tmp_path / "csv" / "version_0" / "metrics.csv")
     for stage, row in zip(("val", "test", "predict"), evals.itertuples()):
-        assert [v for _, v in csv[f"memory/{stage}/allocated(GiB)"]] == pytest.approx([row.allocated / GIB], rel=1e-12)
-        assert [v for _, v in csv[f"memory/{stage}/peak(GiB)"]] == pytest.approx([row.peak_allocated / GIB], rel=1e-12)
+        assert [v for _, v in csv[f"memory/{stage}/allocated_GiB"]] == pytest.approx([row.allocated / GIB], rel=1e-12)
+        assert [v for _, v in csv[f"memory/{stage}/peak_GiB"]] == pytest.approx([row.peak_allocated / GIB], rel=1e-12)
 
 
 def test_validate_and_test_after_fit_on_the_same_trainer(tmp_path, caplog):
@@ -327,7 +327,7 @@ def test_wandb_offline_run_receives_the_keys(tmp_path):
         wandb.finish()
 
     logged = wandb_offline_history(tmp_path)
-    rows = [r for r in logged if "memory/allocated(GiB)" in r]
+    rows = [r for r in logged if "memory/allocated_GiB" in r]
     history = monitor.history.set_index("step")
     assert [r["trainer/global_step"] for r in rows] == [0, 1, 2], logged
     for r in rows:
@@ -341,18 +341,19 @@ def test_mlflow_file_store_receives_the_keys(tmp_path):
     uri = f"file:{tmp_path / 'mlruns'}"
     monitor = MemoryMonitor(log_every_n_steps=1, sample_every_n_steps=1, write_files=False)
     logger = MLFlowLogger(experiment_name="memcallbacks-tests", tracking_uri=uri)
-    with pytest.warns(RuntimeWarning, match="MLFlow only allows"):
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # MLflow takes the keys as they are: no renaming warning
         fit(tmp_path, monitor, max_steps=3, logger=logger)
 
     metrics = mlflow_metrics(uri, logger.run_id)
     history = monitor.history.set_index("step")
-    # MLflow forbids "(" and ")" in metric names; Lightning's MLFlowLogger strips them
-    for key in STEP_KEY_COLUMNS:
-        mlflow_key = key.replace("(", "").replace(")", "")
-        assert [s for s, _ in metrics[mlflow_key]] == [0, 1, 2], mlflow_key
-        for step, value in metrics[mlflow_key]:
+    for key in STEP_KEY_COLUMNS:  # the keys arrive under their own names
+        assert [s for s, _ in metrics[key]] == [0, 1, 2], key
+        for step, value in metrics[key]:
             assert value == pytest.approx(expected(history.loc[step], key), rel=1e-12), key
-    assert "memory/monitor_timems" in metrics and "memory/max_allocatedGiB" in metrics
+    assert "memory/monitor_time_ms" in metrics and "memory/max_allocated_GiB" in metrics
 
 
 # ---------------------------------------------------------------------- 5. output files
@@ -650,7 +651,7 @@ def test_internal_error_is_logged_once_and_training_goes_on(tmp_path, caplog):
     assert steps[:2] == [0, 1] and max(steps) <= 2
     # nothing logged after the monitor turned itself off
     csv = csv_metrics(tmp_path / "csv" / "version_0" / "metrics.csv")
-    assert [s for s, _ in csv["memory/peak_step(GiB)"]] == [0, 1]
+    assert [s for s, _ in csv["memory/peak_step_GiB"]] == [0, 1]
     assert [s for s, _ in csv["train_loss"]] == [0, 1, 2, 3, 4]
 
 
@@ -770,5 +771,5 @@ def test_cuda_forward_temporary_in_forward_peak(tmp_path):
     assert (bwd >= 128 * MIB).all() and (bwd < 160 * MIB).all()
     assert {"alloc_retries", "ooms", "inactive_split"} <= set(history.columns)
     csv = csv_metrics(tmp_path / "csv" / "version_0" / "metrics.csv")
-    assert {"memory/alloc_retries", "memory/ooms", "memory/inactive_split(GiB)"} <= set(csv)
-    assert [v for _, v in csv["memory/peak_forward(GiB)"]] == pytest.approx(list(history["peak_forward"] / GIB), rel=1e-12)
+    assert {"memory/alloc_retries", "memory/ooms", "memory/inactive_split_GiB"} <= set(csv)
+    assert [v for _, v in csv["memory/peak_forward_GiB"]] == pytest.approx(list(history["peak_forward"] / GIB), rel=1e-12)

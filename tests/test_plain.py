@@ -26,16 +26,16 @@ CPU = dict(cpu_mmap_threshold=1 << 20, sample_every_n_steps=1)
 # the RSS while a temporary raises it: collect before each test
 pytestmark = pytest.mark.usefixtures("collected_heap")
 CPU_KEYS = {
-    "memory/allocated(GiB)",
-    "memory/reserved(GiB)",
-    "memory/peak_forward(GiB)",
-    "memory/peak_backward(GiB)",
-    "memory/peak_optimizer(GiB)",
-    "memory/peak_step(GiB)",
-    "memory/peak_reserved(GiB)",
-    "memory/max_allocated(GiB)",
-    "memory/host_rss(GiB)",
-    "memory/monitor_time(ms)",
+    "memory/allocated_GiB",
+    "memory/reserved_GiB",
+    "memory/peak_forward_GiB",
+    "memory/peak_backward_GiB",
+    "memory/peak_optimizer_GiB",
+    "memory/peak_step_GiB",
+    "memory/peak_reserved_GiB",
+    "memory/max_allocated_GiB",
+    "memory/host_rss_GiB",
+    "memory/monitor_time_ms",
     "memory/overhead",
 }
 
@@ -367,9 +367,9 @@ def test_log_fn_gets_documented_keys_on_logged_steps() -> None:
         assert CPU_KEYS <= set(metrics)  # leak detection adds its own keys (memory/findings, ...)
         assert all(key.startswith("memory/") for key in metrics)
         assert all(isinstance(v, float) and math.isfinite(v) for v in metrics.values())
-        assert metrics["memory/peak_forward(GiB)"] == pytest.approx(h.loc[step, "peak_forward"] / GIB)
-        assert metrics["memory/peak_step(GiB)"] == pytest.approx(h.loc[step, "peak_allocated"] / GIB)
-        rise = (metrics["memory/peak_forward(GiB)"] - metrics["memory/reserved(GiB)"]) * GIB / MIB
+        assert metrics["memory/peak_forward_GiB"] == pytest.approx(h.loc[step, "peak_forward"] / GIB)
+        assert metrics["memory/peak_step_GiB"] == pytest.approx(h.loc[step, "peak_allocated"] / GIB)
+        rise = (metrics["memory/peak_forward_GiB"] - metrics["memory/reserved_GiB"]) * GIB / MIB
         assert rise >= 0.85 * TEMP_MIB / 2
 
 

@@ -150,10 +150,10 @@ def test_lightning_logs_predictions_that_match_measured_peaks(tmp_path: Path) ->
     logged = csv_metrics(metrics_csv)
     history = monitor.history
     for phase in PHASES:
-        values = logged[f"memory/predicted_peak_{phase}(GiB)"]
+        values = logged[f"memory/predicted_peak_{phase}_GiB"]
         assert values[0][0] == 0  # on the first logged step already
         assert values[-1][1] * 2**30 == pytest.approx(history[f"predicted_peak_{phase}"].iloc[-1], rel=1e-6)
-    assert "memory/preflight_error(GiB)" in logged
+    assert "memory/preflight_error_GiB" in logged
     written = json.loads(Path(monitor.files["report"]).read_text())["preflight"]
     assert written["comparison"] == pre["comparison"]
     on_disk = pd.read_csv(monitor.files["history"])
@@ -310,7 +310,7 @@ def test_transformers_trainer_logs_predictions(tmp_path: Path) -> None:
     pre = monitor.report()["preflight"]
     assert pre["status"] == "predicted" and pre["batch_size"] == 4 and pre["optimizer"] == "AdamW"
     assert pre["prediction"]["top_modules"]  # model(**inputs).loss ran on the fake copy
-    logged = [h for h in trainer.state.log_history if "memory/predicted_peak_forward(GiB)" in h]
+    logged = [h for h in trainer.state.log_history if "memory/predicted_peak_forward_GiB" in h]
     assert [h["step"] for h in logged] == [1, 2, 3]
     assert set(PREDICTED) <= set(monitor.history.columns)
     assert not [f for f in monitor.findings if f.kind == "preflight"]

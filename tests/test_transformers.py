@@ -18,7 +18,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, 
 
 from memcallbacks.transformers import MemoryMonitorCallback  # noqa: E402
 
-KEYS = {"memory/peak_forward(GiB)", "memory/peak_backward(GiB)", "memory/peak_optimizer(GiB)", "memory/peak_step(GiB)", "memory/allocated(GiB)"}
+KEYS = {"memory/peak_forward_GiB", "memory/peak_backward_GiB", "memory/peak_optimizer_GiB", "memory/peak_step_GiB", "memory/allocated_GiB"}
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")  # the Trainer builds an Accelerator
 
@@ -78,9 +78,9 @@ def test_trainer_tensorboard_gets_memory_metrics_with_accumulation(tmp_path: Pat
     for key in KEYS:
         points = scalars[f"train/{key}"]
         assert [s for s, _ in points] == [2, 4, 6] == [s for s, _ in scalars["train/loss"]]
-    for global_step, value in scalars["train/memory/peak_step(GiB)"]:
+    for global_step, value in scalars["train/memory/peak_step_GiB"]:
         assert value == pytest.approx(by_step.loc[global_step - 1, "peak_allocated"] / GIB, rel=1e-6)
-    for global_step, value in scalars["train/memory/peak_forward(GiB)"]:
+    for global_step, value in scalars["train/memory/peak_forward_GiB"]:
         assert value == pytest.approx(by_step.loc[global_step - 1, "peak_forward"] / GIB, rel=1e-6)
 
     # and the Trainer's own log history holds them next to the loss
@@ -97,7 +97,7 @@ def test_log_every_n_steps_makes_the_trainer_log_those_steps(tmp_path: Path) -> 
     trainer = Trainer(model=tiny_gpt2(), args=args, train_dataset=TokenData(), callbacks=[monitor])
     trainer.train()
     scalars = tensorboard_scalars(tmp_path / "out")
-    assert [s for s, _ in scalars["train/memory/peak_step(GiB)"]] == [2, 4]
+    assert [s for s, _ in scalars["train/memory/peak_step_GiB"]] == [2, 4]
     assert [s for s, _ in scalars["train/loss"]] == [2, 3, 4]  # the Trainer's own steps are kept
     assert {1, 3} <= set(monitor.history["step"])  # logged steps are sampled (at defaults the first steps too: they measure the cost)
 
@@ -121,7 +121,7 @@ def test_added_after_init_still_reaches_earlier_callbacks(tmp_path: Path) -> Non
     trainer.train()
     assert trainer.callback_handler.callbacks[0] is monitor
     steps = [r for r in recorder.logs if "loss" in r]
-    assert len(steps) == 2 and all("memory/peak_step(GiB)" in r for r in steps)
+    assert len(steps) == 2 and all("memory/peak_step_GiB" in r for r in steps)
     assert monitor.max_allocated > 0
 
 
@@ -202,7 +202,7 @@ def test_two_processes_log_max_over_ranks(tmp_path: Path) -> None:
     ranks = [pd.read_csv(mem / f"history.rank{r}.csv").set_index("step") for r in (0, 1)]
     assert [list(h.index) for h in ranks] == [[0, 1, 2], [0, 1, 2]]
     scalars = tensorboard_scalars(tmp_path / "out")  # rank zero's TensorBoardCallback
-    points = scalars["train/memory/peak_step(GiB)"]
+    points = scalars["train/memory/peak_step_GiB"]
     assert [s for s, _ in points] == [1, 2, 3]
     for global_step, value in points:
         per_rank = [h.loc[global_step - 1, "peak_allocated"] for h in ranks]

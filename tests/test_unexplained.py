@@ -150,8 +150,8 @@ def test_expected_and_unexplained_are_logged(tmp_path, caplog, runner, optimizer
     assert not announced(caplog)
 
     # both keys reach the logger from step 1 on (step 0 logs NaN, which the CSV reader drops)
-    expected = logged["memory/expected(GiB)"]
-    unexplained = logged["memory/unexplained(GiB)"]
+    expected = logged["memory/expected_GiB"]
+    unexplained = logged["memory/unexplained_GiB"]
     assert [s for s, _ in expected] == [s for s, _ in unexplained] == list(range(1, STEPS))
     assert all(v == pytest.approx(states["expected_steady_bytes"] / GIB, rel=1e-12) for _, v in expected)
     assert unexplained[0][1] == pytest.approx(states["unexplained_bytes"] / GIB, rel=1e-9, abs=1e-12)
@@ -201,7 +201,7 @@ def test_cache_kept_on_the_model_is_unexplained_and_named(tmp_path, caplog, runn
     assert len(records) == 1 and "[unexplained] step 1:" in records[0].getMessage()
     assert [(f["kind"], f["bytes"], f["holders"]) for f in report["findings"]] == [("unexplained", finding.bytes, finding.holders)]
     assert [v for _, v in logged["memory/findings"]] == [0.0] + [1.0] * (STEPS - 1)
-    (step, value) = logged["memory/unexplained(GiB)"][0]
+    (step, value) = logged["memory/unexplained_GiB"][0]
     assert step == 1 and value == pytest.approx(finding.bytes / GIB, rel=1e-9)
     assert not math.isnan(value)
 

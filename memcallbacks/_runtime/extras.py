@@ -27,20 +27,20 @@ def extra_metrics(session: "Session", row: list[Any] | None) -> dict[str, float]
     extra = {f"{p}/findings": float(len(session.findings)), f"{p}/overhead": session.cadence.overhead}
     extra.update(session.preflight.metrics(row))
     if session.dashboard.capacity:
-        extra[f"{p}/capacity(GiB)"] = float(session.engine.capacity or 0) / GIB
+        extra[f"{p}/capacity_GiB"] = float(session.engine.capacity or 0) / GIB
     state = session.state
     if config.estimate_model_states:
         unexplained = state.unexplained(float(row[ALLOCATED])) if row is not None else None
-        extra[f"{p}/expected(GiB)"] = state.expected_states / GIB if state.expected_level is not None else nan
-        extra[f"{p}/unexplained(GiB)"] = unexplained / GIB if unexplained is not None else nan
+        extra[f"{p}/expected_GiB"] = state.expected_states / GIB if state.expected_level is not None else nan
+        extra[f"{p}/unexplained_GiB"] = unexplained / GIB if unexplained is not None else nan
     snap = session.snap
     if snap is not None or config.auto_snapshot:
         extra[f"{p}/snapshots"] = float(len(snap.records)) if snap is not None else nan
     if config.gc_every_n_steps:
         last = session.watch.last_gc if session.watch is not None else None
-        extra[f"{p}/gc_time(ms)"] = last["seconds"] * 1e3 if last else nan
+        extra[f"{p}/gc_time_ms"] = last["seconds"] * 1e3 if last else nan
         extra[f"{p}/gc_collected"] = float(last["collected"]) if last else nan
-        extra[f"{p}/gc_freed(GiB)"] = (last["bytes_freed"] or 0) / GIB if last else nan
+        extra[f"{p}/gc_freed_GiB"] = (last["bytes_freed"] or 0) / GIB if last else nan
     return extra
 
 

@@ -313,10 +313,10 @@ class PreflightCheck:
             return {}
         pfx = self.config.prefix
         levels = self.levels(row) if row is not None else None
-        out = {f"{pfx}/predicted_peak_{ph}(GiB)": levels[ph] / _GIB if levels else _NAN for ph in PHASES}
+        out = {f"{pfx}/predicted_peak_{ph}_GiB": levels[ph] / _GIB if levels else _NAN for ph in PHASES}
         top = max(levels.values()) if levels else _NAN
-        out[f"{pfx}/predicted_peak(GiB)"] = top / _GIB
-        out[f"{pfx}/preflight_error(GiB)"] = (row[PEAK_ALLOCATED] - top) / _GIB if levels and row is not None else _NAN
+        out[f"{pfx}/predicted_peak_GiB"] = top / _GIB
+        out[f"{pfx}/preflight_error_GiB"] = (row[PEAK_ALLOCATED] - top) / _GIB if levels and row is not None else _NAN
         return out
 
     def add_columns(self, frame: Any) -> Any:

@@ -283,19 +283,19 @@ class MemoryEngine:
     def step_keys(self) -> list[str]:
         p = self.config.prefix
         keys = [
-            f"{p}/allocated(GiB)",
-            f"{p}/reserved(GiB)",
-            f"{p}/peak_forward(GiB)",
-            f"{p}/peak_backward(GiB)",
-            f"{p}/peak_optimizer(GiB)",
-            f"{p}/peak_step(GiB)",
-            f"{p}/peak_reserved(GiB)",
-            f"{p}/max_allocated(GiB)",
-            f"{p}/host_rss(GiB)",
-            f"{p}/monitor_time(ms)",
+            f"{p}/allocated_GiB",
+            f"{p}/reserved_GiB",
+            f"{p}/peak_forward_GiB",
+            f"{p}/peak_backward_GiB",
+            f"{p}/peak_optimizer_GiB",
+            f"{p}/peak_step_GiB",
+            f"{p}/peak_reserved_GiB",
+            f"{p}/max_allocated_GiB",
+            f"{p}/host_rss_GiB",
+            f"{p}/monitor_time_ms",
         ]
         if self.device_info.get("kind", "cpu") != "cpu":
-            keys += [f"{p}/alloc_retries", f"{p}/ooms", f"{p}/inactive_split(GiB)"]
+            keys += [f"{p}/alloc_retries", f"{p}/ooms", f"{p}/inactive_split_GiB"]
         return keys
 
     def step_values(self, row: list[Any] | None) -> list[float]:
@@ -326,7 +326,7 @@ class MemoryEngine:
         if ranks:
             for key in rank_keys:
                 if key in out:
-                    out[key.split("(")[0] + "_rank"] = float(ranks[keys.index(key)])
+                    out[key.removesuffix("_GiB") + "_rank"] = float(ranks[keys.index(key)])
         return out
 
     def log_values(self, row: list[Any] | None, extra: dict[str, float] | None = None) -> dict[str, float]:
@@ -337,12 +337,12 @@ class MemoryEngine:
         if extra:
             keys = keys + list(extra)
             values = values + [float(v) if self.enabled else _NAN for v in extra.values()]
-        return self.reduce(keys, values, (f"{p}/peak_step(GiB)", f"{p}/allocated(GiB)"))
+        return self.reduce(keys, values, (f"{p}/peak_step_GiB", f"{p}/allocated_GiB"))
 
     def eval_log_values(self, row: list[Any] | None, stage: str) -> dict[str, float]:
         p = self.config.prefix
         short = {"validate": "val", "validation": "val", "sanity_check": "val"}.get(stage, stage)
-        keys = [f"{p}/{short}/allocated(GiB)", f"{p}/{short}/peak(GiB)", f"{p}/{short}/peak_reserved(GiB)"]
+        keys = [f"{p}/{short}/allocated_GiB", f"{p}/{short}/peak_GiB", f"{p}/{short}/peak_reserved_GiB"]
         if row is None or not self.enabled:
             values = [_NAN] * 3
         else:

@@ -16,9 +16,9 @@ __all__ = ["TensorBoardTracker", "layout", "CATEGORY"]
 CATEGORY = "memcallbacks"
 """Title of the custom-scalars category (suffixed with the prefix when it is not ``memory``)."""
 
-PHASE_KEYS = ("peak_forward(GiB)", "peak_backward(GiB)", "peak_optimizer(GiB)", "allocated(GiB)")
-RESERVED_KEYS = ("allocated(GiB)", "reserved(GiB)", "peak_step(GiB)", "peak_reserved(GiB)")
-LEAK_KEYS = ("findings", "gc_freed(GiB)", "unexplained(GiB)")
+PHASE_KEYS = ("peak_forward_GiB", "peak_backward_GiB", "peak_optimizer_GiB", "allocated_GiB")
+RESERVED_KEYS = ("allocated_GiB", "reserved_GiB", "peak_step_GiB", "peak_reserved_GiB")
+LEAK_KEYS = ("findings", "gc_freed_GiB", "unexplained_GiB")
 
 
 def layout(dashboard: Dashboard, key_prefix: str = "") -> dict[str, dict[str, list[Any]]]:
@@ -32,7 +32,7 @@ def layout(dashboard: Dashboard, key_prefix: str = "") -> dict[str, dict[str, li
     def tags(names: tuple[str, ...]) -> list[str]:
         return ["^" + re.escape(f"{key_prefix}{p}/{name}") + "$" for name in names]
 
-    phase = tags(PHASE_KEYS) + (tags(("capacity(GiB)",)) if dashboard.capacity else [])
+    phase = tags(PHASE_KEYS) + (tags(("capacity_GiB",)) if dashboard.capacity else [])
     category = CATEGORY if p == "memory" else f"{CATEGORY} ({p})"
     return {
         category: {
