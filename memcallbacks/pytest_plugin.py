@@ -91,6 +91,10 @@ def train_memory(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
         yield session
     finally:
         session.stop()
+        # the verdict was given in pytest_runtest_call; items live until the session ends, and their
+        # stash must not keep this test's trainers, models and batches alive for the next tests
+        if _SESSION in request.node.stash:
+            del request.node.stash[_SESSION]
 
 
 @pytest.fixture(autouse=True)
