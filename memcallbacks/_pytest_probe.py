@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from memcallbacks._units import format_bytes
-from memcallbacks._pytest_cycles import CycleCheck
+from memcallbacks._pytest_cycles import CycleCheck, thaw
 from memcallbacks._runtime.columns import PEAK_ALLOCATED, PEAK_BACKWARD, PEAK_FORWARD, PEAK_OPTIMIZER, PEAK_OTHER, PHASES
 
 log = logging.getLogger(__name__)
@@ -250,13 +250,14 @@ class Probe:
                 pass
         self._last_batch = refs
         if self.steps == self.warmup:
-            self.cycles.baseline(self.steps)
+            self.cycles.baseline()
             census = self._census(batch)
             if census is not None:
                 self._warmup_census = census
                 self._warmup_bytes, records = _unexpected(census, self._ignored())
                 batch_keys = {(r.device, r.data_ptr) for r in census.records if r.category == "current batch"}
                 self._warmup_alive = _weak_tensors(set(records) | batch_keys)
+                self.cycles.hold()
         elif self.steps > self.warmup and (self.census_every_step or self._is_last_step()):
             self._final_census(batch)
 
@@ -285,6 +286,7 @@ class Probe:
 
         from memcallbacks.leaks import take_census
 
+        thaw()  # gc.get_objects() does not list a frozen heap
         t0 = time.perf_counter()
         try:
             census = take_census(current_batch=batch, find_paths=find_paths, ignore=[self, self.core])
@@ -302,16 +304,23 @@ class Probe:
         if self.frozen or self._warmup_census is None or self.steps <= self.warmup or self._final_step == self.steps:
             return
         self._final_step = self.steps
-        self.cycles.check(self.steps, last=not self.census_every_step)
-        census = self._census(batch)
-        if census is None:
-            return
-        ignore = self._ignored()
-        final, records = _unexpected(census, ignore)
-        leak = LeakResult(self._warmup_bytes, final, self.steps - self.warmup)
-        if leak.leaked > self.max_leak:
-            leak.holders = self._new_holders(batch, ignore)
-        self.leak = leak
+        self.cycles.check(self.steps)
+        try:
+            census = self._census(batch)
+            if census is None:
+                return
+            ignore = self._ignored()
+            final, records = _unexpected(census, ignore)
+            leak = LeakResult(self._warmup_bytes, final, self.steps - self.warmup)
+            if leak.leaked > self.max_leak:
+                leak.holders = self._new_holders(batch, ignore)
+            self.leak = leak
+        finally:
+            # a loop with no end event checks again at its next step end
+            if self.census_every_step:
+                self.cycles.hold()
+            else:
+                self.cycles.release()
 
     def _new_holders(self, batch: Any, ignore: set[Any]) -> list[str]:
         """Who holds the storages that were not alive after warmup: a census with paths, grouped by holder."""

@@ -132,7 +132,7 @@ class TrainMemory:
             except Exception:
                 log.warning("train_memory: closing a monitor failed", exc_info=True)
         for probe in self.probes:
-            probe.cycles.stop()
+            probe.cycles.release()
         if self._patches is not None:
             self._patches.remove()
         self.timeline.stop()
