@@ -318,3 +318,94 @@ def test_weak_back_reference(train_memory):
         "    fix: Reference cycles kept 6 tensors (384.0 KiB) alive until the garbage collector ran at step*",
     ])
     assert "test_weak_back_reference" not in "\n".join(line for line in result.outlines if "FAILED" in line)
+
+
+CUDA_LOOP = '''
+import pytest, torch
+from torch import nn
+
+DEVICE = torch.device("DEVICE_NAME")
+MIB = 2**20
+
+
+class Net(nn.Module):
+    def __init__(self, keep=False):
+        super().__init__()
+        self.up, self.down = nn.Linear(1024, 4096), nn.Linear(4096, 1)
+        self.kept = [] if keep else None
+
+    def forward(self, x):
+        h = torch.relu(self.up(x))                    # 256x4096 float32: 4 MiB
+        if self.kept is not None:
+            self.kept.append(h.detach().clone())      # the leak: 4 MiB a step
+        return self.down(h)
+
+
+def setup(keep=False):
+    torch.manual_seed(0)
+    model = Net(keep).to(DEVICE)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batches = [(torch.randn(256, 1024, device=DEVICE), torch.randn(256, 1, device=DEVICE)) for _ in range(8)]
+    return model, optimizer, batches
+
+
+def step(model, optimizer, x, y):
+    loss = ((model(x) - y) ** 2).mean()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def test_leak(train_memory):
+    model, optimizer, batches = setup(keep=True)
+    for x, y in train_memory.track(model, optimizer, batches):
+        step(model, optimizer, x, y)
+
+
+def test_forward_budget(train_memory):
+    train_memory.limits(phases={"forward": "8 MiB"})  # parameters and AdamW state alone are 48 MiB
+    model, optimizer, batches = setup()
+    for x, y in train_memory.track(model, optimizer, batches):
+        step(model, optimizer, x, y)
+
+
+def test_clean_peaks_match_the_allocator(train_memory):
+    train_memory.limits(max_peak="1 GiB")
+    model, optimizer, batches = setup()
+    for x, y in train_memory.track(model, optimizer, batches):
+        step(model, optimizer, x, y)
+    peaks, source = train_memory.phase_peaks()
+    if DEVICE.type != "cuda":
+        return
+    assert source == "the monitor's cuda peaks", source
+    # the same step again, measured with torch.cuda's documented peak counters
+    x, y = batches[0]
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    loss = ((model(x) - y) ** 2).mean()
+    forward = torch.cuda.max_memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    loss.backward()
+    backward = torch.cuda.max_memory_allocated()
+    optimizer.zero_grad(set_to_none=True)
+    del loss
+    for phase, expected in (("forward", forward), ("backward", backward)):
+        assert abs(peaks[phase] - expected) <= max(MIB, 0.02 * expected), (phase, peaks[phase], expected)
+'''
+
+
+@pytest.mark.cuda
+def test_cuda_loop_leak_budget_and_allocator_peaks(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_cuda_loop=CUDA_LOOP.replace("DEVICE_NAME", "cuda"))
+    result = run(pytester)
+    result.assert_outcomes(passed=1, failed=2)
+    result.stdout.fnmatch_lines([
+        "*train_memory: test_cuda_loop.py::test_leak failed * memory check*",
+        "leaked 24.0 MiB over 6 steps (limit 0 B)*[[]train_memory.track()[]]",
+        "    held by: Net.kept holds 6 tensors / 24.0 MiB allocated after warm-up",
+    ])
+    result.stdout.fnmatch_lines([
+        "*train_memory: test_cuda_loop.py::test_forward_budget failed 1 memory check*",
+        "peak forward * MiB over limit 8.0 MiB (measured as the monitor's cuda peaks)",
+    ])
+    assert "test_clean_peaks_match_the_allocator" not in "\n".join(line for line in result.outlines if "FAILED" in line)
