@@ -11,8 +11,9 @@ Every Lightning ``Trainer``, Accelerate ``Accelerator`` and Transformers ``Train
 marked test gets a monitor; the ``train_memory`` fixture watches hand-written loops. The test
 fails, after its body, on a lingering/growth/cycle finding, on tensor memory alive after the last
 step beyond what was alive after warm-up (an exact census of tensor storages), on tensors that only
-a ``gc.collect()`` at the end census freed (reference cycles), and on a phase peak over its limit. ``--train-memory-fail-on-increase`` also fails when a phase peak rose against the
-test's last passing run (pytest's cache). Loading the plugin imports no training framework.
+a ``gc.collect()`` at the end census freed (reference cycles), and on a phase peak over its limit.
+``--train-memory-fail-on-increase`` also fails when a phase peak rose against the test's last
+passing run (pytest's cache). Loading the plugin imports no training framework.
 See docs/pytest.md.
 """
 
