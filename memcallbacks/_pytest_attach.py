@@ -61,6 +61,7 @@ class Patches:
         self.session = session
         self._undo: list[Callable[[], None]] = []
         self._busy: list[str] = []  # frameworks whose constructor is running (a Trainer builds an Accelerator)
+        self._trainer_cell: list[Any] = []  # a weak reference to the Transformers Trainer being built
 
     def install(self) -> None:
         for package in ("lightning.pytorch", "pytorch_lightning"):
@@ -69,7 +70,7 @@ class Patches:
         if _imported("accelerate"):
             self._wrap("accelerate", "Accelerator", None, after=self._accelerator_built)
         if _imported("transformers.trainer"):
-            self._wrap("transformers", "Trainer", self._transformers_kwargs, busy="transformers")
+            self._wrap("transformers", "Trainer", self._transformers_kwargs, busy="transformers", after=self._trainer_built)
 
     def remove(self) -> None:
         while self._undo:
@@ -120,6 +121,12 @@ class Patches:
         kwargs["callbacks"] = callbacks
         self.session.probe(mine._current_session(), name="Lightning Trainer", bookkeeping=lambda: lightning_bookkeeping(mine._trainer))
 
+    def _trainer_built(self, trainer: Any) -> None:
+        from memcallbacks._pytest_transformers import remember_trainer
+
+        remember_trainer(self._trainer_cell, trainer)
+        self._trainer_cell = []  # the next Trainer gets a fresh cell
+
     def _accelerator_built(self, accelerator: Any) -> None:
         from memcallbacks.accelerate import AccelerateMemoryMonitor
 
@@ -140,6 +147,7 @@ class Patches:
         accelerator.prepare = prepare_and_hook  # an instance attribute, gone with the accelerator
 
     def _transformers_kwargs(self, kwargs: dict[str, Any]) -> None:
+        from memcallbacks._pytest_transformers import attach_transformers
         from memcallbacks.transformers import MemoryMonitorCallback
 
         callbacks = list(kwargs.get("callbacks") or [])
@@ -148,13 +156,4 @@ class Patches:
             mine = MemoryMonitorCallback(**self.session.monitor_config())
             callbacks.insert(0, mine)
         kwargs["callbacks"] = callbacks
-        session = self.session
-        on_train_begin = mine.on_train_begin
-
-        def probed_train_begin(*args: Any, **kw: Any) -> Any:
-            result = on_train_begin(*args, **kw)
-            if mine._monitor is not None:  # a new Monitor per train(): probe each
-                session.probe(mine._current_session(), name="Transformers Trainer")
-            return result
-
-        mine.on_train_begin = probed_train_begin  # type: ignore[method-assign]
+        attach_transformers(self.session, mine, self._trainer_cell)

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from memcallbacks._units import format_bytes
-from memcallbacks._runtime.columns import PHASES
+from memcallbacks._pytest_cycles import CycleCheck, thaw
+from memcallbacks._runtime.columns import PEAK_ALLOCATED, PEAK_BACKWARD, PEAK_FORWARD, PEAK_OPTIMIZER, PEAK_OTHER, PHASES
 
 log = logging.getLogger(__name__)
 
@@ -177,6 +178,7 @@ class Probe:
         max_leak: int,
         bookkeeping: Callable[[], list[Any]] | None = None,
         census_every_step: bool = False,
+        last_step: Callable[[], bool] | None = None,
         name: str = "",
     ) -> None:
         self.core = core
@@ -185,6 +187,8 @@ class Probe:
         self.max_leak = max_leak
         self.bookkeeping = bookkeeping
         self.census_every_step = census_every_step  # for loops with no end event the probe sees (Accelerate)
+        self.last_step = last_step  # True while the run's last step ends: its end census is taken there (Transformers)
+        self.cycles = CycleCheck(max_leak)
         self.name = name
         self.steps = 0
         self.leak: LeakResult | None = None
@@ -220,7 +224,10 @@ class Probe:
             result = end(closing, **kwargs)
             if was_open:
                 mark(me, ("end",))
-                self._step_ended(kwargs.get("batch"))
+                batch = kwargs.get("batch")
+                if self.last_step is not None:  # the step's output is as transient as its batch
+                    batch = [batch, kwargs.get("loss")]
+                self._step_ended(batch)
             return result
 
         def finish_(*args: Any, **kwargs: Any) -> Any:
@@ -243,14 +250,23 @@ class Probe:
                 pass
         self._last_batch = refs
         if self.steps == self.warmup:
+            self.cycles.baseline()
             census = self._census(batch)
             if census is not None:
                 self._warmup_census = census
                 self._warmup_bytes, records = _unexpected(census, self._ignored())
                 batch_keys = {(r.device, r.data_ptr) for r in census.records if r.category == "current batch"}
                 self._warmup_alive = _weak_tensors(set(records) | batch_keys)
-        elif self.census_every_step and self.steps > self.warmup:
+                self.cycles.hold()
+        elif self.steps > self.warmup and (self.census_every_step or self._is_last_step()):
             self._final_census(batch)
+
+    def _is_last_step(self) -> bool:
+        try:
+            return self.last_step is not None and bool(self.last_step())
+        except Exception:
+            log.debug("train_memory: could not tell the last step", exc_info=True)
+            return False
 
     def _batch_alive(self) -> list[Any]:
         return [t for t in (r() for r in self._last_batch) if t is not None]
@@ -270,6 +286,7 @@ class Probe:
 
         from memcallbacks.leaks import take_census
 
+        thaw()  # gc.get_objects() does not list a frozen heap
         t0 = time.perf_counter()
         try:
             census = take_census(current_batch=batch, find_paths=find_paths, ignore=[self, self.core])
@@ -287,15 +304,23 @@ class Probe:
         if self.frozen or self._warmup_census is None or self.steps <= self.warmup or self._final_step == self.steps:
             return
         self._final_step = self.steps
-        census = self._census(batch)
-        if census is None:
-            return
-        ignore = self._ignored()
-        final, records = _unexpected(census, ignore)
-        leak = LeakResult(self._warmup_bytes, final, self.steps - self.warmup)
-        if leak.leaked > self.max_leak:
-            leak.holders = self._new_holders(batch, ignore)
-        self.leak = leak
+        self.cycles.check(self.steps)
+        try:
+            census = self._census(batch)
+            if census is None:
+                return
+            ignore = self._ignored()
+            final, records = _unexpected(census, ignore)
+            leak = LeakResult(self._warmup_bytes, final, self.steps - self.warmup)
+            if leak.leaked > self.max_leak:
+                leak.holders = self._new_holders(batch, ignore)
+            self.leak = leak
+        finally:
+            # a loop with no end event checks again at its next step end
+            if self.census_every_step:
+                self.cycles.hold()
+            else:
+                self.cycles.release()
 
     def _new_holders(self, batch: Any, ignore: set[Any]) -> list[str]:
         """Who holds the storages that were not alive after warmup: a census with paths, grouped by holder."""
@@ -344,11 +369,14 @@ class Probe:
         if not rows:
             return {}
         peaks: dict[str, int] = {}
-        for column, phase in ((8, "forward"), (9, "backward"), (10, "optimizer"), (11, "other"), (12, "step")):
+        columns = ((PEAK_FORWARD, "forward"), (PEAK_BACKWARD, "backward"), (PEAK_OPTIMIZER, "optimizer"), (PEAK_OTHER, "other"), (PEAK_ALLOCATED, "step"))
+        for column, phase in columns:
             values = [row[column] for row in rows if row[column] == row[column]]  # drop NaN
             if values:
                 peaks[phase] = int(max(values))
         return peaks
 
     def findings(self) -> list[Any]:
-        return [f for f in self.core.findings if f.kind in ("lingering", "growth", "cycle")]
+        found = [f for f in self.core.findings if f.kind in ("lingering", "growth", "cycle")]
+        keys = {f.key for f in found}
+        return found + [f for f in self.cycles.findings if f.key not in keys]

@@ -96,10 +96,13 @@ class TrainMemory:
         self._patches = Patches(self)
         self._patches.install()
 
-    def probe(self, core: Any, *, name: str, bookkeeping: Callable[[], list[Any]] | None = None, census_every_step: bool = False) -> Probe:
+    def probe(
+        self, core: Any, *, name: str, bookkeeping: Callable[[], list[Any]] | None = None,
+        census_every_step: bool = False, last_step: Callable[[], bool] | None = None,
+    ) -> Probe:
         probe = Probe(
             core, self.timeline, warmup=self._limits.warmup, max_leak=self._limits.max_leak,
-            bookkeeping=bookkeeping, census_every_step=census_every_step, name=name,
+            bookkeeping=bookkeeping, census_every_step=census_every_step, last_step=last_step, name=name,
         )
         self.probes.append(probe)
         return probe
@@ -128,6 +131,8 @@ class TrainMemory:
                 close()
             except Exception:
                 log.warning("train_memory: closing a monitor failed", exc_info=True)
+        for probe in self.probes:
+            probe.cycles.release()
         if self._patches is not None:
             self._patches.remove()
         self.timeline.stop()

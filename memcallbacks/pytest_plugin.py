@@ -10,9 +10,10 @@ Installed with memcallbacks (a ``pytest11`` entry point); nothing to configure::
 Every Lightning ``Trainer``, Accelerate ``Accelerator`` and Transformers ``Trainer`` built in a
 marked test gets a monitor; the ``train_memory`` fixture watches hand-written loops. The test
 fails, after its body, on a lingering/growth/cycle finding, on tensor memory alive after the last
-step beyond what was alive after warm-up (an exact census of tensor storages), and on a phase peak
-over its limit. ``--train-memory-fail-on-increase`` also fails when a phase peak rose against the
-test's last passing run (pytest's cache). Loading the plugin imports no training framework.
+step beyond what was alive after warm-up (an exact census of tensor storages), on tensors that only
+a ``gc.collect()`` at the end census freed (reference cycles), and on a phase peak over its limit.
+``--train-memory-fail-on-increase`` also fails when a phase peak rose against the test's last
+passing run (pytest's cache). Loading the plugin imports no training framework.
 See docs/pytest.md.
 """
 
@@ -91,6 +92,10 @@ def train_memory(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
         yield session
     finally:
         session.stop()
+        # the verdict was given in pytest_runtest_call; items live until the session ends, and their
+        # stash must not keep this test's trainers, models and batches alive for the next tests
+        if _SESSION in request.node.stash:
+            del request.node.stash[_SESSION]
 
 
 @pytest.fixture(autouse=True)

@@ -94,3 +94,37 @@ def test_transformers_callback_handler_frame(tmp_path):
         "Update _move_to_front in memcallbacks/transformers.py."
     )
     assert any(type(c).__name__ == "TensorBoardCallback" for c in callbacks[1:])
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_transformers_trainer_loop_locals_for_the_pytest_plugin(tmp_path):
+    """The pytest plugin leaves the Trainer's own per-step tensors out of its leak census: it reads the
+    locals of ``Trainer._run_epoch`` / ``_inner_training_loop`` (``batch_samples``, ``inputs``,
+    ``tr_loss_step``, ...), ``Trainer._tr_loss`` and the locals of the training data iterator's
+    generator (Accelerate's ``DataLoaderShard`` prefetches the next batch) while ``on_step_end`` runs.
+    This checks they still hold the step's batch, the next batch and the loss."""
+    transformers = pytest.importorskip("transformers")
+    from memcallbacks._pytest_transformers import TRAINER_LOOP_FRAMES, transformers_bookkeeping
+    from memcallbacks.leaks.tensors import iter_tensors
+
+    ids = torch.arange(8 * 6).reshape(8, 6) % 32
+    data = [{"input_ids": row, "labels": row} for row in ids]
+    seen: dict[str, list[torch.Tensor]] = {}
+    forwarded: list[torch.Tensor] = []
+
+    class Look(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            seen[f"step {state.global_step}"] = [t for obj in transformers_bookkeeping(trainer) for t in iter_tensors(obj)]
+
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, max_steps=2,
+                                          per_device_train_batch_size=2, save_strategy="no", disable_tqdm=True)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=8))
+    model.register_forward_pre_hook(lambda module, a, kw: forwarded.append(kw["input_ids"]), with_kwargs=True)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[Look()])
+    trainer.train()
+    where = f"transformers: the Trainer's loop frames {TRAINER_LOOP_FRAMES} and its data iterator's generator"
+    tensors = seen.get("step 1", [])
+    assert any(t is forwarded[0] for t in tensors), f"{where} no longer hold the step's batch (inputs, batch_samples) in on_step_end."
+    assert any(t.dim() == 0 and t.is_floating_point() for t in tensors), f"{where} no longer hold the loss (tr_loss_step, Trainer._tr_loss) in on_step_end."
+    next_rows = [t for t in tensors if t.dim() == 2 and torch.equal(t, forwarded[1])]
+    assert next_rows, f"{where}: the prefetched next batch is no longer found in the data iterator's generator locals."

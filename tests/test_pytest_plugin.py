@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import lightning.pytorch  # noqa: F401  imported here, kept across the in-process inner runs
 import pytest
+import torch
 import torch._dynamo  # noqa: F401  optimizer.step imports it; a second import after pytester drops it fails
 
 pytest_plugins = ["pytester"]
@@ -201,3 +202,210 @@ def test_accelerate_keeps_outputs():
         "leaked 640 B over 5 steps (limit 0 B)*[[]Accelerator[]]",
         "    held by: test_accelerate_keeps_outputs() local seen holds 5 tensors / 640 B allocated after warm-up",
     ])
+
+
+TRANSFORMERS = '''
+import pytest, torch
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+
+class TokenData(torch.utils.data.Dataset):
+    def __init__(self, n=64, length=16):
+        self.ids = torch.randint(0, 128, (n, length), generator=torch.Generator().manual_seed(0))
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+class LeakyGPT2(GPT2LMHeadModel):
+    def __init__(self, config):
+        super().__init__(config)
+        self.kept = []
+
+    def forward(self, input_ids=None, labels=None, **kwargs):
+        out = super().forward(input_ids=input_ids, labels=labels, **kwargs)
+        self.kept.append(out.loss.detach().clone())   # the leak: 4 bytes a step
+        return out
+
+
+def tiny_config():
+    torch.manual_seed(0)
+    return GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=32, bos_token_id=0, eos_token_id=0)
+
+
+def train(model, tmp_path, **kwargs):
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=8, per_device_train_batch_size=4, use_cpu=True,
+                             report_to=[], save_strategy="no", logging_steps=2, disable_tqdm=True, **kwargs)
+    Trainer(model=model, args=args, train_dataset=TokenData()).train()
+
+
+@pytest.mark.train_memory
+def test_leaky(tmp_path):
+    train(LeakyGPT2(tiny_config()), tmp_path)
+
+
+@pytest.mark.train_memory
+def test_clean(tmp_path):
+    train(GPT2LMHeadModel(tiny_config()), tmp_path, gradient_accumulation_steps=2)
+'''
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_transformers_trainer_keeping_a_scalar_per_step_fails_naming_the_model_attribute(pytester: pytest.Pytester) -> None:
+    pytest.importorskip("transformers")
+    import transformers.trainer  # noqa: F401  kept across the in-process inner run, like Lightning above
+
+    pytester.makepyfile(test_hf=TRANSFORMERS)
+    result = run(pytester)
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines([
+        "*train_memory: test_hf.py::test_leaky failed 1 memory check*",
+        "leaked 24 B over 6 steps (limit 0 B)*[[]Transformers Trainer[]]",
+        "    held by: LeakyGPT2.kept holds 6 tensors / 24 B allocated after warm-up",
+    ])
+    assert "test_clean" not in "\n".join(line for line in result.outlines if "FAILED" in line)
+
+
+def test_reference_cycle_holding_tensors_fails_as_a_cycle_with_its_types(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_cycle='''
+import weakref
+
+import torch
+from torch import nn
+
+
+class Tracker:
+    pass
+
+
+class StepRecord:
+    def __init__(self, tracker, activation, weak):
+        self.activation = activation
+        self.tracker = weakref.ref(tracker) if weak else tracker
+        tracker.record = self          # tracker -> record -> tracker: a cycle, unless the back-reference is weak
+
+
+def fit(train_memory, weak):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    batches = [(torch.randn(32, 64), torch.randn(32, 1)) for _ in range(8)]
+    for x, y in train_memory.track(model, optimizer, batches):
+        h = model[1](model[0](x))
+        StepRecord(Tracker(), h.detach().clone(), weak)    # dropped at once: only gc can free a cycle
+        loss = ((model[2](h) - y) ** 2).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def test_cycle(train_memory):
+    fit(train_memory, weak=False)
+
+
+def test_weak_back_reference(train_memory):
+    fit(train_memory, weak=True)
+''')
+    result = run(pytester)
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines([
+        "*train_memory: test_cycle.py::test_cycle failed 1 memory check*",
+        "gc.collect() freed 384.0 KiB of tensors held in reference cycles at step 8 (cycle)",
+        "    held by: StepRecord -> Tracker -> StepRecord holds StepRecord.activation (Tensor 32x512 float32)",
+        "    fix: Reference cycles kept 6 tensors (384.0 KiB) alive until the garbage collector ran at step*",
+    ])
+    assert "test_weak_back_reference" not in "\n".join(line for line in result.outlines if "FAILED" in line)
+
+
+CUDA_LOOP = '''
+import pytest, torch
+from torch import nn
+
+DEVICE = torch.device("DEVICE_NAME")
+MIB = 2**20
+
+
+class Net(nn.Module):
+    def __init__(self, keep=False):
+        super().__init__()
+        self.up, self.down = nn.Linear(1024, 4096), nn.Linear(4096, 1)
+        self.kept = [] if keep else None
+
+    def forward(self, x):
+        h = torch.relu(self.up(x))                    # 256x4096 float32: 4 MiB
+        if self.kept is not None:
+            self.kept.append(h.detach().clone())      # the leak: 4 MiB a step
+        return self.down(h)
+
+
+def setup(keep=False):
+    torch.manual_seed(0)
+    model = Net(keep).to(DEVICE)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batches = [(torch.randn(256, 1024, device=DEVICE), torch.randn(256, 1, device=DEVICE)) for _ in range(8)]
+    return model, optimizer, batches
+
+
+def step(model, optimizer, x, y):
+    loss = ((model(x) - y) ** 2).mean()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def test_leak(train_memory):
+    model, optimizer, batches = setup(keep=True)
+    for x, y in train_memory.track(model, optimizer, batches):
+        step(model, optimizer, x, y)
+
+
+def test_forward_budget(train_memory):
+    train_memory.limits(phases={"forward": "8 MiB"})  # parameters and AdamW state alone are 48 MiB
+    model, optimizer, batches = setup()
+    for x, y in train_memory.track(model, optimizer, batches):
+        step(model, optimizer, x, y)
+
+
+def test_clean_peaks_match_the_allocator(train_memory):
+    train_memory.limits(max_peak="1 GiB")
+    model, optimizer, batches = setup()
+    for x, y in train_memory.track(model, optimizer, batches):
+        step(model, optimizer, x, y)
+    peaks, source = train_memory.phase_peaks()
+    if DEVICE.type != "cuda":
+        return
+    assert source == "the monitor's cuda peaks", source
+    # the same step again, measured with torch.cuda's documented peak counters
+    x, y = batches[0]
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    loss = ((model(x) - y) ** 2).mean()
+    forward = torch.cuda.max_memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    loss.backward()
+    backward = torch.cuda.max_memory_allocated()
+    optimizer.zero_grad(set_to_none=True)
+    del loss
+    for phase, expected in (("forward", forward), ("backward", backward)):
+        assert abs(peaks[phase] - expected) <= max(MIB, 0.02 * expected), (phase, peaks[phase], expected)
+'''
+
+
+@pytest.mark.cuda
+def test_cuda_loop_leak_budget_and_allocator_peaks(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_cuda_loop=CUDA_LOOP.replace("DEVICE_NAME", "cuda"))
+    result = run(pytester)
+    result.assert_outcomes(passed=1, failed=2)
+    result.stdout.fnmatch_lines([
+        "*train_memory: test_cuda_loop.py::test_leak failed * memory check*",
+        "leaked 24.0 MiB over 6 steps (limit 0 B)*[[]train_memory.track()[]]",
+        "    held by: Net.kept holds 6 tensors / 24.0 MiB allocated after warm-up",
+    ])
+    result.stdout.fnmatch_lines([
+        "*train_memory: test_cuda_loop.py::test_forward_budget failed 1 memory check*",
+        "peak forward * MiB over limit 8.0 MiB (measured as the monitor's cuda peaks)",
+    ])
+    assert "test_clean_peaks_match_the_allocator" not in "\n".join(line for line in result.outlines if "FAILED" in line)
