@@ -149,6 +149,11 @@ class Session(RunEnd):
         return watch.census(batch)
 
     def _allocated_now(self) -> int | None:
+        # the watch's read where there is one: the same number as backend.current()[0], without the
+        # RSS read that comes with it on CPU (called twice per automatic gc collection)
+        read = self._watch_read
+        if read is not None:
+            return read()
         backend = self.engine.backend
         return backend.current()[0] if backend is not None else None
 
