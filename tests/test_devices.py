@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from helpers import MIB, touch_temporary
-from memcallbacks._runtime.devices import CpuBackend, CudaBackend, host_rss_reader, select_backend
+from memcallbacks._runtime.devices import CpuBackend, CudaBackend, host_rss_reader, select_backend, set_mmap_threshold
 
 linux_hwm = pytest.mark.skipif(
     not sys.platform.startswith("linux") or not os.access("/proc/self/clear_refs", os.W_OK),
@@ -99,6 +99,9 @@ def test_temporary_in_an_exited_thread_does_not_pin_later_intervals(cpu):
 
 @linux_hwm
 def test_each_interval_only_sees_its_own_temporary(cpu):
+    # glibc's dynamic mmap threshold rises to the largest block an earlier test freed (up to 32 MiB):
+    # pin it, as cpu_mmap_threshold does, so each temporary is mmapped and its pages really come and go
+    set_mmap_threshold(1 << 20)
     base = cpu.baseline()[1]
     sizes = [32, 160, 0, 96]
     peaks = []

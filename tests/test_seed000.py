@@ -224,7 +224,7 @@ def test_seed_module_in_lightning(tmp_path, caplog, keep_outputs):
         return
     (finding,) = findings
     assert finding.kind == "lingering" and finding.key == "lingering:batch+graph"
-    assert finding.step == finding.first_step == 1 and finding.bytes == 2 * EMB_BYTES
+    assert finding.step == finding.first_step == 1 and finding.bytes == 2 * EMB_BYTES + 4  # + the kept loss
     assert finding.holders[0] == f"SeedModule.outputs['loss'] {HOLDER_TAIL} (and its .grad)"
     assert len(records) == 1 and counts == [0.0] + [1.0] * 11
     assert json.loads((tmp_path / "mem" / "report.json").read_text())["findings"][0]["holders"] == finding.holders

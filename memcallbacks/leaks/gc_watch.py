@@ -108,6 +108,10 @@ class CollectionWatch:
             result = collector.collect(step)
         finally:
             self.own = False
+        # the inspection's own tensors decide: a heap drop across an automatic collection can come from
+        # anything freed meanwhile (other threads, non-tensor objects), so it alone is no evidence
+        if result.tensor_bytes < self.min_bytes:
+            return None
         finding = result.to_finding(min_bytes=self.min_bytes)
         if finding is None:
             return None
