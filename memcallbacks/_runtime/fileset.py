@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 log = logging.getLogger(__name__)
 
-__all__ = ["FileSet", "fingerprint", "check_fingerprint"]
+__all__ = ["FileSet", "write_temporary", "fingerprint", "check_fingerprint"]
 
 
 def fingerprint(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -45,6 +45,26 @@ def check_fingerprint(path: Path, expected: Any, report_path: Path) -> None:
         )
 
 
+def write_temporary(folder: Path, name: str, write: Callable[[Any], None], mode: str = "w") -> str:
+    """Write ``name``'s content to a new temporary file in ``folder``, synced, mode 0644; return its path.
+
+    The one way memcallbacks writes a file: :func:`~memcallbacks._runtime.outputs.atomic_write`
+    renames the result into place at once, :class:`FileSet` renames a whole set together. A
+    failure removes the temporary file and raises.
+    """
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=folder)
+    try:
+        os.fchmod(fd, 0o644)  # mkstemp makes 0600; reports are meant to be shared like any log file
+        with os.fdopen(fd, mode) as fh:
+            write(fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+    except BaseException:
+        _unlink(tmp)
+        raise
+    return tmp
+
+
 class FileSet:
     """Stage files in ``folder``, then :meth:`commit` them (renamed in the order staged) or :meth:`discard`."""
 
@@ -54,17 +74,7 @@ class FileSet:
 
     def stage(self, kind: str, name: str, write: Callable[[Any], None], mode: str = "w") -> Path:
         final = self.folder / name
-        fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=self.folder)
-        try:
-            os.fchmod(fd, 0o644)  # mkstemp makes 0600; reports are meant to be shared like any log file
-            with os.fdopen(fd, mode) as fh:
-                write(fh)
-                fh.flush()
-                os.fsync(fh.fileno())
-        except BaseException:
-            _unlink(tmp)
-            raise
-        self.staged[kind] = (tmp, final)
+        self.staged[kind] = (write_temporary(self.folder, name, write, mode), final)
         return final
 
     def staged_fingerprint(self, kind: str) -> dict[str, Any]:

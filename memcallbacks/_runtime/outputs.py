@@ -10,6 +10,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
+from memcallbacks._runtime.fileset import FileSet, _unlink, write_temporary
 from memcallbacks._units import GiB, MiB
 
 log = logging.getLogger(__name__)
@@ -24,19 +25,11 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[Any], None], mod
     """Write through a temporary file in the same folder and ``os.replace`` it into place."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    tmp = write_temporary(path.parent, path.name, write, mode)
     try:
-        os.fchmod(fd, 0o644)  # mkstemp makes 0600; reports are meant to be shared like any log file
-        with os.fdopen(fd, mode) as fh:
-            write(fh)
-            fh.flush()
-            os.fsync(fh.fileno())
         os.replace(tmp, path)
     except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+        _unlink(tmp)
         raise
     return path
 
@@ -102,8 +95,6 @@ def write_outputs(
     optional: one that fails is left out, and the others are written. ``ranks`` (rank zero under
     distributed training): every rank's summary, written into a combined ``report.json``.
     """
-    from memcallbacks._runtime.fileset import FileSet
-
     names = file_names(rank, world_size)
     files = FileSet(folder)
     try:
