@@ -130,6 +130,8 @@ class MemoryMonitor(SessionResults, *_callback_bases()):  # type: ignore[misc]
         self._started_for: int | None = None
         self._trainer: Any = None
         self._loss: Any = None  # this step's loss, held only until the step ends
+        self._quiet = False  # the current step is quiet (Session.begin_step): every step hook returns at once
+        self._last_count = -1  # the count of the last step that was not quiet
 
     # ------------------------------------------------------------------ helpers
     @staticmethod
@@ -224,7 +226,8 @@ class MemoryMonitor(SessionResults, *_callback_bases()):  # type: ignore[misc]
     @entry_point("on_train_start")
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._automatic = bool(pl_module.automatic_optimization)
-        self._stepped = False
+        self._stepped = self._quiet = False
+        self._last_count = self._log_step(trainer) - 1
         self._session.step_open = False
         self._session.title = f"{type(pl_module).__name__}"
         optimizers = list(trainer.optimizers)
@@ -265,31 +268,37 @@ class MemoryMonitor(SessionResults, *_callback_bases()):  # type: ignore[misc]
         if session.step_open:  # a further micro-batch of the open step (gradient accumulation)
             session.begin_step(0)
             return
+        count = self._log_step(trainer)
+        if count < session.quiet_until:  # most steps of a long run: skipped by every hook, counted at the next other step
+            self._quiet = True
+            return
+        self._quiet = False
+        session.count_quiet(count - self._last_count - 1)
+        self._last_count = count
         if session.preflight.due:  # preflight=True: this batch's step predicted on fake tensors, before it starts
             manual = None if self._automatic else "manual optimization (training_step runs its own backward and optimizer steps)"
             session.preflight.run(batch, model=pl_module, forward_fn=training_step(batch_idx), skip=manual, grads_through_forward=True)
-        count = self._log_step(trainer)
         log_now = session.will_log(count)
         if session.enabled and session.wants_sample(count, log_now):
             session.begin_step(trainer.global_step, trainer.current_epoch, batch_idx, log=log_now, count=count, batch=batch, sample=True)
         else:  # unsampled: skip reading Lightning's (comparatively slow) step/epoch properties
             session.begin_step(count, 0, batch_idx, log=log_now, count=count, batch=batch, sample=False)
 
-    @entry_point("on_before_backward")
+    @entry_point("on_before_backward", skip_if="_quiet")
     def on_before_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: torch.Tensor) -> None:
         self._session.boundary(FORWARD)
         self._loss = loss
 
-    @entry_point("on_after_backward")
+    @entry_point("on_after_backward", skip_if="_quiet")
     def on_after_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._session.boundary(BACKWARD)
 
-    @entry_point("on_before_optimizer_step")
+    @entry_point("on_before_optimizer_step", skip_if="_quiet")
     def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: Any) -> None:
         # automatic optimization: from here to batch end is the optimizer phase (clipping included)
         self._stepped = True
 
-    @entry_point("on_train_batch_end")
+    @entry_point("on_train_batch_end", skip_if="_quiet")
     def on_train_batch_end(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
     ) -> None:

@@ -1,17 +1,25 @@
-"""Which steps are watched, sampled and logged, and the sampling interval the overhead budget allows.
+"""Which steps are watched, sampled and logged, and the intervals the overhead budget allows.
 
 Three cadences, each with its own job:
 
-* **watch** (every step): one memory read at step start (glibc's in-use heap on CPU, the
-  allocator's ``memory_allocated`` on accelerators) for growth detection and the snapshot triggers, plus the lingering check. It runs whether or not anything is logged.
-* **sample**: per-phase peaks and a history row. Its interval is chosen from the measured cost
-  of a sampled step and the measured step time so that the monitor stays within
-  ``overhead_budget`` (``sample_every_n_steps`` overrides it).
+* **watch** (every step): the lingering check (every step for the first
+  :data:`LINGERING_EVERY_STEP_UNTIL` steps, then on sampled steps) and the memory read that feeds
+  growth detection and the snapshot triggers. The read is the caching allocator's
+  ``memory_allocated`` on accelerators (~1 µs, taken every step) and glibc's in-use heap
+  (``mallinfo2``) on CPU, which walks every free chunk: 20-150 µs after a step's compute has
+  evicted the heap from the caches. On CPU it is therefore taken every step for the first
+  :data:`DENSE_READ_STEPS` steps (a leak in the training code shows from the first step) and then
+  every ``read_every`` steps, an interval the budget chooses. The watch runs whether or not
+  anything is logged.
+* **sample**: per-phase peaks and a history row (its baseline is a read too, and feeds growth
+  detection on the steps it is taken).
 * **log**: a logger write, every ``log_every_n_steps`` (the framework's setting by default). Logged
   steps are always sampled.
 
-The watch is thinned only when its own cost alone would exceed the budget (very short CPU steps,
-where one ``mallinfo2`` read can take 15-150 µs in a fragmented training heap).
+The read and sampling intervals are chosen from measured costs and the measured step time so that
+the monitor's own time stays within ``overhead_budget`` (``sample_every_n_steps`` overrides the
+sampling interval). After the first :data:`QUIET_FROM` steps, a step that is not logged, not
+sampled and takes no read is *quiet*: the monitor only counts it (``Session.begin_step``).
 """
 
 from __future__ import annotations
@@ -24,24 +32,39 @@ from typing import Any, Callable
 from memcallbacks._config import MonitorConfig
 from memcallbacks._runtime.devices import heap_in_use_bytes
 
-__all__ = ["Cadence", "watch_reader", "LINGERING_EVERY_STEP_UNTIL"]
+__all__ = ["Cadence", "watch_reader", "LINGERING_EVERY_STEP_UNTIL", "DENSE_READ_STEPS", "QUIET_FROM"]
 
 # Lingering references are checked after every one of the first steps, then on sampled steps only.
 LINGERING_EVERY_STEP_UNTIL = 20
 # Steps sampled at the start, before the budget has measurements to choose from.
 MEASURE_STEPS = 8
-# The interval is chosen again every this many steps, from the latest measurements.
+# The watch's memory read is taken at every one of a run's first steps, whatever it costs: a leak in
+# the training code leaks from step 0, and growth detection needs about this many steps to confirm a
+# leak of 256 KiB/step (docs/benchmarks.md). The budget chooses the interval after them.
+DENSE_READ_STEPS = 48
+# Steps before this count are never quiet (see Session.begin_step): they are measured, read and checked.
+QUIET_FROM = max(LINGERING_EVERY_STEP_UNTIL, DENSE_READ_STEPS, MEASURE_STEPS)
+# The intervals are chosen again every this many steps, from the latest measurements.
 CHOOSE_EVERY = 16
 MAX_INTERVAL = 1024
-MAX_WATCH_INTERVAL = 8
+# At most this many steps between two reads, whatever a read costs (growth detection needs a few
+# reads across a leak's first megabytes), unless the reads ride on logged steps at most 64 apart.
+MAX_READ_INTERVAL = 32
+# The share of the budget that the reads may take; the logged steps and sampling get the rest.
+READ_SHARE = 0.5
+# A step the monitor works in costs the training loop more than the monitor's own measured time: its
+# reads and its code evict the step's data from the caches, and the step then runs slower. Measured
+# with benchmarks/overhead.py on a ~1.4 ms CPU step (docs/benchmarks.md), a read or sampled step
+# slowed the fit by 2-3x what the monitor timed in itself; the budget counts twice the measured time.
+COLD_FACTOR = 2.0
 
 
-def watch_reader(backend: Any) -> Callable[[], int]:
-    """The read that sees a tensor leak step over step (docs/benchmarks.md): glibc's in-use heap on
-    CPU (``mallinfo2``; RSS from ``statm`` is cheaper but lags a leak while freed heap is reused),
-    the caching allocator's own counter elsewhere (~1 µs)."""
+def watch_reader(backend: Any) -> Callable[[], int | None]:
+    """The read that sees a tensor leak step over step (docs/benchmarks.md, "Which read"): glibc's
+    in-use heap on CPU (``mallinfo2``: it sees a leak that fills heap freed earlier, which RSS
+    does not see until that space is used up), the caching allocator's own counter elsewhere."""
     if backend.kind == "cpu":
-        return heap_in_use_bytes
+        return heap_in_use_bytes if heap_in_use_bytes() is not None else (lambda: backend.current()[0])
     return lambda: backend.current()[0]
 
 
@@ -51,22 +74,25 @@ def _median(values: Any) -> float:
 
 
 class Cadence:
-    """Step intervals for watching, sampling and logging, and the monitor's measured cost."""
+    """Step intervals for watching, reading, sampling and logging, and the monitor's measured cost."""
 
     def __init__(self, config: MonitorConfig) -> None:
         self.config = config
         self.budget = config.overhead_budget
         self.explicit = config.sample_every_n_steps is not None
         self.sample_every = config.sample_every_n_steps or 1
-        self.watch_every = 1
+        self.read_every = 1
         self.log_every = 50
         self.logs = True  # False: the run has nowhere to log (no logger), so no step is a logged step
         self.log_first_step = False
-        self._last_start: float | None = None
+        self._anchor: tuple[int, float] | None = None  # (count, time) of the last step start timed
+        self._next_choice = MEASURE_STEPS
         self._step_times: collections.deque[float] = collections.deque(maxlen=64)
         self._watch_costs: collections.deque[float] = collections.deque(maxlen=64)
+        self._read_costs: collections.deque[float] = collections.deque(maxlen=32)
         self._sample_costs: collections.deque[float] = collections.deque(maxlen=32)
         self.own_s = 0.0
+        self.finding_s = 0.0  # censuses and holder searches after a finding: reported apart, not budgeted
         self.step_s = 0.0
         self.steps = 0
 
@@ -86,47 +112,87 @@ class Cadence:
             return True
         return not self.explicit and count < MEASURE_STEPS
 
-    def wants_watch(self, count: int) -> bool:
-        return self.watch_every == 1 or count % self.watch_every == 0
+    def wants_read(self, count: int) -> bool:
+        """Whether the watch reads memory at the start of the step after ``count`` steps."""
+        return count < DENSE_READ_STEPS or (count + 1) % self.read_every == 0  # in phase with the logged steps
+
+    # ------------------------------------------------------------------ measurements
+    def next_busy(self, count: int, reads: bool) -> int:
+        """The first step count at or after ``count`` whose step is logged, sampled or (``reads``)
+        reads memory: the steps before it are quiet."""
+        busy = count + (-(count + 1)) % self.sample_every
+        if self.logs:
+            busy = min(busy, count + (-(count + 1)) % self.log_every)
+        if reads:
+            busy = min(busy, count + (-(count + 1)) % self.read_every)
+        return busy
 
     # ------------------------------------------------------------------ measurements
     def step_started(self, count: int) -> None:
-        """Time the previous step (start to start, the monitor's own time included)."""
+        """Time the steps since the last timed start (the monitor's own time included). Quiet steps
+        are not timed one by one: a start after some of them gives their mean."""
         now = time.perf_counter()
-        if self._last_start is not None:
-            elapsed = now - self._last_start
-            self._step_times.append(elapsed)
+        anchor = self._anchor
+        if anchor is not None and count > anchor[0]:
+            elapsed = now - anchor[1]
+            self._step_times.append(elapsed / (count - anchor[0]))
             self.step_s += elapsed
-            self.steps += 1
-        self._last_start = now
-        if count >= MEASURE_STEPS and (count - MEASURE_STEPS) % CHOOSE_EVERY == 0:
+            self.steps += count - anchor[0]
+        self._anchor = (count, now)
+        if count >= self._next_choice:
+            self._next_choice = count + CHOOSE_EVERY
             self.choose()  # first as soon as the measured steps are over, then every CHOOSE_EVERY
 
     def pause(self) -> None:
         """Evaluation or a checkpoint between steps: the next start-to-start gap is not a step."""
-        self._last_start = None
+        self._anchor = None
 
     def charge(self, seconds: float, sampled: bool, typical: bool = True) -> None:
-        """Add the monitor's own time for one step; ``typical=False`` (a census after a finding)
-        counts in the overhead but not in the costs that choose the intervals."""
+        """Add the monitor's own time for one step, its watch read excepted (:meth:`charge_read`).
+        ``typical=False`` (a step that found something: censuses, holder searches) is counted apart,
+        as ``finding_s``, and not in the costs that choose the intervals."""
+        if not typical:
+            self.finding_s += seconds
+            return
         self.own_s += seconds
-        if typical:
-            (self._sample_costs if sampled else self._watch_costs).append(seconds)
+        (self._sample_costs if sampled else self._watch_costs).append(seconds)
+
+    def charge_read(self, seconds: float) -> None:
+        """One memory read of the watch on an unsampled step."""
+        self.own_s += seconds
+        self._read_costs.append(seconds)
+
+    def charge_other(self, seconds: float) -> None:
+        """Own time outside the steps' hooks (the garbage-collection callback's reads)."""
+        self.own_s += seconds
 
     def choose(self) -> None:
-        """Pick the watch and sample intervals that keep the monitor within the budget."""
+        """Pick the read and sample intervals that keep the monitor within the budget.
+
+        After the first :data:`QUIET_FROM` steps the monitor spends time only on the steps that read
+        memory (the read plus the watch around it), on sampled steps and on logged steps (always
+        sampled); the other steps are quiet. The reads may take :data:`READ_SHARE` of the budget,
+        the logged steps take what they cost, and sampling gets what is left."""
         step = _median(self._step_times)
         if not step > 0:
             return
         allowed = self.budget * step
         watch = _median(self._watch_costs) if self._watch_costs else 0.0
-        # thinned only if it must (its cost alone is over the budget): that delays detection
-        self.watch_every = min(MAX_WATCH_INTERVAL, max(1, math.ceil(watch / allowed)))
+        if self._read_costs:
+            read = COLD_FACTOR * (_median(self._read_costs) + watch)
+            self.read_every = max(1, min(MAX_READ_INTERVAL, math.ceil(read / (allowed * READ_SHARE))))
+            if self.logs and 2 * self.read_every >= self.log_every:
+                # the logged steps are sampled, and a sampled step's baseline is a read: when the
+                # budget puts reads at least half a logging interval apart, the reads ride on them
+                self.read_every = self.log_every
+            else:
+                allowed -= read / self.read_every
         if self.explicit or not self._sample_costs:
             return
-        extra = max(_median(self._sample_costs) - watch, 0.0)
-        left = allowed - watch / self.watch_every
-        every = MAX_INTERVAL if left <= 0 else math.ceil(extra / left)
+        sample = COLD_FACTOR * _median(self._sample_costs)
+        if self.logs:
+            allowed -= sample / self.log_every
+        every = MAX_INTERVAL if allowed <= 0 else math.ceil(sample / allowed)
         self.sample_every = max(1, min(MAX_INTERVAL, every))
 
     # ------------------------------------------------------------------ what it says about itself
@@ -137,14 +203,21 @@ class Cadence:
 
     def summary(self) -> dict[str, Any]:
         step = _median(self._step_times)
+
+        def us(values: Any) -> float | None:
+            return round(_median(values) * 1e6, 2) if values else None
+
         return {
             "overhead_budget": self.budget,
             "overhead": None if math.isnan(self.overhead) else round(self.overhead, 5),
-            "watch_every_n_steps": self.watch_every,
+            "finding_time_s": round(self.finding_s, 4),
+            "read_every_n_steps": self.read_every,
+            "dense_read_steps": DENSE_READ_STEPS,
             "sample_every_n_steps": self.sample_every,
             "sample_interval_source": "config" if self.explicit else "overhead_budget",
             "log_every_n_steps": self.log_every if self.logs else None,
             "step_time_median_s": None if math.isnan(step) else step,
-            "watch_cost_median_us": round(_median(self._watch_costs) * 1e6, 2) if self._watch_costs else None,
-            "sample_cost_median_us": round(_median(self._sample_costs) * 1e6, 2) if self._sample_costs else None,
+            "watch_cost_median_us": us(self._watch_costs),
+            "read_cost_median_us": us(self._read_costs),
+            "sample_cost_median_us": us(self._sample_costs),
         }

@@ -79,12 +79,17 @@ def contain(owner: Any, exc: BaseException, where: str, *, unwinding: bool = Fal
                       "so the training loop's own exception propagates).", where, exc_info=exc)
 
 
-def entry_point(where: str, *, unwinding: bool = False) -> Callable[[F], F]:
-    """Decorate an adapter method called by a framework: internal errors are contained (see module doc)."""
+def entry_point(where: str, *, unwinding: bool = False, skip_if: str | None = None) -> Callable[[F], F]:
+    """Decorate an adapter method called by a framework: internal errors are contained (see module doc).
+
+    ``skip_if``: the name of a boolean attribute of the adapter; while it is true the call returns
+    at once (a quiet step's hooks: one attribute read, nothing else)."""
 
     def decorate(fn: F) -> F:
         @functools.wraps(fn)
         def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if skip_if is not None and getattr(self, skip_if):
+                return None
             try:
                 return fn(self, *args, **kwargs)
             except UsageError:

@@ -120,7 +120,8 @@ def format_report(report: dict[str, Any], history: Any = None) -> str:
     cadence = s.get("cadence")
     if cadence:
         overhead = cadence.get("overhead")
-        lines.append(f"  cadence                    watch every {cadence['watch_every_n_steps']}, sample every "
+        lines.append(f"  cadence                    memory read every {cadence['read_every_n_steps']} (every step for the first "
+                     f"{cadence['dense_read_steps']}), sample every "
                      f"{cadence['sample_every_n_steps']} ({cadence['sample_interval_source']}), log every "
                      f"{cadence['log_every_n_steps'] or '- (nowhere to log)'} steps; own time "
                      f"{'?' if overhead is None else f'{100 * overhead:.2f}%'} of step time (budget {100 * cadence['overhead_budget']:g}%)")

@@ -6,6 +6,7 @@ every method here runs at the end of a run or while an exception unwinds, and ne
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -88,6 +89,18 @@ class RunEnd:
         """No training step, no evaluation loop and no event since the last reset."""
         return self.engine._seen_steps == 0 and not self.engine.eval_rows and not self.events
 
+    def _finish_watch(self) -> None:
+        """Work the leak watch still owes when the run ends (a growth finding's second census)."""
+        if self.watch is None or not self.engine.enabled:
+            return
+        t0 = time.perf_counter()
+        try:
+            for finding in self.watch.finish():
+                self.add_finding(finding)
+        except Exception:
+            self.log.debug("the leak watch's last census failed", exc_info=True)
+        self.cadence.finding_s += time.perf_counter() - t0
+
     def finish(self, *, gather: bool) -> dict[str, str]:
         """Close any open step and write this rank's files. ``gather`` (a collective: every rank must
         call it) also puts every rank's summary into rank zero's ``report.json``.
@@ -99,6 +112,7 @@ class RunEnd:
             if engine.in_step and engine.enabled:
                 engine.end_step()
             self.step_open = False
+            self._finish_watch()
             if self.snap is not None:
                 self.snap.stop()  # writes a capture cut short by the end of training
             report = self.report()

@@ -199,6 +199,11 @@ class MemoryEngine:
             self._step_opt += 1
         row[MONITOR_TIME_S] += time.perf_counter() - t0
 
+    def quiet_step(self, steps: int = 1) -> None:
+        """Count steps that are not measured at all (one optimizer step each, as automatic optimization takes)."""
+        self._seen_steps += steps
+        self.optimizer_steps_total += steps
+
     def micro_batch(self) -> None:
         """A further batch inside the same optimizer step (gradient accumulation)."""
         row = self._row

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from memcallbacks._config import MonitorConfig
-from memcallbacks._runtime.cadence import LINGERING_EVERY_STEP_UNTIL, Cadence, watch_reader
+from memcallbacks._runtime.cadence import LINGERING_EVERY_STEP_UNTIL, QUIET_FROM, Cadence, watch_reader
 from memcallbacks._runtime.columns import E_STAGE, MONITOR_TIME_S, OPTIMIZER
 from memcallbacks._runtime.extras import extra_metrics, load_session_state, session_state
 from memcallbacks._runtime.sampling import MemoryEngine
@@ -71,7 +71,14 @@ class Session(RunEnd):
         self.title = ""
         self._warned: set[str] = set()
         self.cadence = Cadence(config)
-        self._watch_read: Callable[[], int] | None = None
+        self._watch_read: Callable[[], int | None] | None = None
+        self._read_s = 0.0  # the open step's watch read, charged apart from the every-step cost
+        self._fast_s: float | None = None  # an unsampled step's own time so far (None: sampled, or not open)
+        self._fast_typical = True
+        self.quiet_until = 0
+        """Steps whose count is below this are quiet (see :meth:`begin_step`); planned at each step's end."""
+        self.quiet_step = False
+        """The open step is quiet: adapters may skip its other hooks (end_step and boundary do nothing)."""
         self.step_open = False
         self.log_this_step = False
         self.current_step = 0
@@ -86,7 +93,8 @@ class Session(RunEnd):
         self._new_findings = []
         self.state = StateCheck(self.config)
         self.preflight.reset()
-        self.step_open = False
+        self.step_open = self.quiet_step = False
+        self.quiet_until = 0
 
     @property
     def findings(self) -> list[Finding]:
@@ -150,7 +158,7 @@ class Session(RunEnd):
 
     def _allocated_now(self) -> int | None:
         # the watch's read where there is one: the same number as backend.current()[0], without the
-        # RSS read that comes with it on CPU (called twice per automatic gc collection)
+        # RSS read that comes with it on CPU
         read = self._watch_read
         if read is not None:
             return read()
@@ -189,6 +197,7 @@ class Session(RunEnd):
         self.live = True
         # the cadence first: even a monitor whose start fails below must agree with the other ranks on logged steps
         self.cadence = Cadence(config)
+        self.quiet_until = 0
         log_every = config.log_every_n_steps or max(int(framework_log_every or 50), 1)
         self.cadence.configure(log_every=log_every, logs=logs, log_first_step=log_first_step)
         try:
@@ -201,7 +210,9 @@ class Session(RunEnd):
         self.engine.start(device, rank=rank, world_size=world_size)
         if self.watch is not None:
             self.watch.stop()
-        self.watch = LeakWatch(config, self._allocated_now, ignore=[self])
+        backend = self.engine.backend
+        self._watch_read = watch_reader(backend) if backend is not None else None
+        self.watch = LeakWatch(config, self._allocated_now, ignore=[self], charge=self.cadence.charge_other, wake=self.wake)
         self.watch.start()
         if self.snap is not None:
             self.snap.stop()
@@ -210,8 +221,6 @@ class Session(RunEnd):
             engine = self.engine
             self.snap = AutoSnapshot.for_backend(config, engine.backend, self.output_dir, engine.rank, engine.world_size, self.log)
             self.snap.start()
-        backend = self.engine.backend
-        self._watch_read = watch_reader(backend) if backend is not None else None
 
     @property
     def log_every(self) -> int:
@@ -280,7 +289,12 @@ class Session(RunEnd):
         several optimizers step per batch). ``log=None``: every ``log_every`` steps. ``sample=None``:
         :meth:`wants_sample`. ``batch`` is only looked at (leak detection), never kept.
         ``defer_lingering``: the caller runs :meth:`check_lingering` later in the step (plain loops,
-        where the caller's loop variable still holds the previous batch when the step begins)."""
+        where the caller's loop variable still holds the previous batch when the step begins).
+
+        A *quiet* step (after the first :data:`QUIET_FROM` steps: one that is not logged, not
+        sampled, takes no memory read and has no check pending, as planned at the end of the step
+        before) is only counted, at the cost of a comparison: :attr:`quiet_step` is set and the
+        step's ``boundary``/``end_step`` calls do nothing."""
         engine = self.engine
         if self.step_open:
             if engine.enabled:
@@ -289,11 +303,19 @@ class Session(RunEnd):
                 except Exception as exc:
                     engine.fail(exc, "micro-batch boundary")
             return
-        self.step_open = True
-        self.current_step = step
-        self._lingering_due = defer_lingering
         n = step if count is None else count
+        self.current_step = step
         self.current_count = n
+        if n < self.quiet_until and not log and not sample:
+            self.quiet_step = self.step_open = True  # open, for the adapters' bookkeeping; nothing is measured
+            self.log_this_step = self._lingering_due = False
+            engine.quiet_step()
+            if self.snap is not None:
+                self.snap.step = step
+            return
+        self.quiet_step = False
+        self.step_open = True
+        self._lingering_due = defer_lingering
         # decided even when disabled, so that every rank agrees on which steps join a collective
         if log is None:
             log = self.will_log(n)
@@ -310,23 +332,28 @@ class Session(RunEnd):
             watch = self.watch
             if sample is None:
                 sample = self.wants_sample(n, log)
-            if not sample:  # the fast path: the watch only (one cheap read, the lingering check)
+            self._read_s = 0.0
+            if not sample:  # the fast path: the watch only (a memory read on some steps, the lingering check)
                 t0 = time.perf_counter()
+                found = []
                 if watch is not None:
                     found = watch.before_baseline(step, batch, lingering=not defer_lingering)
                     found += self._watch(n, batch)
-                    for finding in found:
-                        self.add_finding(finding)
                 engine.begin_step(step, epoch, batch_idx, False)
-                self.cadence.charge(time.perf_counter() - t0, sampled=False, typical=not found)
+                self._fast_s = time.perf_counter() - t0 - self._read_s  # charged at step end, with the end's own time
+                self._fast_typical = not found
+                for finding in found:
+                    self.add_finding(finding)
                 return
+            self._fast_s = None
             t0 = time.perf_counter()
             found = watch.before_baseline(step, batch, lingering=not defer_lingering) if watch is not None else []
-            found += self._watch(n, batch)
             check_state = self.state.wanted and engine.optimizer_steps_total > 0
             spent = time.perf_counter() - t0
             engine.begin_step(step, epoch, batch_idx, True)
             t1 = time.perf_counter()
+            # the sampled baseline is the watch's read (allocated bytes): growth detection gets it at no extra cost
+            found += self._watch(n, batch, engine.step_baseline)
             baseline = engine.step_baseline
             if check_state and baseline is not None:
                 finding = self._check_state(step, baseline, batch)
@@ -342,11 +369,43 @@ class Session(RunEnd):
         except Exception as exc:
             engine.fail(exc, "step start")
 
-    def _watch(self, count: int, batch: Any) -> list[Finding]:
-        """The watch cadence: one cheap memory read at step start, fed to growth detection."""
-        if self.watch is None or self._watch_read is None or not self.cadence.wants_watch(count):
+    def _watch(self, count: int, batch: Any, value: int | None = None) -> list[Finding]:
+        """The watch cadence: growth detection fed with ``value`` (a sampled step's baseline) or, on
+        the steps :meth:`Cadence.wants_read` names, with the watch's own memory read."""
+        if self.watch is None or self._watch_read is None:
             return []
-        return self.watch.after_baseline(count, self._watch_read(), batch)
+        if value is None:
+            if not self.cadence.wants_read(count):
+                return []
+            t0 = time.perf_counter()
+            value = self._watch_read()
+            self._read_s = time.perf_counter() - t0
+            self.cadence.charge_read(self._read_s)
+            if value is None:
+                return []
+        return self.watch.after_baseline(count, value, batch)
+
+    def _plan_quiet(self) -> None:
+        """After a step: up to which count the steps that follow may be quiet (see :meth:`begin_step`)."""
+        nxt = self.current_count + 1
+        self.quiet_until = nxt
+        if nxt < QUIET_FROM or not self.engine.enabled or self.config.gc_every_n_steps:
+            return
+        watch = self.watch
+        if self._lingering_due or self.lingering_pending or self.state.wanted or self.preflight.due:
+            return
+        if (self.snap is not None and self.snap.busy) or (watch is not None and watch.collections is not None and watch.collections.due):
+            return
+        self.quiet_until = self.cadence.next_busy(nxt, reads=watch is not None and self._watch_read is not None)
+
+    def count_quiet(self, steps: int) -> None:
+        """``steps`` quiet steps an adapter skipped without calling :meth:`begin_step` (Lightning)."""
+        if steps > 0:
+            self.engine.quiet_step(steps)
+
+    def wake(self) -> None:
+        """Something needs the next step (a large automatic collection to inspect): it is not quiet."""
+        self.quiet_until = 0
 
     def boundary(self, closing: int) -> None:
         engine = self.engine
@@ -363,8 +422,12 @@ class Session(RunEnd):
 
         ``batch``, ``loss`` (the step's last) and ``outputs`` (the model's outputs the adapter saw)
         are handed to leak detection as weak references."""
+        if self.quiet_step:
+            self.quiet_step = self.step_open = False
+            return None
         engine = self.engine
         row = None
+        t_end = time.perf_counter()
         if self._lingering_due:
             self.check_lingering(batch)
         if engine.enabled:
@@ -381,6 +444,9 @@ class Session(RunEnd):
                 if row is not None:
                     self.preflight.compare(row)
                     self.cadence.charge(row[MONITOR_TIME_S], sampled=True)
+                elif self._fast_s is not None:  # an unsampled step: its start and its end, as one cost
+                    self.cadence.charge(self._fast_s + time.perf_counter() - t_end, sampled=False, typical=self._fast_typical)
+                self._fast_s = None
                 if self.snap is not None and (row is not None or self._new_findings):
                     new, self._new_findings = self._new_findings, []
                     if row is not None:
@@ -390,6 +456,7 @@ class Session(RunEnd):
             except Exception as exc:
                 engine.fail(exc, "step end")
         self.step_open = False
+        self._plan_quiet()
         if self.log_this_step and (row is not None or engine.world_size > 1):
             try:
                 metrics = engine.log_values(row, extra_metrics(self, row))

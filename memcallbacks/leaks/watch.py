@@ -30,14 +30,25 @@ log = logging.getLogger(__name__)
 
 __all__ = ["LeakWatch"]
 
-# A growth finding names what grew between a census at detection and one this many sampled steps later.
+# A growth finding names what grew between a census at detection and one at least this many steps later
+# (at the next read from then on, or when the run ends).
 GROWTH_CENSUS_GAP = 16
 
 
 class LeakWatch:
     """Per-step leak detection. Each method is cheap unless something is wrong."""
 
-    def __init__(self, config: MonitorConfig, allocated_now: Callable[[], int | None], ignore: list[Any]) -> None:
+    def __init__(
+        self,
+        config: MonitorConfig,
+        allocated_now: Callable[[], int | None],
+        ignore: list[Any],
+        *,
+        charge: Callable[[float], None] | None = None,
+        wake: Callable[[], None] | None = None,
+    ) -> None:
+        """``charge``: told the seconds the garbage-collection callback spends reading memory;
+        ``wake``: called when a large automatic collection makes the next step inspect the garbage."""
         self.config = config
         self._ignore = ignore  # our own objects, never reported as holders
         self.lingering = (
@@ -64,13 +75,13 @@ class LeakWatch:
         # Python's automatic collections, measured through gc.callbacks (a `cycle` finding needs no
         # configuration); off when the periodic collection has turned them off anyway
         self.collections = (
-            CollectionWatch(allocated_now, min_bytes=config.lingering_min_bytes)
+            CollectionWatch(allocated_now, min_bytes=config.lingering_min_bytes, charge=charge, wake=wake)
             if config.detect_leaks and not config.gc_disable_automatic
             else None
         )
         self.gc_results: list[dict[str, Any]] = []
         self._growth_census: Census | None = None
-        self._growth_census_countdown = -1
+        self._growth_census_due: int | None = None  # the step from which census B is taken
         self._growth_finding: Finding | None = None
         self.model: Any = None
         self.optimizer: Any = None
@@ -188,30 +199,36 @@ class LeakWatch:
 
     # ------------------------------------------------------------------ on sampled steps, after the baseline
     def after_baseline(self, step: int, baseline: int, batch: Any) -> list[Finding]:
+        """Feed one memory read (allocated bytes at the start of ``step``) to growth detection; the
+        growth finding, and its holders once the second census is due."""
         if self.growth is None:
             return []
         finding = self.growth.update(step, baseline)
+        due = self._growth_census_due
         if finding is None:
-            if self._growth_census_countdown > 0:
-                self._growth_census_countdown -= 1
-            if self._growth_census_countdown == 0:
+            if due is not None and step >= due:
                 # the holders arrive on a step the detector did not report: an update, not a new sighting
                 return self._name_growth(step, batch, sighting=False)
             return []
         first = self._growth_finding is None
         self._growth_finding = finding
         if first:
-            # census A now; census B some sampled steps later tells what grew, by holder
+            # census A now; census B some steps later tells what grew, by holder
             self._growth_census = self._census(batch)
-            self._growth_census_countdown = GROWTH_CENSUS_GAP
-        elif self._growth_census_countdown > 0:
-            self._growth_census_countdown -= 1
-        if self._growth_census_countdown == 0:
+            self._growth_census_due = step + GROWTH_CENSUS_GAP
+        elif due is not None and step >= due:
             return self._name_growth(step, batch)
         return [finding]
 
+    def finish(self) -> list[Finding]:
+        """The run ends: a growth finding still waiting for its second census gets it now (a short
+        run, or one whose reads are far apart, would otherwise end with a growth finding and no holder)."""
+        if self._growth_census_due is None or self._growth_finding is None:
+            return []
+        return self._name_growth(self._growth_finding.step, None, sighting=False)
+
     def _name_growth(self, step: int, batch: Any, sighting: bool = True) -> list[Finding]:
-        self._growth_census_countdown = -1
+        self._growth_census_due = None
         finding, before = self._growth_finding, self._growth_census
         self._growth_census = None
         if finding is None or before is None:
