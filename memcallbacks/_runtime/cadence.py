@@ -42,6 +42,10 @@ MEASURE_STEPS = 8
 # the training code leaks from step 0, and growth detection needs about this many steps to confirm a
 # leak of 256 KiB/step (docs/benchmarks.md). The budget chooses the interval after them.
 DENSE_READ_STEPS = 48
+# A read that finds the floor risen by the growth test's minimum since the last few reads makes the
+# watch read every step for this many steps (enough for the growth test to confirm a leak of
+# 256 KiB/step); each such burst that ends doubles the rise the next one needs.
+CONFIRM_STEPS = 24
 # Steps before this count are never quiet (see Session.begin_step): they are measured, read and checked.
 QUIET_FROM = max(LINGERING_EVERY_STEP_UNTIL, DENSE_READ_STEPS, MEASURE_STEPS)
 # The intervals are chosen again every this many steps, from the latest measurements.
@@ -68,6 +72,15 @@ def watch_reader(backend: Any) -> Callable[[], int | None]:
     return lambda: backend.current()[0]
 
 
+def _aligned(every: int, log_every: int) -> int:
+    """The read interval at or above ``every`` that puts reads on logged steps: the smallest divisor
+    of ``log_every`` (when the budget allows a read at least every ``log_every`` steps, and never
+    more than :data:`MAX_READ_INTERVAL` apart unless that is the logging interval itself)."""
+    if every >= log_every or log_every > 2 * MAX_READ_INTERVAL:
+        return every if log_every > 2 * MAX_READ_INTERVAL else log_every
+    return next(d for d in range(every, log_every + 1) if log_every % d == 0)
+
+
 def _median(values: Any) -> float:
     ordered = sorted(values)
     return float(ordered[len(ordered) // 2]) if ordered else math.nan
@@ -87,6 +100,10 @@ class Cadence:
         self.log_first_step = False
         self._anchor: tuple[int, float] | None = None  # (count, time) of the last step start timed
         self._next_choice = MEASURE_STEPS
+        self.dense_until = 0  # reads every step below this count (a burst after a suspicious read)
+        self.bursts = 0
+        self._burst_bytes = config.growth_min_total_bytes
+        self._recent_reads: collections.deque[int] = collections.deque(maxlen=4)
         self._step_times: collections.deque[float] = collections.deque(maxlen=64)
         self._watch_costs: collections.deque[float] = collections.deque(maxlen=64)
         self._read_costs: collections.deque[float] = collections.deque(maxlen=32)
@@ -114,12 +131,29 @@ class Cadence:
 
     def wants_read(self, count: int) -> bool:
         """Whether the watch reads memory at the start of the step after ``count`` steps."""
-        return count < DENSE_READ_STEPS or (count + 1) % self.read_every == 0  # in phase with the logged steps
+        return count < DENSE_READ_STEPS or count < self.dense_until or (count + 1) % self.read_every == 0  # in phase with the logged steps
+
+    def after_read(self, count: int, allocated: int) -> None:
+        """A read at the start of the step after ``count`` steps: start a burst of reads at every step
+        when the floor has risen by the growth test's minimum since the last few scheduled reads
+        (a leak that began after the first steps is then confirmed within a few steps, not reads)."""
+        if count < DENSE_READ_STEPS or count < self.dense_until:
+            return
+        recent = self._recent_reads
+        if recent and allocated - min(recent) >= self._burst_bytes:
+            self.dense_until = count + 1 + CONFIRM_STEPS
+            self.bursts += 1
+            self._burst_bytes *= 2  # a clean run's one-off rises (a bigger batch, a cache) cannot keep it busy
+            recent.clear()
+            return
+        recent.append(allocated)
 
     # ------------------------------------------------------------------ measurements
     def next_busy(self, count: int, reads: bool) -> int:
         """The first step count at or after ``count`` whose step is logged, sampled or (``reads``)
         reads memory: the steps before it are quiet."""
+        if count < self.dense_until:
+            return count
         busy = count + (-(count + 1)) % self.sample_every
         if self.logs:
             busy = min(busy, count + (-(count + 1)) % self.log_every)
@@ -180,13 +214,15 @@ class Cadence:
         watch = _median(self._watch_costs) if self._watch_costs else 0.0
         if self._read_costs:
             read = COLD_FACTOR * (_median(self._read_costs) + watch)
-            self.read_every = max(1, min(MAX_READ_INTERVAL, math.ceil(read / (allowed * READ_SHARE))))
-            if self.logs and 2 * self.read_every >= self.log_every:
-                # the logged steps are sampled, and a sampled step's baseline is a read: when the
-                # budget puts reads at least half a logging interval apart, the reads ride on them
-                self.read_every = self.log_every
+            every = max(1, min(MAX_READ_INTERVAL, math.ceil(read / (allowed * READ_SHARE))))
+            if self.logs:
+                # logged steps are sampled, and a sampled step's baseline is a read: reads in phase
+                # with them, at an interval that divides the logging interval, cost nothing on them
+                every = _aligned(every, self.log_every)
+                allowed -= read * (1 / every - 1 / self.log_every)
             else:
-                allowed -= read / self.read_every
+                allowed -= read / every
+            self.read_every = every
         if self.explicit or not self._sample_costs:
             return
         sample = COLD_FACTOR * _median(self._sample_costs)
@@ -213,6 +249,7 @@ class Cadence:
             "finding_time_s": round(self.finding_s, 4),
             "read_every_n_steps": self.read_every,
             "dense_read_steps": DENSE_READ_STEPS,
+            "read_bursts": self.bursts,
             "sample_every_n_steps": self.sample_every,
             "sample_interval_source": "config" if self.explicit else "overhead_budget",
             "log_every_n_steps": self.log_every if self.logs else None,

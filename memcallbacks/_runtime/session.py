@@ -383,6 +383,7 @@ class Session(RunEnd):
             self.cadence.charge_read(self._read_s)
             if value is None:
                 return []
+        self.cadence.after_read(count, value)
         return self.watch.after_baseline(count, value, batch)
 
     def _plan_quiet(self) -> None:
