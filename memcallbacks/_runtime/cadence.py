@@ -3,7 +3,8 @@
 Three cadences, each with its own job:
 
 * **watch** (every step): the lingering check (every step for the first
-  :data:`LINGERING_EVERY_STEP_UNTIL` steps, then on sampled steps) and the memory read that feeds
+  :data:`LINGERING_EVERY_STEP_UNTIL` steps, then after every :data:`MARK_EVERY_SAMPLES`-th sampled
+  step) and the memory read that feeds
   growth detection and the snapshot triggers. The read is the caching allocator's
   ``memory_allocated`` on accelerators (~1 µs, taken every step) and glibc's in-use heap
   (``mallinfo2``) on CPU, which walks every free chunk: 20-150 µs after a step's compute has
@@ -32,10 +33,13 @@ from typing import Any, Callable
 from memcallbacks._config import MonitorConfig
 from memcallbacks._runtime.devices import heap_in_use_bytes
 
-__all__ = ["Cadence", "watch_reader", "LINGERING_EVERY_STEP_UNTIL", "DENSE_READ_STEPS", "QUIET_FROM"]
+__all__ = ["Cadence", "watch_reader", "LINGERING_EVERY_STEP_UNTIL", "MARK_EVERY_SAMPLES", "DENSE_READ_STEPS", "QUIET_FROM"]
 
-# Lingering references are checked after every one of the first steps, then on sampled steps only.
+# Lingering references are checked after every one of the first steps, then after every
+# MARK_EVERY_SAMPLES-th sampled step (a loop that keeps the previous step's batch or graph keeps
+# them at every step, so any one check finds it; each check costs a step that is not quiet).
 LINGERING_EVERY_STEP_UNTIL = 20
+MARK_EVERY_SAMPLES = 4
 # Steps sampled at the start, before the budget has measurements to choose from.
 MEASURE_STEPS = 8
 # The watch's memory read is taken at every one of a run's first steps, whatever it costs: a leak in

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from memcallbacks._config import MonitorConfig
-from memcallbacks._runtime.cadence import LINGERING_EVERY_STEP_UNTIL, QUIET_FROM, Cadence, watch_reader
+from memcallbacks._runtime.cadence import LINGERING_EVERY_STEP_UNTIL, MARK_EVERY_SAMPLES, QUIET_FROM, Cadence, watch_reader
 from memcallbacks._runtime.columns import E_STAGE, MONITOR_TIME_S, OPTIMIZER
 from memcallbacks._runtime.extras import extra_metrics, load_session_state, session_state
 from memcallbacks._runtime.sampling import MemoryEngine
@@ -77,6 +77,8 @@ class Session(RunEnd):
         self._fast_typical = True
         self.quiet_until = 0
         """Steps whose count is below this are quiet (see :meth:`begin_step`); planned at each step's end."""
+        self._marks = False  # this step's end leaves marks for the lingering check
+        self._samples_unmarked = 0
         self.quiet_step = False
         """The open step is quiet: adapters may skip its other hooks (end_step and boundary do nothing)."""
         self.step_open = False
@@ -244,7 +246,7 @@ class Session(RunEnd):
     def detailed_step(self) -> bool:
         """True when the open step is sampled or lingering references are checked after it:
         adapters skip their per-step extras (output hooks, loss capture) otherwise."""
-        return self.engine.sampling or self.current_count < LINGERING_EVERY_STEP_UNTIL
+        return self.engine.sampling or self._marks
 
     @property
     def lingering_due(self) -> bool:
@@ -316,6 +318,7 @@ class Session(RunEnd):
         self.quiet_step = False
         self.step_open = True
         self._lingering_due = defer_lingering
+        self._marks = n < LINGERING_EVERY_STEP_UNTIL
         # decided even when disabled, so that every rank agrees on which steps join a collective
         if log is None:
             log = self.will_log(n)
@@ -346,6 +349,7 @@ class Session(RunEnd):
                     self.add_finding(finding)
                 return
             self._fast_s = None
+            self._marks = self._marks or self._samples_unmarked + 1 >= MARK_EVERY_SAMPLES
             t0 = time.perf_counter()
             found = watch.before_baseline(step, batch, lingering=not defer_lingering) if watch is not None else []
             check_state = self.state.wanted and engine.optimizer_steps_total > 0
@@ -435,13 +439,18 @@ class Session(RunEnd):
             try:
                 sampled = engine.sampling
                 row = engine.end_step(closing)
-                # lingering references: every step at first (leaky loops leak from step 1), then on
-                # sampled steps, where the weak references and graph marks (~2-30 µs) are affordable
-                if self.watch is not None and (sampled or self.current_count < LINGERING_EVERY_STEP_UNTIL):
+                # lingering references: every step at first (leaky loops leak from step 1), then after
+                # every MARK_EVERY_SAMPLES-th sampled step (weak references and graph marks, ~2-45 µs,
+                # and a check at the next step start, which then is not quiet)
+                if self.watch is not None and self._marks:
                     t0 = time.perf_counter()
                     self.watch.end_step(self.current_step, batch, loss, outputs)
                     if row is not None:
                         row[MONITOR_TIME_S] += time.perf_counter() - t0
+                    self._samples_unmarked = 0
+                elif sampled:
+                    self._samples_unmarked += 1
+                self._marks = False
                 if row is not None:
                     self.preflight.compare(row)
                     self.cadence.charge(row[MONITOR_TIME_S], sampled=True)

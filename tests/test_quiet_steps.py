@@ -1,0 +1,201 @@
+"""Quiet steps, read intervals and read bursts (issue 11): at default settings most steps of a long
+run cost the monitor one comparison, its memory reads ride on logged steps where it can, and a leak
+that begins after the first steps starts a burst of every-step reads that confirms it.
+
+The cadence's arithmetic is tested directly; the rest through real Lightning fits and the plain
+``Monitor`` at default settings, reading back ``report.json``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as L
+import pytest
+import torch
+from lightning.pytorch.loggers import CSVLogger
+
+from helpers import MIB, trainer_kwargs
+from memcallbacks import MemoryMonitor, Monitor, MonitorConfig
+from memcallbacks._runtime import cadence as C
+from memcallbacks.leaks.gc_watch import CollectionWatch
+from test_watch_defaults import BATCH, DIM, LeakyCallback, Net, growth_step, leak_tensor, loader, mlp
+
+pytestmark = pytest.mark.usefixtures("one_thread", "collected_heap")
+
+
+# ---------------------------------------------------------------------- the cadence's arithmetic
+@pytest.mark.parametrize(("every", "log_every", "aligned"), [
+    (24, 50, 25), (13, 50, 25), (6, 50, 10), (1, 50, 1), (32, 50, 50), (11, 10, 10), (3, 7, 7), (20, 64, 32),
+    (32, 100, 32), (20, 200, 20),  # logging intervals over 64: not aligned (the reads' latency wins)
+])
+def test_read_interval_divides_the_logging_interval(every, log_every, aligned):
+    assert C._aligned(every, log_every) == aligned
+
+
+def cadence(**config: Any) -> C.Cadence:
+    c = C.Cadence(MonitorConfig(**config))
+    c.configure(log_every=50, logs=True, log_first_step=False)
+    return c
+
+
+def test_budget_puts_reads_on_logged_steps_on_a_short_step():
+    c = cadence()
+    c._step_times.extend([1.4e-3] * 8)  # a 1.4 ms step: 14 µs/step of budget
+    c._watch_costs.extend([20e-6] * 8)
+    c._read_costs.extend([120e-6] * 8)
+    c._sample_costs.extend([300e-6] * 8)
+    c.choose()
+    # a read (twice its measured 140 µs, for the caches it evicts) may take half the budget: one every
+    # 40 steps, rounded up to the logging interval, where the logged step's baseline is the read
+    assert c.read_every == 50
+    # the logged steps take 2 x 300 µs / 50 = 12 µs/step of what is left; 2 µs/step buys a sample every 300 steps
+    assert c.sample_every == 300
+    assert [n for n in range(48, 200) if c.wants_read(n)] == [49, 99, 149, 199]
+    assert c.next_busy(50, reads=True) == 99 and c.next_busy(99, reads=True) == 99
+
+
+def test_budget_reads_every_step_on_a_long_step():
+    c = cadence()
+    c._step_times.extend([0.2] * 8)  # 200 ms: 2 ms of budget per step
+    c._watch_costs.extend([20e-6] * 8)
+    c._read_costs.extend([120e-6] * 8)
+    c._sample_costs.extend([300e-6] * 8)
+    c.choose()
+    assert c.read_every == 1 and c.sample_every == 1
+    assert c.next_busy(100, reads=True) == 100
+
+
+def test_an_explicit_sampling_interval_is_kept_and_reads_still_follow_the_budget():
+    c = cadence(sample_every_n_steps=7)
+    c._step_times.extend([1.4e-3] * 8)
+    c._watch_costs.extend([20e-6] * 8)
+    c._read_costs.extend([120e-6] * 8)
+    c._sample_costs.extend([300e-6] * 8)
+    c.choose()
+    assert c.sample_every == 7 and c.read_every == 50
+
+
+def test_a_risen_floor_starts_a_burst_and_each_burst_needs_twice_the_rise():
+    c = cadence()
+    c.read_every = 25
+    for n, value in [(49, 100 * MIB), (74, 100 * MIB), (99, 101 * MIB)]:
+        c.after_read(n, value)
+    assert c.dense_until == 0
+    c.after_read(124, 105 * MIB)  # +5 MiB over the last reads' floor: >= growth_min_total_bytes (4 MiB)
+    assert c.dense_until == 125 + C.CONFIRM_STEPS and c.bursts == 1
+    assert all(c.wants_read(n) for n in range(125, c.dense_until)) and c.next_busy(130, reads=True) == 130
+    c.after_read(130, 200 * MIB)  # inside the burst: no new burst
+    assert c.bursts == 1
+    for n, value in [(174, 105 * MIB), (199, 106 * MIB), (224, 112 * MIB)]:
+        c.after_read(n, value)  # +7 MiB: the second burst needs 8 MiB
+    assert c.bursts == 1
+    c.after_read(249, 114 * MIB)
+    assert c.bursts == 2
+
+
+def test_step_time_is_measured_across_quiet_steps():
+    c = cadence()
+    import time as _time
+    now = _time.perf_counter()
+    c._anchor = (100, now - 0.05)  # 10 quiet steps in 50 ms
+    c.step_started(110)
+    assert c.steps == 10 and c._step_times[-1] == pytest.approx(0.005, rel=0.2)
+
+
+# ---------------------------------------------------------------------- the gc callback
+def test_gc_callback_reads_memory_only_on_collections_that_can_free():
+    reads: list[int] = []
+    charged: list[float] = []
+    watch = CollectionWatch(lambda: reads.append(1) or 0, charge=charged.append)
+    young = {"generation": 0}
+    watch._callback("start", young)
+    watch._callback("stop", {"generation": 0, "collected": 0})
+    assert len(reads) == 2 and watch.measured == 1 and len(charged) == 1  # armed at first
+    watch._callback("start", young)  # the last young collection collected nothing: not measured
+    watch._callback("stop", {"generation": 0, "collected": 5})
+    assert len(reads) == 2 and watch.collections == 2
+    watch._callback("start", young)  # the last one collected something: measured
+    watch._callback("stop", {"generation": 0, "collected": 0})
+    assert len(reads) == 4
+    watch._callback("start", {"generation": 2})  # older generations: always measured
+    watch._callback("stop", {"generation": 2, "collected": 0})
+    assert len(reads) == 6 and watch.measured == 3 and watch.collections == 4
+
+
+# ---------------------------------------------------------------------- real fits at defaults
+class CountingMonitor(MemoryMonitor):
+    """Counts the calls that reach the session: a quiet step's hooks return before it."""
+
+    boundaries = 0
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        super().on_train_start(trainer, pl_module)
+        session, original = self._session, self._session.boundary
+
+        def boundary(closing: int) -> None:
+            CountingMonitor.boundaries += 1
+            original(closing)
+
+        session.boundary = boundary  # type: ignore[method-assign]
+
+
+def test_lightning_defaults_most_steps_are_quiet_and_every_step_is_counted(tmp_path):
+    steps = 200
+    CountingMonitor.boundaries = 0
+    mon = CountingMonitor(output_dir=str(tmp_path / "mem"), plot=False)
+    trainer = L.Trainer(**trainer_kwargs(tmp_path, max_steps=steps, logger=CSVLogger(str(tmp_path), name="csv", version=0), callbacks=[mon]))
+    trainer.fit(Net(), loader(steps))
+    report = json.loads((tmp_path / "mem" / "report.json").read_text())
+    summary = report["summary"]
+    assert summary["steps_seen"] == steps  # quiet steps are counted
+    assert report["findings"] == []
+    cadence = summary["cadence"]
+    # the first 48 steps read memory at every step; after them, boundaries (two per step that is not
+    # quiet) reach the session on a fraction of the steps
+    quiet_phase = steps - C.QUIET_FROM
+    assert CountingMonitor.boundaries < 2 * C.QUIET_FROM + quiet_phase, cadence
+    assert cadence["read_bursts"] == 0 and 0 < cadence["overhead"] < 0.05
+    # every logged step has its row: the Trainer's default log_every_n_steps=50
+    assert {49, 99, 149, 199} <= {int(s) for s in mon.history["step"]}
+
+
+def test_lightning_defaults_find_a_leak_that_begins_late(tmp_path):
+    class LateLeak(LeakyCallback):
+        def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+            if trainer.global_step > 100:
+                super().on_train_batch_end(trainer, *args)
+
+    steps = 200
+    mon = MemoryMonitor(output_dir=str(tmp_path / "mem"), plot=False)
+    trainer = L.Trainer(**trainer_kwargs(tmp_path, max_steps=steps, logger=False, callbacks=[mon, LateLeak(MIB)]))
+    trainer.fit(Net(), loader(steps))
+    step = growth_step(mon.findings)
+    report = json.loads((tmp_path / "mem" / "report.json").read_text())
+    cadence = report["summary"]["cadence"]
+    # found within one read interval (at most 32 steps without a logger) plus a burst's confirmation
+    assert step is not None and 100 < step <= 100 + cadence["read_every_n_steps"] + C.CONFIRM_STEPS, (step, cadence)
+    growth = next(f for f in report["findings"] if f["kind"] == "growth")
+    assert any("pending" in h for h in growth["holders"]), growth["holders"]
+
+
+def test_a_growth_finding_near_the_end_gets_its_holders_when_the_run_ends(tmp_path):
+    kept: list[torch.Tensor] = []
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = Monitor(model, optimizer, output_dir=str(tmp_path / "mem"), plot=False)
+    for x in monitor.track(list(torch.randn(14, BATCH, DIM))):
+        model(x).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        kept.append(leak_tensor(4 * MIB))
+    monitor.close()  # the second census was due at step 9 + 16: the run ended first
+    report = json.loads((tmp_path / "mem" / "report.json").read_text())
+    growth = next(f for f in report["findings"] if f["kind"] == "growth")
+    assert (growth["first_step"] or growth["step"]) <= 12
+    assert any("kept" in h and "grew by" in h for h in growth["holders"]), growth["holders"]
+    cadence = report["summary"]["cadence"]
+    assert cadence["finding_time_s"] > 0  # the censuses, reported apart from the monitor's overhead
+    del kept
