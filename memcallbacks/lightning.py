@@ -363,6 +363,9 @@ class MemoryMonitor(SessionResults, *_callback_bases()):  # type: ignore[misc]
         session = self._session
         if session.step_open:  # a step cut short (max_steps mid-accumulation)
             session.end_step(OTHER, log_step=self._log_step(trainer))
+        count = self._log_step(trainer)
+        session.count_quiet(count - self._last_count - 1)  # the quiet steps since the last other one
+        self._last_count, self._quiet = count - 1, False
 
     @entry_point("on_fit_end")
     def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:

@@ -415,6 +415,26 @@ def test_clean_configuration_has_no_findings(tmp_path, caplog, name):
         assert [g["step"] for g in report["gc"]] == list(range(8, CLEAN_STEPS, 8))
 
 
+@pytest.mark.parametrize("name", [n for n in CLEAN if n != "periodic gc with automatic gc off"])
+def test_clean_configuration_has_no_findings_at_default_settings(tmp_path, caplog, name):
+    # the monitor as most users run it: no arguments, the Trainer's log_every_n_steps, long enough that
+    # most steps are quiet and the memory is read at the budget's interval (issue 11)
+    caplog.set_level(logging.WARNING, logger="memcallbacks")
+    config = clean_configuration(name, tmp_path)
+    steps = 2 * CLEAN_STEPS
+    monitor = MemoryMonitor(output_dir=str(tmp_path / "mem"), plot=False)
+    kwargs = trainer_kwargs(tmp_path, max_steps=steps, logger=CSVLogger(str(tmp_path), name="csv", version=0), **config.trainer)
+    kwargs["callbacks"] = [monitor, *kwargs.get("callbacks", [])]
+    trainer = L.Trainer(**kwargs)
+    trainer.fit(config.model, config.train, config.val)
+
+    assert trainer.global_step == steps
+    assert [str(f) for f in monitor.findings] == []
+    assert announced(caplog) == []
+    report = json.loads((tmp_path / "mem" / "report.json").read_text())
+    assert report["findings"] == [] and report["summary"]["steps_seen"] == steps
+
+
 DDP_PARAMS = 1024 * 64 + 64 + 64 + 1  # tests/scripts/zoo_ddp_fit.py's model
 
 
