@@ -1,7 +1,7 @@
 """Shared pytest setup: ``helpers`` importable, the ``cuda`` marker skipped without a GPU, offline loggers.
 
 Fixtures a test module opts into with ``pytestmark = pytest.mark.usefixtures(...)``: ``one_thread``,
-``collected_heap``, ``fresh_accelerate_state``."""
+``collected_heap``, ``returned_heap``, ``fresh_accelerate_state``."""
 
 from __future__ import annotations
 
@@ -72,6 +72,19 @@ def collected_heap() -> None:
     """Earlier tests' trainers and models wait in reference cycles for the collector; without this
     the census would also see (and spend its time budget searching for) their tensors."""
     gc.collect()
+
+
+@pytest.fixture
+def returned_heap() -> None:
+    """Free heap goes back to the OS (``gc.collect`` then glibc's ``malloc_trim(0)``): earlier tests
+    leave large free blocks in the heap, still resident, and a new tensor that lands in one raises no
+    RSS; after this it faults fresh pages in. A no-op off glibc."""
+    gc.collect()
+    from memcallbacks._runtime.devices import _load_malloc_trim
+
+    trim = _load_malloc_trim()
+    if trim is not None:
+        trim()
 
 
 @pytest.fixture

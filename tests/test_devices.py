@@ -98,21 +98,25 @@ def test_temporary_in_an_exited_thread_does_not_pin_later_intervals(cpu):
 
 
 @linux_hwm
-def test_each_interval_only_sees_its_own_temporary(cpu):
+def test_each_interval_only_sees_its_own_temporary(returned_heap):
     # glibc's dynamic mmap threshold rises to the largest block an earlier test freed (up to 32 MiB):
-    # pin it, as cpu_mmap_threshold does, so each temporary is mmapped and its pages really come and go
+    # pin it, as cpu_mmap_threshold does, so each temporary is mmapped and its pages really come and go;
+    # and trim at every boundary, as cpu_mmap_threshold does too: a large free block earlier tests left
+    # in the heap would otherwise take a temporary, and its pages would stay resident after it
     set_mmap_threshold(1 << 20)
+    cpu = CpuBackend(trim_heap=True)
     base = cpu.baseline()[1]
     sizes = [32, 160, 0, 96]
     peaks = []
     for mib in sizes:
         touch_temporary(mib)
         peaks.append(cpu.interval()[1] - base)
+    cpu.close()
     for mib, peak in zip(sizes, peaks):
         assert mib * MIB - 8 * MIB <= peak <= mib * MIB + 24 * MIB, (mib, peak / MIB)
 
 
-def test_host_rss_reader_matches_psutil():
+def test_host_rss_reader_matches_psutil(returned_heap):
     read = host_rss_reader()
     assert abs(read() - rss()) < 4 * MIB
     before = read()
