@@ -1,0 +1,129 @@
+"""MemoryMonitor() and DeviceStatsMonitor against no callback, all three in ONE fit.
+
+``benchmarks/overhead.py`` compares separate fits (interleaved) or one callback against none (A/B
+blocks). On a shared 2-vCPU VM both leave a few percent of noise, more than the difference between
+the two monitors at ``log_every_n_steps=50``. Here one long fit switches between three arms every
+block of steps: no callback, ``DeviceStatsMonitor(cpu_stats=True)``, ``MemoryMonitor()`` at its
+defaults. Each *triple* of blocks holds the three arms in random order, a fraction of a second
+apart, so the machine's drift cancels within it; the per-triple differences (µs per step) are
+reported as median and IQR, and the step classes (logged steps, the others) at their medians.
+
+Both monitors are attached for the first ``--skip-steps`` steps (their setup, the monitor's 48
+dense-read steps) and then switched by block. One artifact penalizes ``MemoryMonitor``: when its
+arm comes back, the step count has jumped past its plan, so the block's first step is not quiet.
+
+Usage::
+
+    python benchmarks/overhead_three_arms.py                 # 40 triples of 50 steps, log every 50, 3 fits
+    python benchmarks/overhead_three_arms.py --log-every 1   # the same at log_every_n_steps=1
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+
+import lightning.pytorch as pl  # noqa: E402
+from lightning.pytorch.callbacks import DeviceStatsMonitor  # noqa: E402
+
+import overhead as O  # noqa: E402
+from memcallbacks import MemoryMonitor  # noqa: E402
+
+ARMS = ("none", "DeviceStatsMonitor", "MemoryMonitor")
+
+
+class Switch(pl.Callback):
+    """First in the callback list: stamps every step start, and picks the arm of each block."""
+
+    def __init__(self, arms: dict[str, Any], plan: list[str], skip: int, block: int) -> None:
+        self.arms, self.plan, self.skip, self.block = arms, plan, skip, block
+        self.stamps: list[float] = []
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step >= self.skip:
+            self.stamps.append(time.perf_counter())
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        done = trainer.global_step - self.skip
+        if done >= 0 and done % self.block == 0 and done // self.block < len(self.plan):
+            arm = self.arms[self.plan[done // self.block]]
+            trainer.callbacks = [self] + ([arm] if arm is not None else [])
+
+    def on_train_end(self, *args: Any) -> None:
+        self.stamps.append(time.perf_counter())
+
+
+def _spread(values: list[float]) -> str:
+    ordered = sorted(values)
+    return f"{statistics.median(values) * 1e6:+.1f} [{ordered[len(ordered) // 4] * 1e6:+.0f} to {ordered[3 * len(ordered) // 4] * 1e6:+.0f}]"
+
+
+def one_fit(args: argparse.Namespace, batches: Any, seed: int) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as workdir:
+        monitor = MemoryMonitor(output_dir=workdir)
+        arms = {"none": None, "DeviceStatsMonitor": DeviceStatsMonitor(cpu_stats=True), "MemoryMonitor": monitor}
+        rng = random.Random(seed)
+        plan: list[str] = []
+        for _ in range(args.triples):
+            triple = list(ARMS)
+            rng.shuffle(triple)
+            plan += triple
+        switch = Switch(arms, plan, args.skip_steps, args.block)
+        O.fit([arms["DeviceStatsMonitor"], monitor], args.log_every, len(plan) * args.block, args, batches, workdir, timer=switch)
+        cadence = monitor._session.cadence.summary()
+    durations = [b - a for a, b in zip(switch.stamps, switch.stamps[1:])]
+    per_block: dict[str, list[float]] = {arm: [] for arm in ARMS}
+    classes: dict[str, dict[str, list[float]]] = {arm: {"logged": [], "other": []} for arm in ARMS}
+    for b, arm in enumerate(plan):
+        span = durations[b * args.block:(b + 1) * args.block]
+        per_block[arm].append(sum(span) / len(span))
+        for i, d in enumerate(span):
+            step = args.skip_steps + b * args.block + i
+            classes[arm]["logged" if (step + 1) % args.log_every == 0 else "other"].append(d)
+    bare = statistics.median(per_block["none"])
+    diff = {arm: [x - n for x, n in zip(per_block[arm], per_block["none"])] for arm in ARMS[1:]}
+    mm_vs_dsm = [m - d for m, d in zip(per_block["MemoryMonitor"], per_block["DeviceStatsMonitor"])]
+    medians = {arm: {k: statistics.median(v) for k, v in classes[arm].items() if v} for arm in ARMS}
+    return {"bare_us": bare * 1e6, "diff": diff, "mm_vs_dsm": mm_vs_dsm, "medians": medians, "cadence": cadence}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--triples", type=int, default=40, help="blocks of each arm per fit")
+    p.add_argument("--block", type=int, default=50, help="steps per block (a multiple of --log-every)")
+    p.add_argument("--fits", type=int, default=3, help="fits, each with its own random order")
+    p.add_argument("--log-every", type=int, default=50, help="Trainer(log_every_n_steps=...)")
+    p.add_argument("--skip-steps", type=int, default=50, help="untimed steps at the start, both monitors attached")
+    args = p.parse_args(argv)
+    base = O.parse_args(["--quick"])
+    for key in ("block", "skip_steps"):
+        setattr(base, key, getattr(args, key))
+    base.log_every, base.triples = args.log_every, args.triples
+    torch.set_num_threads(base.threads)
+    batches = O.make_data(base)
+    print(f"log_every_n_steps={args.log_every}: {args.fits} fits x {args.triples} triples of {args.block}-step blocks "
+          "(µs per step, median [IQR] over triples; per class: median step minus the bare arm's)")
+    for k in range(args.fits):
+        r = one_fit(base, batches, seed=k)
+        ratio = {arm: 1 + statistics.median(v) / (r["bare_us"] / 1e6) for arm, v in r["diff"].items()}
+        cls = {arm: {c: round((m - r["medians"]["none"][c]) * 1e6) for c, m in r["medians"][arm].items()} for arm in ARMS[1:]}
+        print(f"fit {k}: bare step {r['bare_us']:.0f} µs | MemoryMonitor {_spread(r['diff']['MemoryMonitor'])} (ratio {ratio['MemoryMonitor']:.4f}) | "
+              f"DeviceStatsMonitor {_spread(r['diff']['DeviceStatsMonitor'])} (ratio {ratio['DeviceStatsMonitor']:.4f}) | "
+              f"MemoryMonitor - DeviceStatsMonitor {_spread(r['mm_vs_dsm'])}", flush=True)
+        print(f"       per class: {cls} | MemoryMonitor's cadence: read every {r['cadence']['read_every_n_steps']}, "
+              f"sample every {r['cadence']['sample_every_n_steps']}, own time {r['cadence']['overhead']}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
