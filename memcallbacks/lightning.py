@@ -31,6 +31,7 @@ import copy
 import importlib
 import importlib.util
 import logging
+import math
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -38,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from memcallbacks._config import MonitorConfig, check_config_names, resolve_config
-from memcallbacks._runtime.guard import SetupError, entry_point
+from memcallbacks._runtime.guard import SetupError, entry_point, quiet_gate
 from memcallbacks._runtime.results import SessionResults
 from memcallbacks._runtime.preflight_steps import training_step
 from memcallbacks._runtime.session import Session
@@ -83,6 +84,15 @@ _LIGHTNING_STRATEGIES = {
 }
 
 
+def _stepped_batches(trainer: Any) -> float:
+    """Lightning's batches-that-stepped for the quiet check, which must not raise: on any failure
+    +inf (not quiet), and the guarded hook reads it again."""
+    try:
+        return int(trainer.fit_loop.epoch_loop._batches_that_stepped)
+    except Exception:
+        return math.inf
+
+
 def _strategy_name(strategy: Any) -> str | None:
     """Map a Lightning strategy object to :func:`memcallbacks.estimate.estimate`'s names (None: detect from the model)."""
     name = type(strategy).__name__
@@ -116,6 +126,8 @@ class MemoryMonitor(SessionResults, *_callback_bases()):  # type: ignore[misc]
     its checkpoint :attr:`state_key`) and, when they write files, its own ``output_dir``.
     """
 
+    _quiet = False  # the current step is quiet (Session.begin_step): the step hooks return at once
+
     def __init__(self, config: MonitorConfig | dict[str, Any] | None = None, **kwargs: Any) -> None:
         if config is None:
             check_config_names(kwargs, "MemoryMonitor")
@@ -130,7 +142,6 @@ class MemoryMonitor(SessionResults, *_callback_bases()):  # type: ignore[misc]
         self._started_for: int | None = None
         self._trainer: Any = None
         self._loss: Any = None  # this step's loss, held only until the step ends
-        self._quiet = False  # the current step is quiet (Session.begin_step): every step hook returns at once
         self._last_count = -1  # the count of the last step that was not quiet
 
     # ------------------------------------------------------------------ helpers
@@ -262,17 +273,24 @@ class MemoryMonitor(SessionResults, *_callback_bases()):  # type: ignore[misc]
         if self._session.step_open:
             self._session.boundary(OPTIMIZER)
 
-    @entry_point("on_train_batch_start")
+    # The five step hooks: on a quiet step (Session.begin_step) each returns after one attribute
+    # read, with no wrapper frame: that check cannot raise, and everything else is in a guarded method.
+    @quiet_gate("on_train_batch_start")
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int) -> None:
         session = self._session
+        if not session.step_open and _stepped_batches(trainer) < session.quiet_until:
+            self._quiet = True  # most steps of a long run: skipped by every hook, counted at the next other step
+            return
+        self._train_batch_start(trainer, pl_module, batch, batch_idx)
+
+    @entry_point("on_train_batch_start")
+    def _train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int) -> None:
+        session = self._session
+        self._quiet = False
         if session.step_open:  # a further micro-batch of the open step (gradient accumulation)
             session.begin_step(0)
             return
         count = self._log_step(trainer)
-        if count < session.quiet_until:  # most steps of a long run: skipped by every hook, counted at the next other step
-            self._quiet = True
-            return
-        self._quiet = False
         session.count_quiet(count - self._last_count - 1)
         self._last_count = count
         if session.preflight.due:  # preflight=True: this batch's step predicted on fake tensors, before it starts
@@ -284,24 +302,41 @@ class MemoryMonitor(SessionResults, *_callback_bases()):  # type: ignore[misc]
         else:  # unsampled: skip reading Lightning's (comparatively slow) step/epoch properties
             session.begin_step(count, 0, batch_idx, log=log_now, count=count, batch=batch, sample=False)
 
-    @entry_point("on_before_backward", skip_if="_quiet")
+    @quiet_gate("on_before_backward")
     def on_before_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: torch.Tensor) -> None:
+        if not self._quiet:
+            self._before_backward(loss)
+
+    @entry_point("on_before_backward")
+    def _before_backward(self, loss: torch.Tensor) -> None:
         self._session.boundary(FORWARD)
         self._loss = loss
 
-    @entry_point("on_after_backward", skip_if="_quiet")
+    @quiet_gate("on_after_backward")
     def on_after_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if not self._quiet:
+            self._after_backward()
+
+    @entry_point("on_after_backward")
+    def _after_backward(self) -> None:
         self._session.boundary(BACKWARD)
 
-    @entry_point("on_before_optimizer_step", skip_if="_quiet")
+    @quiet_gate("on_before_optimizer_step")
     def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: Any) -> None:
-        # automatic optimization: from here to batch end is the optimizer phase (clipping included)
-        self._stepped = True
+        # automatic optimization: from here to batch end is the optimizer phase (clipping included);
+        # a plain assignment, which cannot fail
+        if not self._quiet:
+            self._stepped = True
 
-    @entry_point("on_train_batch_end", skip_if="_quiet")
+    @quiet_gate("on_train_batch_end")
     def on_train_batch_end(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        if not self._quiet:
+            self._train_batch_end(trainer, outputs, batch)
+
+    @entry_point("on_train_batch_end")
+    def _train_batch_end(self, trainer: "pl.Trainer", outputs: Any, batch: Any) -> None:
         session = self._session
         loss, self._loss = self._loss, None
         if self._stepped or not self._automatic:

@@ -24,7 +24,7 @@ from typing import Any, Callable, TypeVar
 
 log = logging.getLogger(__name__)
 
-__all__ = ["UsageError", "OutputDirError", "entry_point", "contain", "safe_str"]
+__all__ = ["UsageError", "OutputDirError", "entry_point", "quiet_gate", "contain", "safe_str"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -79,17 +79,12 @@ def contain(owner: Any, exc: BaseException, where: str, *, unwinding: bool = Fal
                       "so the training loop's own exception propagates).", where, exc_info=exc)
 
 
-def entry_point(where: str, *, unwinding: bool = False, skip_if: str | None = None) -> Callable[[F], F]:
-    """Decorate an adapter method called by a framework: internal errors are contained (see module doc).
-
-    ``skip_if``: the name of a boolean attribute of the adapter; while it is true the call returns
-    at once (a quiet step's hooks: one attribute read, nothing else)."""
+def entry_point(where: str, *, unwinding: bool = False) -> Callable[[F], F]:
+    """Decorate an adapter method called by a framework: internal errors are contained (see module doc)."""
 
     def decorate(fn: F) -> F:
         @functools.wraps(fn)
         def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
-            if skip_if is not None and getattr(self, skip_if):
-                return None
             try:
                 return fn(self, *args, **kwargs)
             except UsageError:
@@ -102,3 +97,15 @@ def entry_point(where: str, *, unwinding: bool = False, skip_if: str | None = No
         return guarded  # type: ignore[return-value]
 
     return decorate
+
+
+def quiet_gate(where: str) -> Callable[[F], F]:
+    """Mark a framework hook that needs no guard frame: its own body only reads attributes that
+    always exist (a quiet step's check) and hands everything else to an :func:`entry_point` method.
+    Lightning calls five hooks per step; on a quiet step this saves a wrapper call in each."""
+
+    def mark(fn: F) -> F:
+        fn.__memcallbacks_entry_point__ = f"{where} (quiet gate)"  # type: ignore[attr-defined]
+        return fn
+
+    return mark
