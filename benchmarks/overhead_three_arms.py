@@ -9,8 +9,10 @@ apart, so the machine's drift cancels within it; the per-triple differences (µs
 reported as median and IQR, and the step classes (logged steps, the others) at their medians.
 
 Both monitors are attached for the first ``--skip-steps`` steps (their setup, the monitor's 48
-dense-read steps) and then switched by block. One artifact penalizes ``MemoryMonitor``: when its
-arm comes back, the step count has jumped past its plan, so the block's first step is not quiet.
+dense-read steps) and then switched by block. When ``MemoryMonitor``'s arm comes back, the step
+count has jumped past its plan, so that block's first step is busy: something that never happens
+in a real fit. The first step of every block is therefore left out, in all three arms alike
+(``--keep-first-step`` keeps it).
 
 Usage::
 
@@ -84,11 +86,12 @@ def one_fit(args: argparse.Namespace, batches: Any, seed: int) -> dict[str, Any]
     durations = [b - a for a, b in zip(switch.stamps, switch.stamps[1:])]
     per_block: dict[str, list[float]] = {arm: [] for arm in ARMS}
     classes: dict[str, dict[str, list[float]]] = {arm: {"logged": [], "other": []} for arm in ARMS}
+    first = 0 if args.keep_first_step else 1
     for b, arm in enumerate(plan):
-        span = durations[b * args.block:(b + 1) * args.block]
+        span = durations[b * args.block + first:(b + 1) * args.block]
         per_block[arm].append(sum(span) / len(span))
         for i, d in enumerate(span):
-            step = args.skip_steps + b * args.block + i
+            step = args.skip_steps + b * args.block + first + i
             classes[arm]["logged" if (step + 1) % args.log_every == 0 else "other"].append(d)
     bare = statistics.median(per_block["none"])
     diff = {arm: [x - n for x, n in zip(per_block[arm], per_block["none"])] for arm in ARMS[1:]}
@@ -104,11 +107,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fits", type=int, default=3, help="fits, each with its own random order")
     p.add_argument("--log-every", type=int, default=50, help="Trainer(log_every_n_steps=...)")
     p.add_argument("--skip-steps", type=int, default=50, help="untimed steps at the start, both monitors attached")
+    p.add_argument("--keep-first-step", action="store_true", help="also time the first step of every block (MemoryMonitor's is busy there)")
     args = p.parse_args(argv)
     base = O.parse_args(["--quick"])
     for key in ("block", "skip_steps"):
         setattr(base, key, getattr(args, key))
-    base.log_every, base.triples = args.log_every, args.triples
+    base.log_every, base.triples, base.keep_first_step = args.log_every, args.triples, args.keep_first_step
     torch.set_num_threads(base.threads)
     batches = O.make_data(base)
     print(f"log_every_n_steps={args.log_every}: {args.fits} fits x {args.triples} triples of {args.block}-step blocks "

@@ -84,15 +84,6 @@ _LIGHTNING_STRATEGIES = {
 }
 
 
-def _stepped_batches(trainer: Any) -> float:
-    """Lightning's batches-that-stepped for the quiet check, which must not raise: on any failure
-    +inf (not quiet), and the guarded hook reads it again."""
-    try:
-        return int(trainer.fit_loop.epoch_loop._batches_that_stepped)
-    except Exception:
-        return math.inf
-
-
 def _strategy_name(strategy: Any) -> str | None:
     """Map a Lightning strategy object to :func:`memcallbacks.estimate.estimate`'s names (None: detect from the model)."""
     name = type(strategy).__name__
@@ -127,6 +118,7 @@ class MemoryMonitor(SessionResults, *_callback_bases()):  # type: ignore[misc]
     """
 
     _quiet = False  # the current step is quiet (Session.begin_step): the step hooks return at once
+    _quiet_until = 0  # Session.quiet_until as of the last busy step's end; 0 while a busy step is open
 
     def __init__(self, config: MonitorConfig | dict[str, Any] | None = None, **kwargs: Any) -> None:
         if config is None:
@@ -238,6 +230,7 @@ class MemoryMonitor(SessionResults, *_callback_bases()):  # type: ignore[misc]
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._automatic = bool(pl_module.automatic_optimization)
         self._stepped = self._quiet = False
+        self._quiet_until = 0
         self._last_count = self._log_step(trainer) - 1
         self._session.step_open = False
         self._session.title = f"{type(pl_module).__name__}"
@@ -277,8 +270,13 @@ class MemoryMonitor(SessionResults, *_callback_bases()):  # type: ignore[misc]
     # read, with no wrapper frame: that check cannot raise, and everything else is in a guarded method.
     @quiet_gate("on_train_batch_start")
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int) -> None:
-        session = self._session
-        if not session.step_open and _stepped_batches(trainer) < session.quiet_until:
+        # the session's plan, mirrored on the callback at each busy step's end: the check reads no
+        # other object (measured: reading the session here cost quiet steps ~20 µs more at fit level)
+        try:
+            stepped = trainer.fit_loop.epoch_loop._batches_that_stepped
+        except Exception:
+            stepped = math.inf
+        if stepped < self._quiet_until:
             self._quiet = True  # most steps of a long run: skipped by every hook, counted at the next other step
             return
         self._train_batch_start(trainer, pl_module, batch, batch_idx)
@@ -287,6 +285,7 @@ class MemoryMonitor(SessionResults, *_callback_bases()):  # type: ignore[misc]
     def _train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int) -> None:
         session = self._session
         self._quiet = False
+        self._quiet_until = 0  # until this step's end plans the next quiet stretch
         if session.step_open:  # a further micro-batch of the open step (gradient accumulation)
             session.begin_step(0)
             return
@@ -342,6 +341,7 @@ class MemoryMonitor(SessionResults, *_callback_bases()):  # type: ignore[misc]
         if self._stepped or not self._automatic:
             log_step = self._log_step(trainer) if session.log_this_step else None
             session.end_step(OPTIMIZER if self._automatic else OTHER, log_step=log_step, batch=batch, loss=loss, outputs=outputs)
+            self._quiet_until = session.quiet_until  # a wake() after this waits for the next busy step
         else:  # accumulating gradients: the step goes on with the next batch
             session.boundary(OTHER)
         self._stepped = False
