@@ -98,6 +98,7 @@ def test_temporary_in_an_exited_thread_does_not_pin_later_intervals(cpu):
 
 
 @linux_hwm
+@pytest.mark.rss_sensitive
 def test_each_interval_only_sees_its_own_temporary(returned_heap):
     # glibc's dynamic mmap threshold rises to the largest block an earlier test freed (up to 32 MiB):
     # pin it, as cpu_mmap_threshold does, so each temporary is mmapped and its pages really come and go;
@@ -116,6 +117,7 @@ def test_each_interval_only_sees_its_own_temporary(returned_heap):
         assert mib * MIB - 8 * MIB <= peak <= mib * MIB + 24 * MIB, (mib, peak / MIB)
 
 
+@pytest.mark.rss_sensitive
 def test_host_rss_reader_matches_psutil(returned_heap):
     read = host_rss_reader()
     assert abs(read() - rss()) < 4 * MIB

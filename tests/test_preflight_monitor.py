@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from helpers import MIB, csv_metrics, trainer_kwargs
 from memcallbacks import Monitor
 
-pytestmark = pytest.mark.usefixtures("collected_heap")
+pytestmark = [pytest.mark.usefixtures("collected_heap"), pytest.mark.rss_sensitive]
 CPU = dict(cpu_mmap_threshold=1 << 20, sample_every_n_steps=1, log_every_n_steps=1)
 PHASES = ("forward", "backward", "optimizer")
 PREDICTED = [f"predicted_peak_{ph}" for ph in PHASES]
