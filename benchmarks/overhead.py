@@ -123,17 +123,24 @@ def make_data(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
 class StepTimer(Callback):
     """Stamps the start of every timed step and the end of training; first in every callback list.
 
-    On CUDA it synchronizes at every step end (in every variant alike). With ``switch`` set, it also
-    swaps that callback in and out of ``trainer.callbacks`` between steps, following ``plan`` (one
-    bool per block of ``block`` steps; the swap replaces the list, so the hook loop in progress is
-    not disturbed).
+    On CUDA it synchronizes at every step end (in every variant alike). With ``plan`` set, it also
+    switches callbacks in and out of ``trainer.callbacks`` between steps: ``plan`` names, for each
+    block of ``block`` timed steps, the one callback of ``arms`` attached during it (or None); the
+    switch replaces the list, so the hook loop in progress is not disturbed.
     """
 
-    def __init__(self, skip_steps: int, synchronize: Callable[[], None] | None, switch: Callback | None = None, block: int = 50, plan: list[bool] | None = None) -> None:
+    def __init__(
+        self,
+        skip_steps: int,
+        synchronize: Callable[[], None] | None,
+        arms: list[Callback] | None = None,
+        block: int = 50,
+        plan: list[Callback | None] | None = None,
+    ) -> None:
         self.skip_steps = skip_steps
         self.synchronize = synchronize
         self.stamps: list[float] = []
-        self.switch, self.block, self.plan = switch, block, plan or []
+        self.arms, self.block, self.plan = arms or [], block, plan or []
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         if trainer.global_step >= self.skip_steps:
@@ -142,12 +149,13 @@ class StepTimer(Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self.synchronize is not None:
             self.synchronize()
-        if self.switch is None:
+        if not self.plan:
             return
         done = trainer.global_step - self.skip_steps  # steps completed since timing began = index of the next step
         if done >= 0 and done % self.block == 0 and done // self.block < len(self.plan):
-            others = [cb for cb in trainer.callbacks if cb is not self.switch]
-            trainer.callbacks = others + [self.switch] if self.plan[done // self.block] else others
+            chosen = self.plan[done // self.block]
+            others = [cb for cb in trainer.callbacks if not any(cb is arm for arm in self.arms)]
+            trainer.callbacks = others + ([chosen] if chosen is not None else [])
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.synchronize is not None:
@@ -283,7 +291,8 @@ def run_ab(variant: str, log_every: int, args: argparse.Namespace, batches: tupl
     plan: list[bool] = []
     for _ in range(args.ab_pairs):
         plan += [True, False] if rng.random() < 0.5 else [False, True]
-    timer = StepTimer(args.skip_steps, torch.cuda.synchronize if args.device == "cuda" else None, switch=target, block=args.block, plan=plan)
+    timer = StepTimer(args.skip_steps, torch.cuda.synchronize if args.device == "cuda" else None, arms=[target], block=args.block,
+                      plan=[target if on else None for on in plan])
     steps = args.ab_pairs * 2 * args.block
     fit([target], log_every, steps, args, batches, run_dir, timer=timer)
     durations = timer.durations()

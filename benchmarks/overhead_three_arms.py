@@ -27,7 +27,6 @@ import random
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -35,34 +34,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-import lightning.pytorch as pl  # noqa: E402
 from lightning.pytorch.callbacks import DeviceStatsMonitor  # noqa: E402
 
 import overhead as O  # noqa: E402
 from memcallbacks import MemoryMonitor  # noqa: E402
 
 ARMS = ("none", "DeviceStatsMonitor", "MemoryMonitor")
-
-
-class Switch(pl.Callback):
-    """First in the callback list: stamps every step start, and picks the arm of each block."""
-
-    def __init__(self, arms: dict[str, Any], plan: list[str], skip: int, block: int) -> None:
-        self.arms, self.plan, self.skip, self.block = arms, plan, skip, block
-        self.stamps: list[float] = []
-
-    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
-        if trainer.global_step >= self.skip:
-            self.stamps.append(time.perf_counter())
-
-    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        done = trainer.global_step - self.skip
-        if done >= 0 and done % self.block == 0 and done // self.block < len(self.plan):
-            arm = self.arms[self.plan[done // self.block]]
-            trainer.callbacks = [self] + ([arm] if arm is not None else [])
-
-    def on_train_end(self, *args: Any) -> None:
-        self.stamps.append(time.perf_counter())
 
 
 def _spread(values: list[float]) -> str:
@@ -80,7 +57,8 @@ def one_fit(args: argparse.Namespace, batches: Any, seed: int) -> dict[str, Any]
             triple = list(ARMS)
             rng.shuffle(triple)
             plan += triple
-        switch = Switch(arms, plan, args.skip_steps, args.block)
+        # the timer attaches each block's arm: the first block of the plan onwards; both before it
+        switch = O.StepTimer(args.skip_steps, None, arms=[arms["DeviceStatsMonitor"], monitor], block=args.block, plan=[arms[name] for name in plan])
         O.fit([arms["DeviceStatsMonitor"], monitor], args.log_every, len(plan) * args.block, args, batches, workdir, timer=switch)
         cadence = monitor._session.cadence.summary()
     durations = [b - a for a, b in zip(switch.stamps, switch.stamps[1:])]
