@@ -9,14 +9,19 @@ finding's ``first_step`` (the warm-up counts against the monitor).
 the monitor reads memory only every few steps on a short CPU step); the step counted is then the
 number of steps from the leak's start to the finding.
 
+Every run is its own Python process, as a user's training run is: in one process, the heap a
+previous run's leak freed would be refilled by the next run's leak before the resident set moves.
+
 Run alone (``python benchmarks/detection_adapters.py [--quick] [--start N]``) or as part of ``detection.py``.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
+import json
 import logging
+import subprocess
+import sys
 import tempfile
 import time
 import warnings
@@ -137,21 +142,26 @@ def _label(rate: int) -> str:
     return f"{rate // MiB} MiB" if rate >= MiB else f"{rate // KiB} KiB"
 
 
+def _run_alone(name: str, rate: int, steps: int) -> int | None:
+    """One run in a fresh interpreter (this file with ``--one``): the step it found the leak at."""
+    command = [sys.executable, str(Path(__file__).resolve()), "--one", name, str(rate), str(steps), "--start", str(START)]
+    done = subprocess.run(command, capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])["step"]
+
+
 def bench_adapters(quick: bool = False) -> list[dict[str, Any]]:
-    """One run per (adapter, rate); prints the table and returns its rows."""
+    """One run per (adapter, rate), each in its own process; prints the table and returns its rows."""
     targets = TARGETS[:3] if quick else TARGETS
     print(f"\n## Steps from the leak's start to its finding at DEFAULT settings, per adapter (leak from step {START}; target in brackets)")
     print("| adapter | " + " | ".join(f"{_label(r)}/step (≤ {w})" for r, w in targets) + " |")
     print("|---|" + "---|" * len(targets))
     rows = []
-    for name, run in ADAPTERS.items():
+    for name in ADAPTERS:
         cells = []
         for rate, within in targets:
-            with tempfile.TemporaryDirectory(prefix="memcallbacks-detect-") as tmp:
-                t0 = time.perf_counter()
-                step = run(rate, START + within + 40, Path(tmp))
-                seconds = time.perf_counter() - t0
-            gc.collect()
+            t0 = time.perf_counter()
+            step = _run_alone(name, rate, START + within + 40)
+            seconds = time.perf_counter() - t0
             rows.append({"adapter": name, "rate": rate, "within": within, "step": step, "seconds": round(seconds, 1)})
             ok = step is not None and step <= within
             cells.append(f"{'not found' if step is None else step} {'✓' if ok else '✗'}")
@@ -163,16 +173,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="skip the 64 KiB/step rate (the longest runs)")
     parser.add_argument("--start", type=int, default=0, help="the step at which the leak begins (default 0)")
+    parser.add_argument("--one", nargs=3, metavar=("ADAPTER", "RATE", "STEPS"), help=argparse.SUPPRESS)  # one run (a child process)
     args = parser.parse_args()
     global START
     START = args.start
+    if args.one is None:
+        bench_adapters(args.quick)
+        return
     warnings.simplefilter("ignore")
     import lightning.pytorch  # noqa: F401  (imported first: importing it resets its loggers' levels)
 
     for name in ("lightning", "lightning.pytorch", "lightning.fabric", "memcallbacks"):
         logging.getLogger(name).setLevel(logging.ERROR)
     torch.set_num_threads(1)
-    bench_adapters(args.quick)
+    name, rate, steps = args.one
+    with tempfile.TemporaryDirectory(prefix="memcallbacks-detect-") as tmp:
+        step = ADAPTERS[name](int(rate), int(steps), Path(tmp))
+    print(json.dumps({"step": step}))
 
 
 if __name__ == "__main__":

@@ -10,8 +10,10 @@ Three cadences, each with its own job:
   (``mallinfo2``) on CPU, which walks every free chunk: 20-150 µs after a step's compute has
   evicted the heap from the caches. On CPU it is therefore taken every step for the first
   :data:`DENSE_READ_STEPS` steps (a leak in the training code shows from the first step) and then
-  every ``read_every`` steps, an interval the budget chooses. The watch runs whether or not
-  anything is logged.
+  every ``read_every`` steps, an interval the budget chooses. Between those reads a *tripwire*
+  watches the resident set (``/proc/self/statm``, ~1-2 µs): a step that finds it risen by the
+  burst threshold since the last read takes a read at once, so a leak that begins late is not
+  left until the next scheduled read. The watch runs whether or not anything is logged.
 * **sample**: per-phase peaks and a history row (its baseline is a read too, and feeds growth
   detection on the steps it is taken).
 * **log**: a logger write, every ``log_every_n_steps`` (the framework's setting by default). Logged
@@ -31,9 +33,9 @@ import time
 from typing import Any, Callable
 
 from memcallbacks._config import MonitorConfig
-from memcallbacks._runtime.devices import heap_in_use_bytes
+from memcallbacks._runtime.devices import heap_in_use_bytes, host_rss_reader
 
-__all__ = ["Cadence", "watch_reader", "LINGERING_EVERY_STEP_UNTIL", "MARK_EVERY_SAMPLES", "DENSE_READ_STEPS", "QUIET_FROM"]
+__all__ = ["Cadence", "watch_reader", "rss_tripwire", "LINGERING_EVERY_STEP_UNTIL", "MARK_EVERY_SAMPLES", "DENSE_READ_STEPS", "QUIET_FROM"]
 
 # Lingering references are checked after every one of the first steps, then after every
 # MARK_EVERY_SAMPLES-th sampled step (a loop that keeps the previous step's batch or graph keeps
@@ -76,6 +78,22 @@ def watch_reader(backend: Any) -> Callable[[], int | None]:
     return lambda: backend.current()[0]
 
 
+def rss_tripwire(read: Callable[[], int | None] | None) -> Callable[[], int] | None:
+    """The cheap read checked at the steps between the watch's reads, where that read is costly
+    (glibc's heap on CPU): the resident set from ``/proc/self/statm``. A leak that takes fresh pages
+    raises it at once; one that refills heap freed earlier raises it once that space is used up
+    (the scheduled reads see it before then). ``None`` where the watch's read is cheap enough to
+    take at every step the budget allows (an allocator's counter, or RSS itself)."""
+    if read is not heap_in_use_bytes:
+        return None
+    try:
+        rss = host_rss_reader()
+        rss()
+        return rss
+    except Exception:  # no /proc (not Linux): the scheduled reads only
+        return None
+
+
 def _aligned(every: int, log_every: int) -> int:
     """The read interval at or above ``every`` that puts reads on logged steps: the smallest divisor
     of ``log_every`` (when the budget allows a read at least every ``log_every`` steps, and never
@@ -106,6 +124,8 @@ class Cadence:
         self._next_choice = MEASURE_STEPS
         self.dense_until = 0  # reads every step below this count (a burst after a suspicious read)
         self.bursts = 0
+        self.trips = 0  # reads the RSS tripwire asked for between the scheduled ones
+        self._forced = -1  # the count whose step reads because the tripwire asked
         self._burst_bytes = config.growth_min_total_bytes
         self._recent_reads: collections.deque[int] = collections.deque(maxlen=4)
         self._step_times: collections.deque[float] = collections.deque(maxlen=64)
@@ -135,16 +155,35 @@ class Cadence:
 
     def wants_read(self, count: int) -> bool:
         """Whether the watch reads memory at the start of the step after ``count`` steps."""
-        return count < DENSE_READ_STEPS or count < self.dense_until or (count + 1) % self.read_every == 0  # in phase with the logged steps
+        return (
+            count < DENSE_READ_STEPS
+            or count < self.dense_until
+            or (count + 1) % self.read_every == 0  # in phase with the logged steps
+            or count == self._forced
+        )
+
+    def trip(self, count: int) -> None:
+        """The RSS tripwire went off before the step after ``count`` steps: that step reads memory."""
+        self._forced = count
+        self.trips += 1
+
+    @property
+    def trip_bytes(self) -> int:
+        """The tripwire goes off when the resident set has risen by this much since the last read:
+        half the rise of the floor that starts a burst of reads (which doubles after each burst)."""
+        return self._burst_bytes // 2
 
     def after_read(self, count: int, allocated: int) -> None:
         """A read at the start of the step after ``count`` steps: start a burst of reads at every step
-        when the floor has risen by the growth test's minimum since the last few scheduled reads
-        (a leak that began after the first steps is then confirmed within a few steps, not reads)."""
+        when the floor has risen by the growth test's minimum since the last few scheduled reads, or
+        by a quarter of it on a read the RSS tripwire asked for (a leak that began after the first
+        steps is then confirmed within a few steps, not reads)."""
         if count < DENSE_READ_STEPS or count < self.dense_until:
             return
         recent = self._recent_reads
-        if recent and allocated - min(recent) >= self._burst_bytes:
+        # a read the tripwire asked for has the resident set's rise behind it: a quarter of the rise will do
+        need = self._burst_bytes // 4 if count == self._forced else self._burst_bytes
+        if recent and allocated - min(recent) >= need:
             self.dense_until = count + 1 + CONFIRM_STEPS
             self.bursts += 1
             self._burst_bytes *= 2  # a clean run's one-off rises (a bigger batch, a cache) cannot keep it busy
@@ -254,6 +293,7 @@ class Cadence:
             "read_every_n_steps": self.read_every,
             "dense_read_steps": DENSE_READ_STEPS,
             "read_bursts": self.bursts,
+            "rss_trips": self.trips,
             "sample_every_n_steps": self.sample_every,
             "sample_interval_source": "config" if self.explicit else "overhead_budget",
             "log_every_n_steps": self.log_every if self.logs else None,

@@ -8,13 +8,14 @@ imports a framework.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 from memcallbacks._config import MonitorConfig
-from memcallbacks._runtime.cadence import LINGERING_EVERY_STEP_UNTIL, MARK_EVERY_SAMPLES, QUIET_FROM, Cadence, watch_reader
+from memcallbacks._runtime.cadence import LINGERING_EVERY_STEP_UNTIL, MARK_EVERY_SAMPLES, QUIET_FROM, Cadence, rss_tripwire, watch_reader
 from memcallbacks._runtime.columns import E_STAGE, MONITOR_TIME_S, OPTIMIZER
 from memcallbacks._runtime.extras import extra_metrics, load_session_state, session_state
 from memcallbacks._runtime.sampling import MemoryEngine
@@ -45,7 +46,7 @@ class Session(RunEnd):
         state["watch"] = None  # detectors hold weak references; start() builds new ones
         state["snap"] = None
         state["trackers"] = None
-        state["_watch_read"] = None
+        state["_watch_read"] = state["_trip"] = None
         return state
 
     def __init__(self, config: MonitorConfig, framework: str, owner: str, logger: logging.Logger | None = None) -> None:
@@ -72,6 +73,9 @@ class Session(RunEnd):
         self._warned: set[str] = set()
         self.cadence = Cadence(config)
         self._watch_read: Callable[[], int | None] | None = None
+        self._trip: Callable[[], int] | None = None  # the RSS tripwire between costly reads (Cadence)
+        self.trip_at: float = math.inf
+        """A quiet step whose resident set is at or above this reads memory (see :func:`rss_tripwire`)."""
         self._read_s = 0.0  # the open step's watch read, charged apart from the every-step cost
         self._fast_s: float | None = None  # an unsampled step's own time so far (None: sampled, or not open)
         self._fast_typical = True
@@ -214,6 +218,8 @@ class Session(RunEnd):
             self.watch.stop()
         backend = self.engine.backend
         self._watch_read = watch_reader(backend) if backend is not None else None
+        self._trip = rss_tripwire(self._watch_read)
+        self.trip_at = math.inf
         self.watch = LeakWatch(config, self._allocated_now, ignore=[self], charge=self.cadence.charge_other, wake=self.wake)
         self.watch.start()
         if self.snap is not None:
@@ -308,13 +314,15 @@ class Session(RunEnd):
         n = step if count is None else count
         self.current_step = step
         self.current_count = n
-        if n < self.quiet_until and not log and not sample:
+        if n < self.quiet_until and not log and not sample and (self._trip is None or self._trip() < self.trip_at):
             self.quiet_step = self.step_open = True  # open, for the adapters' bookkeeping; nothing is measured
             self.log_this_step = self._lingering_due = False
             engine.quiet_step()
             if self.snap is not None:
                 self.snap.step = step
             return
+        if n < self.quiet_until and not log and not sample:  # the tripwire went off: this step reads
+            self.cadence.trip(n)
         self.quiet_step = False
         self.step_open = True
         self._lingering_due = defer_lingering
@@ -387,6 +395,8 @@ class Session(RunEnd):
             self.cadence.charge_read(self._read_s)
             if value is None:
                 return []
+        if self._trip is not None:  # the tripwire measures the rise since this read
+            self.trip_at = self._trip() + self.cadence.trip_bytes
         self.cadence.after_read(count, value)
         return self.watch.after_baseline(count, value, batch)
 
