@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from memcallbacks._config import MonitorConfig, check_config_names, resolve_config
+from memcallbacks._runtime.cadence import TRIP_MASK
 from memcallbacks._runtime.guard import SetupError, entry_point, quiet_gate
 from memcallbacks._runtime.results import SessionResults
 from memcallbacks._runtime.preflight_steps import training_step
@@ -277,7 +278,8 @@ class MemoryMonitor(SessionResults, *_callback_bases()):  # type: ignore[misc]
         # (the RSS tripwire, where the watch's read is costly: a quiet step whose resident set has
         # risen since the last read is not quiet; a fault here leaves the step to the guarded method)
         try:
-            if trainer.fit_loop.epoch_loop._batches_that_stepped < self._quiet_until and (self._trip is None or self._trip() < self._trip_at):
+            stepped = trainer.fit_loop.epoch_loop._batches_that_stepped
+            if stepped < self._quiet_until and (stepped & TRIP_MASK or self._trip is None or self._trip() < self._trip_at):
                 self._quiet = True  # most steps of a long run: skipped by every hook, counted at the next other step
                 return
         except Exception:

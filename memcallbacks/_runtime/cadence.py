@@ -11,9 +11,9 @@ Three cadences, each with its own job:
   evicted the heap from the caches. On CPU it is therefore taken every step for the first
   :data:`DENSE_READ_STEPS` steps (a leak in the training code shows from the first step) and then
   every ``read_every`` steps, an interval the budget chooses. Between those reads a *tripwire*
-  watches the resident set (``/proc/self/statm``, ~1-2 µs): a step that finds it risen by the
-  burst threshold since the last read takes a read at once, so a leak that begins late is not
-  left until the next scheduled read. The watch runs whether or not anything is logged.
+  watches the resident set (``/proc/self/statm``, ~1-2 µs, on every :data:`TRIP_EVERY`-th quiet
+  step): a step that finds it risen by half the burst threshold since the last read takes a read at
+  once, so a leak that begins late is not left until the next scheduled read. The watch runs whether or not anything is logged.
 * **sample**: per-phase peaks and a history row (its baseline is a read too, and feeds growth
   detection on the steps it is taken).
 * **log**: a logger write, every ``log_every_n_steps`` (the framework's setting by default). Logged
@@ -35,7 +35,7 @@ from typing import Any, Callable
 from memcallbacks._config import MonitorConfig
 from memcallbacks._runtime.devices import heap_in_use_bytes, host_rss_reader
 
-__all__ = ["Cadence", "watch_reader", "rss_tripwire", "LINGERING_EVERY_STEP_UNTIL", "MARK_EVERY_SAMPLES", "DENSE_READ_STEPS", "QUIET_FROM"]
+__all__ = ["Cadence", "watch_reader", "rss_tripwire", "TRIP_MASK", "LINGERING_EVERY_STEP_UNTIL", "MARK_EVERY_SAMPLES", "DENSE_READ_STEPS", "QUIET_FROM"]
 
 # Lingering references are checked after every one of the first steps, then after every
 # MARK_EVERY_SAMPLES-th sampled step (a loop that keeps the previous step's batch or graph keeps
@@ -52,6 +52,12 @@ DENSE_READ_STEPS = 48
 # watch read every step for this many steps (enough for the growth test to confirm a leak of
 # 256 KiB/step); each such burst that ends doubles the rise the next one needs.
 CONFIRM_STEPS = 24
+# The RSS tripwire is checked on the quiet steps whose count is a multiple of this (a power of two:
+# the check is ``count & TRIP_MASK == 0``). A /proc read at every step cost a 1.4 ms Lightning step
+# ~+13 µs at fit level (docs/benchmarks.md), for ~2 µs of its own; every 4th step adds at most 3
+# steps to the latency of a late leak.
+TRIP_EVERY = 4
+TRIP_MASK = TRIP_EVERY - 1
 # Steps before this count are never quiet (see Session.begin_step): they are measured, read and checked.
 QUIET_FROM = max(LINGERING_EVERY_STEP_UNTIL, DENSE_READ_STEPS, MEASURE_STEPS)
 # The intervals are chosen again every this many steps, from the latest measurements.

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from memcallbacks._config import MonitorConfig
-from memcallbacks._runtime.cadence import LINGERING_EVERY_STEP_UNTIL, MARK_EVERY_SAMPLES, QUIET_FROM, Cadence, rss_tripwire, watch_reader
+from memcallbacks._runtime.cadence import LINGERING_EVERY_STEP_UNTIL, MARK_EVERY_SAMPLES, QUIET_FROM, TRIP_MASK, Cadence, rss_tripwire, watch_reader
 from memcallbacks._runtime.columns import E_STAGE, MONITOR_TIME_S, OPTIMIZER
 from memcallbacks._runtime.extras import extra_metrics, load_session_state, session_state
 from memcallbacks._runtime.sampling import MemoryEngine
@@ -314,7 +314,7 @@ class Session(RunEnd):
         n = step if count is None else count
         self.current_step = step
         self.current_count = n
-        if n < self.quiet_until and not log and not sample and (self._trip is None or self._trip() < self.trip_at):
+        if n < self.quiet_until and not log and not sample and (n & TRIP_MASK or self._trip is None or self._trip() < self.trip_at):
             self.quiet_step = self.step_open = True  # open, for the adapters' bookkeeping; nothing is measured
             self.log_this_step = self._lingering_due = False
             engine.quiet_step()
