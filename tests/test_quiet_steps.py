@@ -104,13 +104,13 @@ def test_a_read_the_tripwire_asks_for_starts_a_burst_on_a_quarter_of_the_rise():
         return c
 
     c = primed()
-    assert c.trip_bytes == 2 * MIB  # half the burst threshold (growth_min_total_bytes, 4 MiB)
+    assert c.trip_bytes == MIB  # a quarter of the burst threshold (growth_min_total_bytes, 4 MiB)
     assert not c.wants_read(80)
-    c.trip(80)  # the resident set rose 2 MiB since the last read: the step after 80 steps reads
+    c.trip(80)  # the resident set rose 1 MiB since the last read: the step after 80 steps reads
     assert c.wants_read(80) and not c.wants_read(81) and c.trips == 1
     c.after_read(80, 101 * MIB + MIB // 2)  # +1.5 MiB of heap behind the RSS rise: >= a quarter of 4 MiB
     assert c.bursts == 1 and c.dense_until == 81 + C.CONFIRM_STEPS
-    assert c.trip_bytes == 4 * MIB  # the threshold doubled with the burst
+    assert c.trip_bytes == 2 * MIB  # the threshold doubled with the burst
     untripped = primed()
     untripped.after_read(99, 101 * MIB + MIB // 2)  # the same rise at a scheduled read: no burst
     assert untripped.bursts == 0

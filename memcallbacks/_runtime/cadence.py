@@ -12,7 +12,7 @@ Three cadences, each with its own job:
   :data:`DENSE_READ_STEPS` steps (a leak in the training code shows from the first step) and then
   every ``read_every`` steps, an interval the budget chooses. Between those reads a *tripwire*
   watches the resident set (``/proc/self/statm``, ~1-2 µs, on every :data:`TRIP_EVERY`-th quiet
-  step): a step that finds it risen by half the burst threshold since the last read takes a read at
+  step): a step that finds it risen by a quarter of the burst threshold since the last read takes a read at
   once, so a leak that begins late is not left until the next scheduled read. The watch runs whether or not anything is logged.
 * **sample**: per-phase peaks and a history row (its baseline is a read too, and feeds growth
   detection on the steps it is taken).
@@ -176,8 +176,9 @@ class Cadence:
     @property
     def trip_bytes(self) -> int:
         """The tripwire goes off when the resident set has risen by this much since the last read:
-        half the rise of the floor that starts a burst of reads (which doubles after each burst)."""
-        return self._burst_bytes // 2
+        a quarter of the rise of the floor that starts a burst of reads (which doubles after each
+        burst), and as much as a read the tripwire asked for needs to start one."""
+        return self._burst_bytes // 4
 
     def after_read(self, count: int, allocated: int) -> None:
         """A read at the start of the step after ``count`` steps: start a burst of reads at every step
