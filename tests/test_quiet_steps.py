@@ -9,6 +9,7 @@ The cadence's arithmetic is tested directly; the rest through real Lightning fit
 from __future__ import annotations
 
 import json
+import pickle
 from typing import Any
 
 import lightning.pytorch as L
@@ -127,6 +128,7 @@ def test_the_tripwire_is_kept_for_costly_reads_only():
         pytest.skip("no glibc mallinfo2: the watch reads RSS itself")
     rss = C.rss_tripwire(heap_in_use_bytes)
     assert rss is not None and rss() > 0
+    assert pickle.loads(pickle.dumps(rss))() > 0  # spawn launchers pickle the callback that mirrors it
     assert C.rss_tripwire(lambda: 0) is None and C.rss_tripwire(None) is None  # an allocator's counter: read every step
 
 

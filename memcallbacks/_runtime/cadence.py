@@ -12,8 +12,9 @@ Three cadences, each with its own job:
   :data:`DENSE_READ_STEPS` steps (a leak in the training code shows from the first step) and then
   every ``read_every`` steps, an interval the budget chooses. Between those reads a *tripwire*
   watches the resident set (``/proc/self/statm``, ~1-2 µs, on every :data:`TRIP_EVERY`-th quiet
-  step): a step that finds it risen by a quarter of the burst threshold since the last read takes a read at
-  once, so a leak that begins late is not left until the next scheduled read. The watch runs whether or not anything is logged.
+  step): a step that finds it risen by a quarter of the burst threshold since the last read takes
+  a read at once, so a leak that begins late is not left until the next scheduled read. The watch
+  runs whether or not anything is logged.
 * **sample**: per-phase peaks and a history row (its baseline is a read too, and feeds growth
   detection on the steps it is taken).
 * **log**: a logger write, every ``log_every_n_steps`` (the framework's setting by default). Logged
@@ -33,7 +34,7 @@ import time
 from typing import Any, Callable
 
 from memcallbacks._config import MonitorConfig
-from memcallbacks._runtime.devices import heap_in_use_bytes, host_rss_reader
+from memcallbacks._runtime.devices import _StatmReader, heap_in_use_bytes, host_rss_reader
 
 __all__ = ["Cadence", "watch_reader", "rss_tripwire", "TRIP_MASK", "LINGERING_EVERY_STEP_UNTIL", "MARK_EVERY_SAMPLES", "DENSE_READ_STEPS", "QUIET_FROM"]
 
@@ -95,9 +96,31 @@ def rss_tripwire(read: Callable[[], int | None] | None) -> Callable[[], int] | N
     try:
         rss = host_rss_reader()
         rss()
-        return rss
-    except Exception:  # no /proc (not Linux): the scheduled reads only
+    except Exception:
         return None
+    return _Tripwire(rss) if isinstance(rss, _StatmReader) else None  # psutil's read is too slow for it
+
+
+class _Tripwire:
+    """The resident set, or 0 if ``/proc`` stops answering (which never trips, and never fails a
+    step: the Lightning gate calls it with no guard frame). Picklable, like the reader inside."""
+
+    __slots__ = ("_rss",)
+
+    def __init__(self, rss: Callable[[], int]) -> None:
+        self._rss = rss
+
+    def __call__(self) -> int:
+        try:
+            return self._rss()
+        except Exception:
+            return 0
+
+    def __getstate__(self) -> Callable[[], int]:
+        return self._rss
+
+    def __setstate__(self, rss: Callable[[], int]) -> None:
+        self._rss = rss
 
 
 def _aligned(every: int, log_every: int) -> int:
