@@ -161,6 +161,29 @@ def test_gc_callback_reads_memory_only_on_collections_that_can_free():
     assert len(reads) == 6 and watch.measured == 3 and watch.collections == 4
 
 
+def test_the_gc_watch_reads_nothing_while_the_run_end_files_are_written(tmp_path):
+    import gc
+
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = Monitor(model, optimizer, output_dir=str(tmp_path / "mem"))  # plot=True: matplotlib's figure
+    for x in monitor.track(list(torch.randn(60, BATCH, DIM))):
+        model(x).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    watch = monitor._session.watch.collections
+    measured, during = watch.measured, []
+    counter = lambda phase, info: during.append(info["generation"]) if phase == "stop" else None  # noqa: E731
+    gc.callbacks.append(counter)
+    try:
+        monitor.close()
+    finally:
+        gc.callbacks.remove(counter)
+    assert (tmp_path / "mem" / "memory.png").exists()
+    assert during, "writing the files ran no collection: the check below would prove nothing"
+    assert watch.measured == measured and not watch.own  # no heap reads around them; the flag restored
+
+
 # ---------------------------------------------------------------------- real fits at defaults
 class CountingMonitor(MemoryMonitor):
     """Counts the calls that reach the session: a quiet step's hooks return before it."""

@@ -107,6 +107,18 @@ class RunEnd:
 
         A run that recorded nothing (a second ``fit`` that had no step left to run) writes no
         files: the folder keeps the previous run's set rather than an empty history."""
+        # the files' imports (pandas, matplotlib) run dozens of collections: the gc watch, which
+        # reads the heap around each one it measures, is for training, and training is over
+        collections = self.watch.collections if self.watch is not None else None
+        if collections is not None:
+            was_own, collections.own = collections.own, True
+        try:
+            return self._finish(gather)
+        finally:
+            if collections is not None:
+                collections.own = was_own
+
+    def _finish(self, gather: bool) -> dict[str, str]:
         engine = self.engine
         try:
             if engine.in_step and engine.enabled:
