@@ -1,9 +1,11 @@
 """At DEFAULT settings, the step at which each adapter reports a leak of each rate (issue 11, item 4).
 
-Each run is a real CPU training run of a small MLP (256 -> 512 -> 1, batch 128, a few ms per step) with
-one planted leak from step 0: a written tensor of ``rate`` bytes appended to a list every step. The
-monitor is built with no arguments beyond where to write its files. The step counted is the growth
-finding's ``first_step`` (the warm-up counts against the monitor).
+Each run is a real CPU training run of a small MLP (256 -> 512 -> 1, batch 128, a few ms per step) under
+each adapter (Lightning with and without a logger, the plain ``Monitor`` with and without ``log_fn``,
+Accelerate, the Transformers ``Trainer``), with one planted leak from step 0: a written tensor of
+``rate`` bytes appended to a list every step. The monitor is built with no arguments beyond where
+to write its files. The step counted is the growth finding's ``first_step`` (the warm-up counts
+against the monitor).
 
 ``--start N`` plants the leak at step N instead (a leak that begins after the first steps, when
 the monitor reads memory only every few steps on a short CPU step); the step counted is then the
@@ -129,12 +131,41 @@ def run_accelerate(rate: int, steps: int, workdir: Path) -> int | None:
     return _first_growth_after(monitor.findings)
 
 
+def run_transformers(rate: int, steps: int, workdir: Path) -> int | None:
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from memcallbacks.transformers import MemoryMonitorCallback
+
+    kept: list[torch.Tensor] = []
+
+    class Leaky(TrainerCallback):
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if state.global_step > START:
+                kept.append(_leak(rate))
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = _mlp()
+
+        def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+            return {"loss": self.net(x).pow(2).mean()}
+
+    args = TrainingArguments(output_dir=str(workdir / "out"), use_cpu=True, report_to=[], max_steps=steps, per_device_train_batch_size=BATCH,
+                             save_strategy="no", disable_tqdm=True, dataloader_num_workers=0, learning_rate=1e-3, optim="adamw_torch")
+    monitor = MemoryMonitorCallback(output_dir=str(workdir / "mem"), plot=False)
+    data = [{"x": row} for row in torch.randn(steps * BATCH, DIM)]
+    Trainer(model=Net(), args=args, train_dataset=data, callbacks=[monitor, Leaky()]).train()
+    return _first_growth_after(monitor.findings)
+
+
 ADAPTERS: dict[str, Callable[[int, int, Path], int | None]] = {
     "Lightning, CSVLogger": lambda r, n, d: run_lightning(r, n, d, logger=True),
     "Lightning, logger=False": lambda r, n, d: run_lightning(r, n, d, logger=False),
     "plain Monitor, log_fn": lambda r, n, d: run_plain(r, n, d, log_fn=True),
     "plain Monitor, no log_fn": lambda r, n, d: run_plain(r, n, d, log_fn=False),
     "Accelerate": run_accelerate,
+    "Transformers Trainer": run_transformers,
 }
 
 
