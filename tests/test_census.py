@@ -255,6 +255,23 @@ def test_census_diff_names_what_grew():
     assert after.top_holders(1)[0] == ("Net.cache", 40, 10 * MiB)
 
 
+def test_census_diff_ignores_a_storage_reached_through_another_holder():
+    """The path search may reach a storage that was there all along through another holder the
+    second time (seen with Lightning: a dataset found first through a frame's local, then through
+    ``Trainer.fit_loop``); the diff names only what is new."""
+    model = Net()
+    old_home = {"data": torch.zeros(256 * 1024)}  # 1 MiB, found through this dict first
+    before = take_census(model=model, time_budget_s=BUDGET)
+    model.moved = old_home.pop("data")  # the same storage, now under the model
+    for _ in range(4):
+        model.cache.append(torch.zeros(64 * 1024))
+    after = take_census(model=model, time_budget_s=BUDGET)
+    assert any(r.holder == "Net.moved" for r in after.records)  # reached the second way
+    delta = after.diff(before)
+    assert [(d.holder, d.tensors, d.bytes) for d in delta if d.bytes > 0] == [("Net.cache", 4, MiB)]
+    assert not [d for d in delta if d.bytes < 0]  # nor did its first holder shrink
+
+
 def test_census_reports_cost_and_truncates_at_budget():
     keep = [torch.randn(8) for _ in range(3)]
     census = take_census(time_budget_s=BUDGET)

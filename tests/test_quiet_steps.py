@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import json
 import pickle
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as L
@@ -22,6 +25,8 @@ from memcallbacks import MemoryMonitor, Monitor, MonitorConfig
 from memcallbacks._runtime import cadence as C
 from memcallbacks.leaks.gc_watch import CollectionWatch
 from test_watch_defaults import BATCH, DIM, LeakyCallback, Net, growth_step, leak_tensor, loader, mlp
+
+SCRIPTS = Path(__file__).parent / "scripts"
 
 pytestmark = pytest.mark.usefixtures("one_thread", "collected_heap")
 
@@ -222,7 +227,7 @@ def test_lightning_defaults_most_steps_are_quiet_and_every_step_is_counted(tmp_p
     assert {49, 99, 149, 199} <= {int(s) for s in mon.history["step"]}
 
 
-def test_lightning_defaults_find_a_leak_that_begins_late(tmp_path, returned_heap):
+def test_lightning_defaults_find_a_leak_that_begins_late(tmp_path):
     class LateLeak(LeakyCallback):
         def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
             if trainer.global_step > 100:
@@ -235,35 +240,32 @@ def test_lightning_defaults_find_a_leak_that_begins_late(tmp_path, returned_heap
     step = growth_step(mon.findings)
     report = json.loads((tmp_path / "mem" / "report.json").read_text())
     cadence = report["summary"]["cadence"]
-    # issue 11's target for 1 MiB/step, counted from the leak's start: the RSS tripwire, checked by
-    # the quiet steps' gate, asks for a read a few steps in (the scheduled reads are 14-32 steps apart)
-    assert step is not None and 100 < step <= 100 + 20, (step, cadence)
+    # found within one read interval (at most 32 steps without a logger) plus a burst's confirmation;
+    # the issue's targets, which the RSS tripwire meets, are checked in a process of their own below
+    assert step is not None and 100 < step <= 100 + cadence["read_every_n_steps"] + C.CONFIRM_STEPS, (step, cadence)
     growth = next(f for f in report["findings"] if f["kind"] == "growth")
     assert any("pending" in h for h in growth["holders"]), growth["holders"]
 
 
 @pytest.mark.parametrize(("rate", "within"), [(MIB, 20), (256 << 10, 35)])
-@pytest.mark.parametrize("log_fn", [False, True])
-def test_plain_monitor_defaults_find_a_late_leak_within_the_target(tmp_path, returned_heap, rate, within, log_fn):
+@pytest.mark.parametrize("adapter", ["plain", "plain_log_fn", "lightning"])
+def test_defaults_find_a_late_leak_within_the_target(tmp_path, adapter, rate, within):
     """Issue 11's latency targets for a leak that begins at step 100, when the monitor reads the heap
-    only every 25-32 steps: the RSS tripwire between those reads starts the burst that confirms it."""
-    start, kept = 100, []
-    steps = start + within + 10
-    model = mlp()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    monitor = Monitor(model, optimizer, (lambda metrics, step: None) if log_fn else None, output_dir=str(tmp_path / "mem"), plot=False)
-    for step, x in enumerate(monitor.track(list(torch.randn(steps, BATCH, DIM)))):
-        model(x).pow(2).mean().backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        if step >= start:
-            kept.append(leak_tensor(rate))
-    monitor.close()
-    found = growth_step(monitor.findings)
-    cadence = json.loads((tmp_path / "mem" / "report.json").read_text())["summary"]["cadence"]
+    only every 25-50 steps: the RSS tripwire between those reads starts the burst that confirms it.
+    Each run is a process of its own, as a user's run is (tests/scripts/late_leak.py says why)."""
+    start = 100
+    out = tmp_path / "mem"
+    done = subprocess.run([sys.executable, str(SCRIPTS / "late_leak.py"), str(out), adapter, str(rate), str(start), str(start + within + 10)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    cadence = json.loads((out / "report.json").read_text())["summary"]["cadence"]
+    found = result["found"]
     assert found is not None and start < found <= start + within, (found, cadence)
+    assert result["holders"] and "kept" in result["holders"][0], result["holders"]
     if cadence["read_every_n_steps"] >= 8:  # (a slower machine reads often enough without it)
         assert cadence["rss_trips"] >= 1, cadence
+        assert f"{cadence['rss_trips']} read(s) the RSS tripwire asked for" in result["report"]
 
 
 def test_a_growth_finding_near_the_end_gets_its_holders_when_the_run_ends(tmp_path):

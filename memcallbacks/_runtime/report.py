@@ -125,6 +125,10 @@ def format_report(report: dict[str, Any], history: Any = None) -> str:
                      f"{cadence['sample_every_n_steps']} ({cadence['sample_interval_source']}), log every "
                      f"{cadence['log_every_n_steps'] or '- (nowhere to log)'} steps; own time "
                      f"{'?' if overhead is None else f'{100 * overhead:.2f}%'} of step time (budget {100 * cadence['overhead_budget']:g}%)")
+        extra = [f"{n} {what}" for n, what in ((cadence.get("read_bursts"), "burst(s) of every-step reads after a risen floor"),
+                                               (cadence.get("rss_trips"), "read(s) the RSS tripwire asked for")) if n]
+        if extra:
+            lines.append(f"                             {'; '.join(extra)}")
     lines.append(f"  findings                   {len(findings) or 'none'}")
     for f in findings:
         lines.append(f"    [{f.get('kind')}] step {f.get('step')}: {f.get('message')}")

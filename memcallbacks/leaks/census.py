@@ -104,10 +104,13 @@ class Census:
     def total_bytes(self) -> int:
         return sum(self.bytes_by_category.values())
 
-    def by_holder(self) -> dict[str, tuple[int, int]]:
-        """``{holder: (tensors, bytes)}``; unattributed storages group under their category."""
+    def by_holder(self, skip: frozenset[tuple[str, int, int]] = frozenset()) -> dict[str, tuple[int, int]]:
+        """``{holder: (tensors, bytes)}``; unattributed storages group under their category.
+        ``skip``: storages (``(device, data_ptr, nbytes)``) left out."""
         out: dict[str, list[int]] = {}
         for r in self.records:
+            if skip and (r.device, r.data_ptr, r.nbytes) in skip:
+                continue
             key = r.holder if r.holder is not None else r.category
             acc = out.setdefault(key, [0, 0])
             acc[0] += 1
@@ -117,8 +120,16 @@ class Census:
     def diff(self, before: Census, *, min_bytes: int = 1) -> list[HolderDelta]:
         """What changed since ``before``, by holder: growth first, largest first, with the
         :data:`NOT_SEARCHED` group (storages whose holder a truncated census did not search) after
-        every named holder that grew; then what shrank."""
-        now, then = self.by_holder(), before.by_holder()
+        every named holder that grew; then what shrank.
+
+        A storage in both censuses is neither: the path search may reach it through another holder
+        the second time (a dataset first found through a frame's local, then through the Trainer),
+        and "grew by 1 tensor" would then name a holder that holds nothing new."""
+        def keys(census: Census) -> set[tuple[str, int, int]]:
+            return {(r.device, r.data_ptr, r.nbytes) for r in census.records}
+
+        both = frozenset(keys(self) & keys(before))
+        now, then = self.by_holder(both), before.by_holder(both)
         deltas = []
         for key in set(now) | set(then):
             n1, b1 = now.get(key, (0, 0))
