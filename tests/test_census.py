@@ -255,14 +255,17 @@ def test_census_diff_names_what_grew():
     assert after.top_holders(1)[0] == ("Net.cache", 40, 10 * MiB)
 
 
+STASH: dict[str, torch.Tensor] = {}
+
+
 def test_census_diff_ignores_a_storage_reached_through_another_holder():
     """The path search may reach a storage that was there all along through another holder the
     second time (seen with Lightning: a dataset found first through a frame's local, then through
     ``Trainer.fit_loop``); the diff names only what is new."""
     model = Net()
-    old_home = {"data": torch.zeros(256 * 1024)}  # 1 MiB, found through this dict first
+    STASH["data"] = torch.zeros(256 * 1024)  # 1 MiB, found through a module global first
     before = take_census(model=model, time_budget_s=BUDGET)
-    model.moved = old_home.pop("data")  # the same storage, now under the model
+    model.moved = STASH.pop("data")  # the same storage, now under the model
     for _ in range(4):
         model.cache.append(torch.zeros(64 * 1024))
     after = take_census(model=model, time_budget_s=BUDGET)
@@ -270,6 +273,18 @@ def test_census_diff_ignores_a_storage_reached_through_another_holder():
     delta = after.diff(before)
     assert [(d.holder, d.tensors, d.bytes) for d in delta if d.bytes > 0] == [("Net.cache", 4, MiB)]
     assert not [d for d in delta if d.bytes < 0]  # nor did its first holder shrink
+
+
+def test_census_diff_counts_a_storage_a_frame_held_first_as_growth():
+    """The step's batch, held by a frame's local at the first census and kept by a list at the
+    second, is that list's growth (the leak of a loop that keeps its batches)."""
+    model = Net()
+    batch = torch.zeros(256 * 1024)
+    before = take_census(model=model, time_budget_s=BUDGET)
+    model.cache.append(batch)
+    del batch
+    after = take_census(model=model, time_budget_s=BUDGET)
+    assert [(d.holder, d.tensors, d.bytes) for d in after.diff(before) if d.bytes > 0] == [("Net.cache", 1, MiB)]
 
 
 def test_census_reports_cost_and_truncates_at_budget():

@@ -122,13 +122,13 @@ class Census:
         :data:`NOT_SEARCHED` group (storages whose holder a truncated census did not search) after
         every named holder that grew; then what shrank.
 
-        A storage in both censuses is neither: the path search may reach it through another holder
-        the second time (a dataset first found through a frame's local, then through the Trainer),
-        and "grew by 1 tensor" would then name a holder that holds nothing new."""
-        def keys(census: Census) -> set[tuple[str, int, int]]:
-            return {(r.device, r.data_ptr, r.nbytes) for r in census.records}
-
-        both = frozenset(keys(self) & keys(before))
+        A storage that an object (not a frame's local) held at both censuses is neither: the path
+        search may reach it through another holder the second time (a dataset found through
+        ``Trainer.fit_loop._data_source``, then ``Trainer.fit_loop._combined_loader``), and "grew by
+        1 tensor" would then name a holder that holds nothing new. A storage that a frame held the
+        first time (the step's batch) and a holder keeps now counts as that holder's growth."""
+        held = {(r.device, r.data_ptr, r.nbytes) for r in before.records if r.holder and " local " not in r.holder and r.holder not in (NOT_SEARCHED, NO_ROOT)}
+        both = frozenset(held & {(r.device, r.data_ptr, r.nbytes) for r in self.records})
         now, then = self.by_holder(both), before.by_holder(both)
         deltas = []
         for key in set(now) | set(then):
