@@ -154,6 +154,8 @@ class Cadence:
         self.dense_until = 0  # reads every step below this count (a burst after a suspicious read)
         self.bursts = 0
         self.trips = 0  # reads the RSS tripwire asked for between the scheduled ones
+        self.trip_checks = 0  # quiet steps that checked the tripwire (counted, not timed one by one)
+        self.trip_cost_s = 0.0  # one check, as measured when the run starts (0: no tripwire)
         self._forced = -1  # the count whose step reads because the tripwire asked
         self._burst_bytes = config.growth_min_total_bytes
         self._recent_reads: collections.deque[int] = collections.deque(maxlen=4)
@@ -245,6 +247,11 @@ class Cadence:
             self._step_times.append(elapsed / (count - anchor[0]))
             self.step_s += elapsed
             self.steps += count - anchor[0]
+            if self.trip_cost_s and count > anchor[0] + 1:
+                # the quiet steps in between that checked the tripwire: their cost, as measured at start
+                checks = (count - 1) // TRIP_EVERY - anchor[0] // TRIP_EVERY
+                self.trip_checks += checks
+                self.own_s += checks * self.trip_cost_s
         self._anchor = (count, now)
         if count >= self._next_choice:
             self._next_choice = count + CHOOSE_EVERY
@@ -324,6 +331,7 @@ class Cadence:
             "dense_read_steps": DENSE_READ_STEPS,
             "read_bursts": self.bursts,
             "rss_trips": self.trips,
+            "rss_checks": self.trip_checks,
             "sample_every_n_steps": self.sample_every,
             "sample_interval_source": "config" if self.explicit else "overhead_budget",
             "log_every_n_steps": self.log_every if self.logs else None,

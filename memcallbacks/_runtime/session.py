@@ -15,7 +15,16 @@ from pathlib import Path
 from typing import Any, Callable
 
 from memcallbacks._config import MonitorConfig
-from memcallbacks._runtime.cadence import LINGERING_EVERY_STEP_UNTIL, MARK_EVERY_SAMPLES, QUIET_FROM, TRIP_MASK, Cadence, rss_tripwire, watch_reader
+from memcallbacks._runtime.cadence import (
+    COLD_FACTOR,
+    LINGERING_EVERY_STEP_UNTIL,
+    MARK_EVERY_SAMPLES,
+    QUIET_FROM,
+    TRIP_MASK,
+    Cadence,
+    rss_tripwire,
+    watch_reader,
+)
 from memcallbacks._runtime.columns import E_STAGE, MONITOR_TIME_S, OPTIMIZER
 from memcallbacks._runtime.extras import extra_metrics, load_session_state, session_state
 from memcallbacks._runtime.sampling import MemoryEngine
@@ -220,6 +229,11 @@ class Session(RunEnd):
         self._watch_read = watch_reader(backend) if backend is not None else None
         self._trip = rss_tripwire(self._watch_read)
         self.trip_at = math.inf
+        if self._trip is not None:  # quiet steps are not timed: their checks are charged at this cost
+            t0 = time.perf_counter()
+            for _ in range(4):
+                self._trip()
+            self.cadence.trip_cost_s = COLD_FACTOR * (time.perf_counter() - t0) / 4
         self.watch = LeakWatch(config, self._allocated_now, ignore=[self], charge=self.cadence.charge_other, wake=self.wake)
         self.watch.start()
         if self.snap is not None:
