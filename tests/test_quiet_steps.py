@@ -267,8 +267,9 @@ def test_defaults_find_a_late_leak_within_the_target(tmp_path, adapter, rate, wi
     found = result["found"]
     assert found is not None and start < found <= start + within, (found, cadence)
     assert result["holders"] and "kept" in result["holders"][0], result["holders"]
-    if cadence["read_every_n_steps"] >= 8:  # (a slower machine reads often enough without it)
-        assert cadence["rss_trips"] >= 1, cadence
+    # (whether the tripwire or a scheduled read sees the leak first depends on where the leak starts
+    # between two reads; without the tripwire 256 KiB/step took 43-69 steps: docs/benchmarks.md)
+    if cadence["rss_trips"]:
         assert f"{cadence['rss_trips']} read(s) the RSS tripwire asked for" in result["report"]
 
 
