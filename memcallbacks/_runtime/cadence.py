@@ -214,7 +214,7 @@ class Cadence:
             return
         recent = self._recent_reads
         # a read the tripwire asked for has the resident set's rise behind it: a quarter of the rise will do
-        need = self._burst_bytes // 4 if count == self._forced else self._burst_bytes
+        need = self.trip_bytes if count == self._forced else self._burst_bytes
         if recent and allocated - min(recent) >= need:
             self.dense_until = count + 1 + CONFIRM_STEPS
             self.bursts += 1

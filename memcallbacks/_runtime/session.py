@@ -328,15 +328,15 @@ class Session(RunEnd):
         n = step if count is None else count
         self.current_step = step
         self.current_count = n
-        if n < self.quiet_until and not log and not sample and (n & TRIP_MASK or self._trip is None or self._trip() < self.trip_at):
-            self.quiet_step = self.step_open = True  # open, for the adapters' bookkeeping; nothing is measured
-            self.log_this_step = self._lingering_due = False
-            engine.quiet_step()
-            if self.snap is not None:
-                self.snap.step = step
-            return
-        if n < self.quiet_until and not log and not sample:  # the tripwire went off: this step reads
-            self.cadence.trip(n)
+        if n < self.quiet_until and not log and not sample:
+            if n & TRIP_MASK or self._trip is None or self._trip() < self.trip_at:
+                self.quiet_step = self.step_open = True  # open, for the adapters' bookkeeping; nothing is measured
+                self.log_this_step = self._lingering_due = False
+                engine.quiet_step()
+                if self.snap is not None:
+                    self.snap.step = step
+                return
+            self.cadence.trip(n)  # the tripwire went off: this step reads
         self.quiet_step = False
         self.step_open = True
         self._lingering_due = defer_lingering
