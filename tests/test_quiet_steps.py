@@ -40,6 +40,15 @@ def test_read_interval_divides_the_logging_interval(every, log_every, aligned):
     assert C._aligned(every, log_every) == aligned
 
 
+@pytest.mark.parametrize(("every", "log_every", "aligned"), [
+    (47, 50, 50), (26, 50, 50), (24, 50, 25), (11, 50, 25), (9, 50, 10), (1, 50, 1),  # divisors, in phase
+    (63, 50, 100), (300, 50, 300), (579, 50, 600),  # multiples: the logged steps are the only samples
+    (60, 997, 60), (5, 7, 7), (3, 7, 3),  # a prime logging interval: kept where it allows two samples or more
+])
+def test_budget_samples_go_in_phase_with_the_logged_steps(every, log_every, aligned):
+    assert C._aligned_samples(every, log_every) == aligned
+
+
 def cadence(**config: Any) -> C.Cadence:
     c = C.Cadence(MonitorConfig(**config))
     c.configure(log_every=50, logs=True, log_first_step=False)
@@ -60,6 +69,26 @@ def test_budget_puts_reads_on_logged_steps_on_a_short_step():
     assert c.sample_every == 300
     assert [n for n in range(48, 200) if c.wants_read(n)] == [49, 99, 149, 199]
     assert c.next_busy(50, reads=True) == 99 and c.next_busy(99, reads=True) == 99
+
+
+def test_budget_samples_ride_on_logged_steps_unless_it_allows_more():
+    c = cadence()
+    c._step_times.extend([1.4e-3] * 8)
+    c._watch_costs.extend([20e-6] * 8)
+    c._read_costs.extend([120e-6] * 8)
+    c._sample_costs.extend([200e-6] * 8)
+    c.choose()
+    # 14 - 8 (logged steps) = 6 µs/step left: a sample every 67 steps, rounded to the logging interval's multiple
+    assert c.sample_every == 100
+    assert [n for n in range(48, 400) if c.wants_sample(n, c.will_log(n))] == [n for n in range(48, 400) if c.will_log(n)]
+    c._step_times.extend([3.5e-3] * 64)  # a 3.5 ms step: 35 µs/step, reads every 16 -> 25 steps (5.6),
+    c.choose()  # logged steps 8: 21.4 µs/step buy a sample every 19 steps -> 25
+    assert c.read_every == 25
+    assert c.sample_every == 25
+    assert [n for n in range(100, 200) if c.wants_sample(n, c.will_log(n))] == [124, 149, 174, 199]
+    c.configure(log_every=50, logs=False, log_first_step=False)  # nothing logged: the budget's own interval
+    c.choose()
+    assert c.read_every == 16 and c.sample_every == 23  # 35 - 280 / 16 = 17.5 µs/step: every 23 steps
 
 
 def test_budget_reads_every_step_on_a_long_step():

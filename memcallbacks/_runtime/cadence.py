@@ -132,6 +132,18 @@ def _aligned(every: int, log_every: int) -> int:
     return next(d for d in range(every, log_every + 1) if log_every % d == 0)
 
 
+def _aligned_samples(every: int, log_every: int) -> int:
+    """The sampling interval at or above ``every`` that puts the budget's samples on logged steps,
+    which are sampled anyway: a multiple of ``log_every`` (no sample besides the logged ones) or a
+    divisor of it (samples in phase between them), unless that leaves no sample between logged steps
+    where the budget allows two or more (a prime logging interval: the budget's own interval, out
+    of phase)."""
+    if every >= log_every:
+        return -(-every // log_every) * log_every
+    divisor = next(d for d in range(every, log_every + 1) if log_every % d == 0)
+    return every if divisor == log_every and 2 * every <= log_every else divisor
+
+
 def _median(values: Any) -> float:
     ordered = sorted(values)
     return float(ordered[len(ordered) // 2]) if ordered else math.nan
@@ -308,8 +320,12 @@ class Cadence:
         sample = COLD_FACTOR * _median(self._sample_costs)
         if self.logs:
             allowed -= sample / self.log_every
-        every = MAX_INTERVAL if allowed <= 0 else math.ceil(sample / allowed)
-        self.sample_every = max(1, min(MAX_INTERVAL, every))
+        every = max(1, min(MAX_INTERVAL, MAX_INTERVAL if allowed <= 0 else math.ceil(sample / allowed)))
+        if self.logs:
+            # a sample a few steps from a logged one adds a busy step and little history: the budget
+            # is a ceiling, and its samples go in phase with the logged steps (as the reads do)
+            every = _aligned_samples(every, self.log_every)
+        self.sample_every = every
 
     # ------------------------------------------------------------------ what it says about itself
     @property
