@@ -110,7 +110,7 @@ def write_record(args: argparse.Namespace, rank: int, model: nn.Module, optimize
         "strategy": args.strategy,
         "mixed_precision": args.mp,
         "optimizer": args.optimizer,
-        "steps": args.steps,
+        "max_steps": args.steps,
         "model": {
             "num_params": sum(p.numel() for p in inner.parameters()),
             "dim": args.dim,
