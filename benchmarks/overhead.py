@@ -58,7 +58,7 @@ from memcallbacks._runtime.devices import CpuBackend, host_rss_reader, select_ba
 
 # benchmarks/_common.py: run as a script, this file's folder is sys.path[0]
 from _common import BARE, TARGET_LOG_EVERY, TARGET_RATIO, TARGET_US_PER_STEP
-from _common import base_environment, interleaved_runs, is_logged, load_average, mlp_layers, monitor_self_us, paired_with_bare, quantile, robust_mean, robust_step_us
+from _common import base_environment, interleaved_runs, is_logged, load_average, median_ci, mlp_layers, monitor_self_us, paired_with_bare, quantile, robust_mean, robust_step_us
 
 NOOP = "empty Callback"
 DEVICE_STATS = "DeviceStatsMonitor"
@@ -582,8 +582,18 @@ def judge(runs: list[dict[str, Any]], fit_rows: list[dict[str, Any]], ab_rows: l
                 key = "step_us_robust"
                 by = {(r["variant"], r["repeat"]): r[key] for r in runs if r["log_every"] == log_every}
                 diffs = [by[(MONITOR, k)] - by[(DEVICE_STATS, k)] for (v, k) in by if v == MONITOR and (DEVICE_STATS, k) in by]
-                outcome = _three_way(quantile(diffs, 0.25), quantile(diffs, 0.75), 0.0, "zero") if diffs else "no pairs"
-                detail = f"{MONITOR} − {DEVICE_STATS} per repeat: median {statistics.median(diffs):+.0f} µs/step" if diffs else ""
+                # cheaper or not: the median difference's 95% confidence interval (sign test), not the
+                # IQR, which is one repeat's noise; both are printed
+                ci = median_ci(diffs)
+                if ci is None:
+                    outcome = "unresolved (too few repeats for a 95% interval: 6 or more are needed)"
+                else:
+                    outcome = "met" if ci[1] < 0 else "MISSED" if ci[0] > 0 else "unresolved (the median difference's 95% interval spans zero)"
+                detail = (
+                    f"{MONITOR} − {DEVICE_STATS} per repeat: median {statistics.median(diffs):+.1f} µs/step"
+                    + (f", 95% interval [{ci[0]:+.1f}, {ci[1]:+.1f}]" if ci else "")
+                    + f", IQR [{quantile(diffs, 0.25):+.1f}, {quantile(diffs, 0.75):+.1f}], lower in {sum(d < 0 for d in diffs)} of {len(diffs)}"
+                ) if diffs else "no pairs"
             else:
                 a, b = mm[ratio_key], ds[ratio_key]
                 outcome = "met" if a["q75"] < b["q25"] else "MISSED" if a["q25"] > b["q75"] else "unresolved (the IQRs overlap: too noisy)"
@@ -655,7 +665,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--device cuda: no CUDA device is available.")
     quick = args.quick
     args.steps = args.steps or (200 if quick else 600)
-    args.repeats = args.repeats if args.repeats is not None else (3 if quick else 7)
+    # 15 repeats: enough for the paired difference of two monitors to have a 95% interval (sign test)
+    args.repeats = args.repeats if args.repeats is not None else (3 if quick else 15)
     args.ab_pairs = args.ab_pairs if args.ab_pairs is not None else (6 if quick else 20)
     args.hook_repeats = args.hook_repeats if args.hook_repeats is not None else (1 if quick else 3)
     args.d_in, args.hidden, args.batch_size = (1024, 4096, 512) if args.device == "cuda" else (64, 128, 32)

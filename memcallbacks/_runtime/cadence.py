@@ -54,10 +54,12 @@ DENSE_READ_STEPS = 48
 # 256 KiB/step); each such burst that ends doubles the rise the next one needs.
 CONFIRM_STEPS = 24
 # The RSS tripwire is checked on the quiet steps whose count is a multiple of this (a power of two:
-# the check is ``count & TRIP_MASK == 0``). A /proc read at every step cost a 1.4 ms Lightning step
-# ~+13 µs at fit level (docs/benchmarks.md), for ~2 µs of its own; every 4th step adds at most 3
-# steps to the latency of a late leak.
-TRIP_EVERY = 4
+# the check is ``count & TRIP_MASK == 0``). Its /proc read takes ~1 µs, but it is a system call, and
+# the training step after one runs slower (cold caches): measured at fit level on a 1.3 ms Lightning
+# step, a check on every 4th step cost +6 to +9 µs per step (docs/benchmarks.md). Every 8th step
+# adds at most 7 steps to the latency of a late leak, within the targets (measured: 1 MiB/step
+# found within 7-13 steps, 256 KiB/step within 16-32).
+TRIP_EVERY = 8
 TRIP_MASK = TRIP_EVERY - 1
 # Steps before this count are never quiet (see Session.begin_step): they are measured, read and checked.
 QUIET_FROM = max(LINGERING_EVERY_STEP_UNTIL, DENSE_READ_STEPS, MEASURE_STEPS)
