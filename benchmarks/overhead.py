@@ -217,7 +217,10 @@ def fit(callbacks: list[Callback], log_every: int, steps: int, args: argparse.Na
 
 # ---------------------------------------------------------------------------- statistics (more in _common)
 def spread(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "q25": quantile(values, 0.25), "q75": quantile(values, 0.75), "min": min(values), "max": max(values)}
+    """Median, IQR (one repeat's noise), min-max and the median's 95% interval (its uncertainty; None below 6 values)."""
+    ci = median_ci(values)
+    return {"median": statistics.median(values), "q25": quantile(values, 0.25), "q75": quantile(values, 0.75), "min": min(values), "max": max(values),
+            "ci_lo": ci[0] if ci else None, "ci_hi": ci[1] if ci else None}
 
 
 # ---------------------------------------------------------------------------- 1. interleaved fits
@@ -544,13 +547,17 @@ def format_micro(results: list[dict[str, Any]], matmul: int) -> str:
 
 
 # ---------------------------------------------------------------------------- verdicts
-def _three_way(lo: float, hi: float, limit: float, what: str = "the limit") -> str:
-    """'met' when the whole interquartile range is at or below ``limit``, 'MISSED' when all above, else unresolved."""
+def _three_way(lo: float | None, hi: float | None, limit: float) -> str:
+    """'met' when the median's whole 95% interval is at or below ``limit``, 'MISSED' when all of it is
+    above, else unresolved (the typical cost is what the target is about; the IQR, one repeat's
+    noise, is printed beside it)."""
+    if lo is None or hi is None:
+        return "unresolved (too few repeats for a 95% interval: 6 or more are needed)"
     if hi <= limit:
         return "met"
     if lo > limit:
         return "MISSED"
-    return f"unresolved (the IQR spans {what}: too noisy)"
+    return "unresolved (the median's 95% interval spans the limit: too noisy)"
 
 
 def judge(runs: list[dict[str, Any]], fit_rows: list[dict[str, Any]], ab_rows: list[dict[str, Any]], hook_rows: list[dict[str, Any]]) -> list[str]:
@@ -571,8 +578,10 @@ def judge(runs: list[dict[str, Any]], fit_rows: list[dict[str, Any]], ab_rows: l
         if mm is not None:
             r = mm[ratio_key]
             lines.append(
-                f"[{label}] {MONITOR} at log_every_n_steps={TARGET_LOG_EVERY}: ratio {r['median']:.3f} [IQR {r['q25']:.3f}–{r['q75']:.3f}] "
-                f"≤ {TARGET_RATIO}: {_three_way(r['q25'], r['q75'], TARGET_RATIO)}; {mm[delta_key]:+.0f} µs/step (limit {TARGET_US_PER_STEP:.0f})"
+                f"[{label}] {MONITOR} at log_every_n_steps={TARGET_LOG_EVERY}: ratio {r['median']:.3f}"
+                + (f", 95% interval [{r['ci_lo']:.3f}–{r['ci_hi']:.3f}]" if r.get("ci_lo") is not None else "")
+                + f", IQR [{r['q25']:.3f}–{r['q75']:.3f}] ≤ {TARGET_RATIO}: {_three_way(r.get('ci_lo'), r.get('ci_hi'), TARGET_RATIO)}; "
+                f"{mm[delta_key]:+.0f} µs/step (limit {TARGET_US_PER_STEP:.0f})"
             )
         for log_every in sorted({r["log_every"] for r in rows}):
             mm, ds = find(rows, MONITOR, log_every), find(rows, DEVICE_STATS, log_every)
@@ -596,7 +605,10 @@ def judge(runs: list[dict[str, Any]], fit_rows: list[dict[str, Any]], ab_rows: l
                 ) if diffs else "no pairs"
             else:
                 a, b = mm[ratio_key], ds[ratio_key]
-                outcome = "met" if a["q75"] < b["q25"] else "MISSED" if a["q25"] > b["q75"] else "unresolved (the IQRs overlap: too noisy)"
+                if a.get("ci_lo") is None or b.get("ci_lo") is None:  # separate fits, not pairs: the two medians' intervals
+                    outcome = "unresolved (too few pairs for a 95% interval)"
+                else:
+                    outcome = "met" if a["ci_hi"] < b["ci_lo"] else "MISSED" if a["ci_lo"] > b["ci_hi"] else "unresolved (the medians' 95% intervals overlap: too noisy)"
                 detail = f"ratios {a['median']:.3f} vs {b['median']:.3f}"
             lines.append(f"[{label}] {MONITOR} below {DEVICE_STATS} at log_every_n_steps={log_every}: {outcome}; {detail}")
     for r in hook_rows:
