@@ -43,6 +43,8 @@ def calls() -> dict[str, Callable[[], object]]:
     rss = host_rss_reader()
     found["RSS read (/proc/self/statm, the tripwire's)"] = rss
     found["getrusage(RUSAGE_SELF)"] = lambda: resource.getrusage(resource.RUSAGE_SELF)
+    if hasattr(resource, "RUSAGE_THREAD"):
+        found["getrusage(RUSAGE_THREAD) (the CPU peaks')"] = lambda: resource.getrusage(resource.RUSAGE_THREAD)
     if heap_in_use_bytes() is not None:
         found["mallinfo2 (the watch's heap read)"] = heap_in_use_bytes
     found["pure Python, ~0.5 µs (sum(range(30)))"] = lambda: sum(range(30))

@@ -55,11 +55,11 @@ DENSE_READ_STEPS = 48
 CONFIRM_STEPS = 24
 # The RSS tripwire is checked on the quiet steps whose count is a multiple of this (a power of two:
 # the check is ``count & TRIP_MASK == 0``). Its /proc read takes ~1 µs, but it is a system call, and
-# the training step after one runs slower (cold caches): measured at fit level on a 1.3 ms Lightning
-# step, a check on every 4th step cost +6 to +9 µs per step (docs/benchmarks.md). Every 8th step
-# adds at most 7 steps to the latency of a late leak, within the targets (measured: 1 MiB/step
-# found within 7-13 steps, 256 KiB/step within 16-32).
-TRIP_EVERY = 8
+# the training step after one runs slower (cold caches): +15-19 µs on a 0.5 ms step
+# (benchmarks/syscall_cost.py), +6 to +10 µs per step at every 4th step of a 1.3 ms Lightning fit
+# (docs/benchmarks.md). Every 8th step halves that, but a late leak of 4 MiB/step was then found
+# 13 steps after it began and one of 256 KiB/step 36 (targets 12 and 35); every 4th: 8-9 and 20-28.
+TRIP_EVERY = 4
 TRIP_MASK = TRIP_EVERY - 1
 # Steps before this count are never quiet (see Session.begin_step): they are measured, read and checked.
 QUIET_FROM = max(LINGERING_EVERY_STEP_UNTIL, DENSE_READ_STEPS, MEASURE_STEPS)
