@@ -308,23 +308,6 @@ def heap_in_use_bytes() -> int | None:
     return int(info.uordblks + info.hblkhd)
 
 
-_fork_generation = 0
-"""Forks this process has gone through, as seen from the child (``os.register_at_fork``): the
-descriptors of ``/proc/self/...`` opened before a fork name the parent's files, and the readers
-below reopen theirs when this has moved. A comparison with a global instead of an ``os.getpid()``
-call: a system call between two training steps costs the next one 3-15 µs on this machine's
-kernel (cold caches after the switch; docs/benchmarks.md), many times its own time."""
-
-
-def _forked() -> None:
-    global _fork_generation
-    _fork_generation += 1
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forked)
-
-
 class CpuBackend(MemoryBackend):
     """The process itself, for training on CPU.
 
@@ -350,7 +333,7 @@ class CpuBackend(MemoryBackend):
         # the RSS peak instead of reusing pages that are still resident
         self._trim = _load_malloc_trim() if trim_heap else None
         self._rss = host_rss_reader()
-        self._generation = -1  # the _fork_generation its descriptors were opened in (-1: none yet)
+        self._pid = -1
         self._clear_fd: int | None = None
         self._status_fd: int | None = None
         self._use_status = False
@@ -360,7 +343,7 @@ class CpuBackend(MemoryBackend):
 
     def _open(self) -> None:
         self.close()
-        self._generation = _fork_generation
+        self._pid = os.getpid()
         self.peak_source = PEAK_SAMPLED
         if not sys.platform.startswith("linux"):
             return
@@ -388,15 +371,8 @@ class CpuBackend(MemoryBackend):
         os.write(self._clear_fd, b"5")  # type: ignore[arg-type]
         return peak
 
-    @property
-    def resets_hwm(self) -> bool:
-        """Whether ``getrusage``'s high-water mark is reset at every phase boundary and not pinned by
-        an exited thread: then it is the resident set's peak since the last sampled step, which the
-        RSS tripwire can read for a fraction of a ``statm`` read's cost (``cadence.rss_tripwire``)."""
-        return self.peak_source == PEAK_RSS_HWM and not self._use_status and sys.platform.startswith("linux")
-
     def baseline(self) -> tuple[int, int, int, int]:
-        if self._generation != _fork_generation:
+        if self._pid != os.getpid():
             self._open()
         info = self._mallinfo2() if self._mallinfo2 is not None else None
         if self.peak_source == PEAK_RSS_HWM:
@@ -418,7 +394,7 @@ class CpuBackend(MemoryBackend):
         return allocated, rss, peak, peak
 
     def interval(self) -> tuple[int, int]:
-        if self._clear_fd is None and self._generation != _fork_generation:
+        if self._clear_fd is None and self._pid != os.getpid():
             self._open()
         if self.peak_source == PEAK_RSS_HWM:
             peak = self._hwm_and_reset()
@@ -444,7 +420,7 @@ class CpuBackend(MemoryBackend):
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state["_clear_fd"] = state["_status_fd"] = None
-        state["_generation"] = -1  # reopened on first use in the new process
+        state["_pid"] = -1  # reopened on first use in the new process
         state["_mallinfo2"] = None
         return state
 
@@ -473,29 +449,18 @@ class _StatmReader:
 
     def __init__(self) -> None:
         self._page = os.sysconf("SC_PAGE_SIZE")
-        self._generation = -1
+        self._pid = -1
         self._fd: int | None = None
 
     def __call__(self) -> int:
-        if self._generation != _fork_generation:  # forked (or fresh): /proc/self was resolved at open time
+        if self._pid != os.getpid():  # forked (or fresh): /proc/self was resolved at open time
             if self._fd is not None:
                 os.close(self._fd)
-            self._fd, self._generation = os.open("/proc/self/statm", os.O_RDONLY), _fork_generation
+            self._fd, self._pid = os.open("/proc/self/statm", os.O_RDONLY), os.getpid()
         return int(os.pread(self._fd, 128, 0).split()[1]) * self._page  # type: ignore[arg-type]
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"_page": self._page, "_generation": -1, "_fd": None}
-
-
-class HwmReader:
-    """The resident set's high-water mark (``getrusage(RUSAGE_THREAD).ru_maxrss``, bytes): the
-    larger of the current resident set and its peak since the last reset (``CpuBackend`` resets it
-    at every phase boundary of a sampled step), or an exited thread's peak when one has pinned it.
-    A lighter system call than a ``statm`` read: it slows the training step after it by ~5 µs
-    against ~19 (``benchmarks/syscall_cost.py``). Picklable."""
-
-    def __call__(self) -> int:
-        return resource.getrusage(_RUSAGE_THREAD).ru_maxrss * 1024
+        return {"_page": self._page, "_pid": -1, "_fd": None}
 
 
 class _PsutilReader:

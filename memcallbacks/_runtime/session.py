@@ -25,7 +25,7 @@ from memcallbacks._runtime.cadence import (
     rss_tripwire,
     watch_reader,
 )
-from memcallbacks._runtime.columns import E_STAGE, MONITOR_TIME_S, OPTIMIZER, PEAK_RESERVED
+from memcallbacks._runtime.columns import E_STAGE, MONITOR_TIME_S, OPTIMIZER
 from memcallbacks._runtime.extras import extra_metrics, load_session_state, session_state
 from memcallbacks._runtime.sampling import MemoryEngine
 from memcallbacks._findings import Finding, FindingLog
@@ -44,11 +44,6 @@ log = logging.getLogger(__name__)
 __all__ = ["Session", "LogFn", "is_oom", "LINGERING_EVERY_STEP_UNTIL"]
 
 LogFn = Callable[[dict[str, float], int], None]
-
-
-# Right after a reset the high-water mark equals the resident set; more than this above the step's
-# peak, it is an exited thread's (the CPU backend's own pinning check uses the same margin).
-HWM_PINNED_SLACK = 4 << 20
 
 
 class Session(RunEnd):
@@ -232,8 +227,7 @@ class Session(RunEnd):
             self.watch.stop()
         backend = self.engine.backend
         self._watch_read = watch_reader(backend) if backend is not None else None
-        self._trip = rss_tripwire(self._watch_read, hwm_resets=bool(getattr(backend, "resets_hwm", False)))
-        self.cadence.tripwire = self._trip.source if self._trip is not None else None
+        self._trip = rss_tripwire(self._watch_read)
         self.trip_at = math.inf
         if self._trip is not None:  # quiet steps are not timed: their checks are charged at this cost
             t0 = time.perf_counter()
@@ -420,24 +414,6 @@ class Session(RunEnd):
         self.cadence.after_read(count, value)
         return self.watch.after_baseline(count, value, batch)
 
-    def _rebase_tripwire(self, row: list[Any]) -> None:
-        """After a sampled step, whose phase boundaries reset the resident set's high-water mark that
-        the tripwire reads: the steps that follow raise the mark to their own peak, so the tripwire
-        goes off at this step's measured peak plus the threshold, not at the resident set now. A
-        mark that stays well above that peak right after the reset is pinned by an exited thread's
-        (getrusage keeps the largest): the tripwire then reads ``statm`` for the rest of the run."""
-        now = self._trip()  # type: ignore[misc]
-        peak = row[PEAK_RESERVED]
-        if not peak > 0:
-            self.trip_at = now + self.cadence.trip_bytes
-        elif now > peak + HWM_PINNED_SLACK:
-            self._trip = rss_tripwire(self._watch_read)
-            self.cadence.tripwire = self._trip.source if self._trip is not None else None
-            self.trip_at = (self._trip() if self._trip is not None else 0) + self.cadence.trip_bytes
-            self.log.debug("memcallbacks: the resident-set high-water mark is pinned at %d bytes (step peak %d); the RSS tripwire reads statm", now, peak)
-        else:
-            self.trip_at = max(now, peak) + self.cadence.trip_bytes
-
     def _plan_quiet(self) -> None:
         """After a step: up to which count the steps that follow may be quiet (see :meth:`begin_step`)."""
         nxt = self.current_count + 1
@@ -500,8 +476,6 @@ class Session(RunEnd):
                     self._samples_unmarked += 1
                 self._marks = False
                 if row is not None:
-                    if self._trip is not None and self._trip.source == "hwm":
-                        self._rebase_tripwire(row)
                     self.preflight.compare(row)
                     self.cadence.charge(row[MONITOR_TIME_S], sampled=True)
                 elif self._fast_s is not None:  # an unsampled step: its start and its end, as one cost
