@@ -129,6 +129,11 @@ def _aligned(every: int, log_every: int) -> int:
     more than :data:`MAX_READ_INTERVAL` apart unless that is the logging interval itself)."""
     if every >= log_every or log_every > 2 * MAX_READ_INTERVAL:
         return every if log_every > 2 * MAX_READ_INTERVAL else log_every
+    return _divisor_from(every, log_every)
+
+
+def _divisor_from(every: int, log_every: int) -> int:
+    """The smallest divisor of ``log_every`` at or above ``every`` (at most ``log_every`` itself)."""
     return next(d for d in range(every, log_every + 1) if log_every % d == 0)
 
 
@@ -140,7 +145,7 @@ def _aligned_samples(every: int, log_every: int) -> int:
     of phase)."""
     if every >= log_every:
         return -(-every // log_every) * log_every
-    divisor = next(d for d in range(every, log_every + 1) if log_every % d == 0)
+    divisor = _divisor_from(every, log_every)
     return every if divisor == log_every and 2 * every <= log_every else divisor
 
 
