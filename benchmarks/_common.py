@@ -7,6 +7,7 @@ folder is ``sys.path[0]``).
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 import random
@@ -39,6 +40,26 @@ def quantile(values: list[float], q: float) -> float:
     pos = (len(values) - 1) * q
     lo, hi = int(pos), min(int(pos) + 1, len(values) - 1)
     return values[lo] + (values[hi] - values[lo]) * (pos - lo)
+
+
+def median_ci(values: list[float], confidence: float = 0.95) -> tuple[float, float] | None:
+    """A distribution-free confidence interval for the median of ``values`` (the sign test's order
+    statistics: the k-th smallest and k-th largest, k the largest rank whose two-sided binomial tail
+    stays within ``1 - confidence``); None when there are too few values for one (n < 6 at 95%).
+
+    This is what says whether one monitor is cheaper than another across paired repeats: the IQR of
+    the differences is the noise of one repeat, this is the uncertainty of their typical value."""
+    n = len(values)
+    ordered = sorted(values)
+    tail, k = 0.0, 0
+    for i in range(n + 1):  # tail = P(Binomial(n, 1/2) <= i)
+        tail += math.comb(n, i) / 2**n
+        if 2 * tail > 1 - confidence:
+            break
+        k = i + 1
+    if k == 0:
+        return None
+    return ordered[k - 1], ordered[n - k]
 
 
 def is_logged(step: int, log_every: int) -> bool:

@@ -58,7 +58,7 @@ from memcallbacks._runtime.devices import CpuBackend, host_rss_reader, select_ba
 
 # benchmarks/_common.py: run as a script, this file's folder is sys.path[0]
 from _common import BARE, TARGET_LOG_EVERY, TARGET_RATIO, TARGET_US_PER_STEP
-from _common import base_environment, interleaved_runs, is_logged, load_average, mlp_layers, monitor_self_us, paired_with_bare, quantile, robust_mean, robust_step_us
+from _common import base_environment, interleaved_runs, is_logged, load_average, median_ci, mlp_layers, monitor_self_us, paired_with_bare, quantile, robust_mean, robust_step_us
 
 NOOP = "empty Callback"
 DEVICE_STATS = "DeviceStatsMonitor"
@@ -217,7 +217,10 @@ def fit(callbacks: list[Callback], log_every: int, steps: int, args: argparse.Na
 
 # ---------------------------------------------------------------------------- statistics (more in _common)
 def spread(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "q25": quantile(values, 0.25), "q75": quantile(values, 0.75), "min": min(values), "max": max(values)}
+    """Median, IQR (one repeat's noise), min-max and the median's 95% interval (its uncertainty; None below 6 values)."""
+    ci = median_ci(values)
+    return {"median": statistics.median(values), "q25": quantile(values, 0.25), "q75": quantile(values, 0.75), "min": min(values), "max": max(values),
+            "ci_lo": ci[0] if ci else None, "ci_hi": ci[1] if ci else None}
 
 
 # ---------------------------------------------------------------------------- 1. interleaved fits
@@ -544,13 +547,17 @@ def format_micro(results: list[dict[str, Any]], matmul: int) -> str:
 
 
 # ---------------------------------------------------------------------------- verdicts
-def _three_way(lo: float, hi: float, limit: float, what: str = "the limit") -> str:
-    """'met' when the whole interquartile range is at or below ``limit``, 'MISSED' when all above, else unresolved."""
+def _three_way(lo: float | None, hi: float | None, limit: float) -> str:
+    """'met' when the median's whole 95% interval is at or below ``limit``, 'MISSED' when all of it is
+    above, else unresolved (the typical cost is what the target is about; the IQR, one repeat's
+    noise, is printed beside it)."""
+    if lo is None or hi is None:
+        return "unresolved (too few repeats for a 95% interval: 6 or more are needed)"
     if hi <= limit:
         return "met"
     if lo > limit:
         return "MISSED"
-    return f"unresolved (the IQR spans {what}: too noisy)"
+    return "unresolved (the median's 95% interval spans the limit: too noisy)"
 
 
 def judge(runs: list[dict[str, Any]], fit_rows: list[dict[str, Any]], ab_rows: list[dict[str, Any]], hook_rows: list[dict[str, Any]]) -> list[str]:
@@ -571,8 +578,10 @@ def judge(runs: list[dict[str, Any]], fit_rows: list[dict[str, Any]], ab_rows: l
         if mm is not None:
             r = mm[ratio_key]
             lines.append(
-                f"[{label}] {MONITOR} at log_every_n_steps={TARGET_LOG_EVERY}: ratio {r['median']:.3f} [IQR {r['q25']:.3f}–{r['q75']:.3f}] "
-                f"≤ {TARGET_RATIO}: {_three_way(r['q25'], r['q75'], TARGET_RATIO)}; {mm[delta_key]:+.0f} µs/step (limit {TARGET_US_PER_STEP:.0f})"
+                f"[{label}] {MONITOR} at log_every_n_steps={TARGET_LOG_EVERY}: ratio {r['median']:.3f}"
+                + (f", 95% interval [{r['ci_lo']:.3f}–{r['ci_hi']:.3f}]" if r.get("ci_lo") is not None else "")
+                + f", IQR [{r['q25']:.3f}–{r['q75']:.3f}] ≤ {TARGET_RATIO}: {_three_way(r.get('ci_lo'), r.get('ci_hi'), TARGET_RATIO)}; "
+                f"{mm[delta_key]:+.0f} µs/step (limit {TARGET_US_PER_STEP:.0f})"
             )
         for log_every in sorted({r["log_every"] for r in rows}):
             mm, ds = find(rows, MONITOR, log_every), find(rows, DEVICE_STATS, log_every)
@@ -582,11 +591,24 @@ def judge(runs: list[dict[str, Any]], fit_rows: list[dict[str, Any]], ab_rows: l
                 key = "step_us_robust"
                 by = {(r["variant"], r["repeat"]): r[key] for r in runs if r["log_every"] == log_every}
                 diffs = [by[(MONITOR, k)] - by[(DEVICE_STATS, k)] for (v, k) in by if v == MONITOR and (DEVICE_STATS, k) in by]
-                outcome = _three_way(quantile(diffs, 0.25), quantile(diffs, 0.75), 0.0, "zero") if diffs else "no pairs"
-                detail = f"{MONITOR} − {DEVICE_STATS} per repeat: median {statistics.median(diffs):+.0f} µs/step" if diffs else ""
+                # cheaper or not: the median difference's 95% confidence interval (sign test), not the
+                # IQR, which is one repeat's noise; both are printed
+                ci = median_ci(diffs)
+                if ci is None:
+                    outcome = "unresolved (too few repeats for a 95% interval: 6 or more are needed)"
+                else:
+                    outcome = "met" if ci[1] < 0 else "MISSED" if ci[0] > 0 else "unresolved (the median difference's 95% interval spans zero)"
+                detail = (
+                    f"{MONITOR} − {DEVICE_STATS} per repeat: median {statistics.median(diffs):+.1f} µs/step"
+                    + (f", 95% interval [{ci[0]:+.1f}, {ci[1]:+.1f}]" if ci else "")
+                    + f", IQR [{quantile(diffs, 0.25):+.1f}, {quantile(diffs, 0.75):+.1f}], lower in {sum(d < 0 for d in diffs)} of {len(diffs)}"
+                ) if diffs else "no pairs"
             else:
                 a, b = mm[ratio_key], ds[ratio_key]
-                outcome = "met" if a["q75"] < b["q25"] else "MISSED" if a["q25"] > b["q75"] else "unresolved (the IQRs overlap: too noisy)"
+                if a.get("ci_lo") is None or b.get("ci_lo") is None:  # separate fits, not pairs: the two medians' intervals
+                    outcome = "unresolved (too few pairs for a 95% interval)"
+                else:
+                    outcome = "met" if a["ci_hi"] < b["ci_lo"] else "MISSED" if a["ci_lo"] > b["ci_hi"] else "unresolved (the medians' 95% intervals overlap: too noisy)"
                 detail = f"ratios {a['median']:.3f} vs {b['median']:.3f}"
             lines.append(f"[{label}] {MONITOR} below {DEVICE_STATS} at log_every_n_steps={log_every}: {outcome}; {detail}")
     for r in hook_rows:
@@ -655,7 +677,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--device cuda: no CUDA device is available.")
     quick = args.quick
     args.steps = args.steps or (200 if quick else 600)
-    args.repeats = args.repeats if args.repeats is not None else (3 if quick else 7)
+    # 15 repeats: enough for the paired difference of two monitors to have a 95% interval (sign test)
+    args.repeats = args.repeats if args.repeats is not None else (3 if quick else 15)
     args.ab_pairs = args.ab_pairs if args.ab_pairs is not None else (6 if quick else 20)
     args.hook_repeats = args.hook_repeats if args.hook_repeats is not None else (1 if quick else 3)
     args.d_in, args.hidden, args.batch_size = (1024, 4096, 512) if args.device == "cuda" else (64, 128, 32)

@@ -85,7 +85,8 @@ def test_interval_peak_sees_a_freed_temporary_and_the_next_interval_does_not(cpu
 
 @linux_hwm
 def test_temporary_in_an_exited_thread_does_not_pin_later_intervals(cpu):
-    """A thread exiting folds the high-water mark into the process's rusage; later intervals must not report it."""
+    """A temporary of a thread that has exited: seen by its own interval only, whether or not the
+    kernel folds the thread's mark into the process's rusage (this one does not)."""
     base = cpu.baseline()[1]
     worker = threading.Thread(target=touch_temporary, args=(128,))
     worker.start()

@@ -254,8 +254,8 @@ def test_lightning_defaults_most_steps_are_quiet_and_every_step_is_counted(tmp_p
     assert cadence["rss_trips"] <= 3  # a clean run's resident set hardly rises: the tripwire costs a read or two
     from memcallbacks._runtime.devices import heap_in_use_bytes
 
-    if heap_in_use_bytes() is not None:  # the tripwire exists: every 4th quiet step checked it, and is charged for it
-        assert (steps - C.QUIET_FROM) // 8 <= cadence["rss_checks"] <= (steps - C.QUIET_FROM) // 4 + 1, cadence
+    if heap_in_use_bytes() is not None:  # the tripwire exists: every TRIP_EVERY-th quiet step checked it, and is charged for it
+        assert (steps - C.QUIET_FROM) // (2 * C.TRIP_EVERY) <= cadence["rss_checks"] <= (steps - C.QUIET_FROM) // C.TRIP_EVERY + 1, cadence
     # every logged step has its row: the Trainer's default log_every_n_steps=50
     assert {49, 99, 149, 199} <= {int(s) for s in mon.history["step"]}
 
@@ -280,6 +280,43 @@ def test_lightning_defaults_find_a_leak_that_begins_late(tmp_path):
     assert any("pending" in h for h in growth["holders"]), growth["holders"]
 
 
+def late_leak(tmp_path: Path, adapter: str, rate: int, start: int, steps: int, free_at: int = -1, *, shell: bool = True, launcher_mib: int = 0) -> tuple[int | None, dict[str, Any], dict[str, Any]]:
+    """Run tests/scripts/late_leak.py; return the step growth was found at, the script's result and
+    the report's cadence summary. ``shell``: a shell forks the run, as one does for a user's
+    ``python train.py``. Started straight from this test process, the run would inherit its
+    ``getrusage`` high-water mark (Linux keeps the larger of the marks of the address space ``exec``
+    replaced and the new one's): hundreds of MiB above its own resident set, pinned for good.
+    ``launcher_mib``: the run is ``exec``-ed by a Python process that first touched that many MiB
+    (a launcher's high-water mark, which the run inherits)."""
+    out = tmp_path / "mem"
+    command = [sys.executable, str(SCRIPTS / "late_leak.py"), str(out), adapter, str(rate), str(start), str(steps), str(free_at)]
+    if launcher_mib:
+        touch_then_exec = f"import os, sys; big = b'1' * ({launcher_mib} << 20); os.execv(sys.executable, sys.argv[1:])"
+        command = [sys.executable, "-c", touch_then_exec, *command]
+    if shell:
+        command = ["/bin/sh", "-c", '"$@"; exit $?', "sh", *command]  # the trailing exit keeps sh from exec-ing in place
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    cadence = json.loads((out / "report.json").read_text())["summary"]["cadence"]
+    return result["found"], result, cadence
+
+
+def expected_tripwire() -> str | None:
+    """What the RSS tripwire reads in a run of its own on this machine: the resident set's high-water
+    mark where the CPU backend resets it, else statm; none without glibc (the watch reads RSS itself)."""
+    from memcallbacks._runtime.devices import CpuBackend, heap_in_use_bytes
+
+    if heap_in_use_bytes() is None:
+        return None
+    backend = CpuBackend()
+    try:
+        return "hwm" if backend.peak_source == "rss_high_water_mark" and sys.platform.startswith("linux") else "rss"
+    finally:
+        backend.close()
+
+
+@pytest.mark.skipif(not Path("/bin/sh").exists(), reason="starts the run through /bin/sh")
 @pytest.mark.parametrize(("rate", "within"), [(MIB, 20), (256 << 10, 35)])
 @pytest.mark.parametrize("adapter", ["plain", "plain_log_fn", "lightning"])
 def test_defaults_find_a_late_leak_within_the_target(tmp_path, adapter, rate, within):
@@ -287,19 +324,41 @@ def test_defaults_find_a_late_leak_within_the_target(tmp_path, adapter, rate, wi
     only every 25-50 steps: the RSS tripwire between those reads starts the burst that confirms it.
     Each run is a process of its own, as a user's run is (tests/scripts/late_leak.py says why)."""
     start = 100
-    out = tmp_path / "mem"
-    done = subprocess.run([sys.executable, str(SCRIPTS / "late_leak.py"), str(out), adapter, str(rate), str(start), str(start + within + 10)],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
-    cadence = json.loads((out / "report.json").read_text())["summary"]["cadence"]
-    found = result["found"]
+    found, result, cadence = late_leak(tmp_path, adapter, rate, start, start + within + 10)
     assert found is not None and start < found <= start + within, (found, cadence)
     assert result["holders"] and "kept" in result["holders"][0], result["holders"]
     # (whether the tripwire or a scheduled read sees the leak first depends on where the leak starts
     # between two reads; without the tripwire 256 KiB/step took 43-69 steps: docs/benchmarks.md)
     if cadence["rss_trips"]:
         assert f"{cadence['rss_trips']} read(s) the RSS tripwire asked for" in result["report"]
+    assert cadence["rss_tripwire"] == expected_tripwire(), cadence
+
+
+@pytest.mark.skipif(not Path("/bin/sh").exists(), reason="starts the run through /bin/sh")
+@pytest.mark.parametrize("adapter", ["plain", "lightning"])
+def test_a_high_water_mark_pinned_mid_run_sends_the_tripwire_back_to_statm(tmp_path, adapter):
+    """The run inherits a launcher's 600 MiB high-water mark, below what it holds at the start (a
+    400 MiB start-up buffer): the mark is its own and the tripwire reads it. At step 60 the buffer
+    is freed, and from then on the inherited mark sits far above the resident set and never comes
+    down; a tripwire reading it would be blind to a leak until the leak passed it. The next sampled
+    step notices, the tripwire reads statm from then on, and a leak that begins at step 130 is found
+    within the target."""
+    if expected_tripwire() != "hwm":
+        pytest.skip("the tripwire reads statm here from the start")
+    start, within = 130, 20
+    found, _, cadence = late_leak(tmp_path, adapter, MIB, start, start + within + 10, free_at=60, launcher_mib=600)
+    assert cadence["rss_tripwire"] == "rss", cadence
+    assert found is not None and start < found <= start + within, (found, cadence)
+
+
+def test_a_run_started_by_a_large_process_finds_a_late_leak_through_statm(tmp_path):
+    """Started straight from this test process, whose resident set is many times the run's, the run
+    inherits a high-water mark it never comes near (see :func:`late_leak`): the tripwire reads statm
+    from the first sampled step, and the target still holds."""
+    start, within = 100, 20
+    found, _, cadence = late_leak(tmp_path, "plain", MIB, start, start + within + 10, shell=False)
+    assert found is not None and start < found <= start + within, (found, cadence)
+    assert cadence["rss_tripwire"] == ("rss" if expected_tripwire() else None), cadence
 
 
 def test_a_growth_finding_near_the_end_gets_its_holders_when_the_run_ends(tmp_path):

@@ -34,7 +34,7 @@ import time
 from typing import Any, Callable
 
 from memcallbacks._config import MonitorConfig
-from memcallbacks._runtime.devices import _StatmReader, heap_in_use_bytes, host_rss_reader
+from memcallbacks._runtime.devices import HwmReader, _StatmReader, heap_in_use_bytes, host_rss_reader
 
 __all__ = ["Cadence", "watch_reader", "rss_tripwire", "TRIP_MASK", "LINGERING_EVERY_STEP_UNTIL", "MARK_EVERY_SAMPLES", "DENSE_READ_STEPS", "QUIET_FROM"]
 
@@ -54,9 +54,11 @@ DENSE_READ_STEPS = 48
 # 256 KiB/step); each such burst that ends doubles the rise the next one needs.
 CONFIRM_STEPS = 24
 # The RSS tripwire is checked on the quiet steps whose count is a multiple of this (a power of two:
-# the check is ``count & TRIP_MASK == 0``). A /proc read at every step cost a 1.4 ms Lightning step
-# ~+13 µs at fit level (docs/benchmarks.md), for ~2 µs of its own; every 4th step adds at most 3
-# steps to the latency of a late leak.
+# the check is ``count & TRIP_MASK == 0``). Its /proc read takes ~1 µs, but it is a system call, and
+# the training step after one runs slower (cold caches): +15-19 µs on a 0.5 ms step
+# (benchmarks/syscall_cost.py), +6 to +10 µs per step at every 4th step of a 1.3 ms Lightning fit
+# (docs/benchmarks.md). Every 8th step halves that, but a late leak of 4 MiB/step was then found
+# 13 steps after it began and one of 256 KiB/step 36 (targets 12 and 35); every 4th: 8-9 and 20-28.
 TRIP_EVERY = 4
 TRIP_MASK = TRIP_EVERY - 1
 # Steps before this count are never quiet (see Session.begin_step): they are measured, read and checked.
@@ -85,12 +87,18 @@ def watch_reader(backend: Any) -> Callable[[], int | None]:
     return lambda: backend.current()[0]
 
 
-def rss_tripwire(read: Callable[[], int | None] | None) -> Callable[[], int] | None:
+def rss_tripwire(read: Callable[[], int | None] | None, *, hwm_resets: bool = False) -> _Tripwire | None:
     """The cheap read checked at the steps between the watch's reads, where that read is costly
-    (glibc's heap on CPU): the resident set from ``/proc/self/statm``. A leak that takes fresh pages
-    raises it at once; one that refills heap freed earlier raises it once that space is used up
-    (the scheduled reads see it before then). ``None`` where the watch's read is cheap enough to
-    take at every step the budget allows (an allocator's counter, or RSS itself)."""
+    (glibc's heap on CPU): the resident set. A leak that takes fresh pages raises it at once; one
+    that refills heap freed earlier raises it once that space is used up (the scheduled reads see
+    it before then). ``None`` where the watch's read is cheap enough to take at every step the
+    budget allows (an allocator's counter, or RSS itself).
+
+    ``hwm_resets`` (the CPU backend resets the kernel's resident-set high-water mark at every phase
+    boundary, :attr:`CpuBackend.resets_hwm`): the tripwire reads that mark through ``getrusage``
+    (source ``"hwm"``), whose system call costs the next step a quarter of what a ``statm`` read's
+    does; the session rebases it after every sampled step and falls back to ``statm`` (source
+    ``"rss"``) when the mark is pinned above the resident set (:meth:`Session._rebase_tripwire`)."""
     if read is not heap_in_use_bytes:
         return None
     try:
@@ -98,17 +106,28 @@ def rss_tripwire(read: Callable[[], int | None] | None) -> Callable[[], int] | N
         rss()
     except Exception:
         return None
-    return _Tripwire(rss) if isinstance(rss, _StatmReader) else None  # psutil's read is too slow for it
+    if not isinstance(rss, _StatmReader):
+        return None  # psutil's read is too slow for it
+    if hwm_resets:
+        try:
+            hwm = HwmReader()
+            if hwm() > 0:
+                return _Tripwire(hwm, "hwm")
+        except Exception:
+            pass
+    return _Tripwire(rss, "rss")
 
 
 class _Tripwire:
-    """The resident set, or 0 if ``/proc`` stops answering (which never trips, and never fails a
-    step: the Lightning gate calls it with no guard frame). Picklable, like the reader inside."""
+    """The resident set (``source`` ``"rss"``) or its high-water mark (``"hwm"``), or 0 if the
+    kernel stops answering (which never trips, and never fails a step: the Lightning gate calls it
+    with no guard frame). Picklable, like the reader inside."""
 
-    __slots__ = ("_rss",)
+    __slots__ = ("_rss", "source")
 
-    def __init__(self, rss: Callable[[], int]) -> None:
+    def __init__(self, rss: Callable[[], int], source: str = "rss") -> None:
         self._rss = rss
+        self.source = source
 
     def __call__(self) -> int:
         try:
@@ -116,11 +135,11 @@ class _Tripwire:
         except Exception:
             return 0
 
-    def __getstate__(self) -> Callable[[], int]:
-        return self._rss
+    def __getstate__(self) -> tuple[Callable[[], int], str]:
+        return self._rss, self.source
 
-    def __setstate__(self, rss: Callable[[], int]) -> None:
-        self._rss = rss
+    def __setstate__(self, state: tuple[Callable[[], int], str]) -> None:
+        self._rss, self.source = state
 
 
 def _aligned(every: int, log_every: int) -> int:
@@ -173,6 +192,7 @@ class Cadence:
         self.trips = 0  # reads the RSS tripwire asked for between the scheduled ones
         self.trip_checks = 0  # quiet steps that checked the tripwire (counted, not timed one by one)
         self.trip_cost_s = 0.0  # one check, as measured when the run starts (0: no tripwire)
+        self.tripwire: str | None = None  # what the tripwire reads: "hwm", "rss" or None (none)
         self._forced = -1  # the count whose step reads because the tripwire asked
         self._burst_bytes = config.growth_min_total_bytes
         self._recent_reads: collections.deque[int] = collections.deque(maxlen=4)
@@ -353,6 +373,7 @@ class Cadence:
             "read_bursts": self.bursts,
             "rss_trips": self.trips,
             "rss_checks": self.trip_checks,
+            "rss_tripwire": self.tripwire,
             "sample_every_n_steps": self.sample_every,
             "sample_interval_source": "config" if self.explicit else "overhead_budget",
             "log_every_n_steps": self.log_every if self.logs else None,

@@ -308,6 +308,23 @@ def heap_in_use_bytes() -> int | None:
     return int(info.uordblks + info.hblkhd)
 
 
+_fork_generation = 0
+"""Forks this process has gone through, as seen from the child (``os.register_at_fork``): the
+descriptors of ``/proc/self/...`` opened before a fork name the parent's files, and the readers
+below reopen theirs when this has moved. A comparison with a global instead of an ``os.getpid()``
+call: a system call between two training steps costs the next one 3-15 µs on this machine's
+kernel (cold caches after the switch; docs/benchmarks.md), many times its own time."""
+
+
+def _forked() -> None:
+    global _fork_generation
+    _fork_generation += 1
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forked)
+
+
 class CpuBackend(MemoryBackend):
     """The process itself, for training on CPU.
 
@@ -316,8 +333,9 @@ class CpuBackend(MemoryBackend):
     - ``reserved``: the resident set size (RSS) of the process.
     - peaks: the kernel's resident-set high-water mark, reset at every phase boundary by
       writing ``5`` to ``/proc/self/clear_refs``; read through ``getrusage`` and checked
-      against RSS, falling back to ``VmHWM`` in ``/proc/self/status`` when an exited thread has
-      pinned ``getrusage``'s value. Where no resettable mark exists (macOS, Windows, locked-down
+      against RSS, falling back to ``VmHWM`` in ``/proc/self/status`` when ``getrusage``'s value
+      is pinned above it (a process started by ``exec`` inherits the high-water mark of the address
+      space it replaced: a launcher's, a test runner's; ``getrusage`` reports the larger). Where no resettable mark exists (macOS, Windows, locked-down
       ``/proc``), the peak is the largest RSS sampled at phase boundaries.
 
     Peaks on CPU are therefore RSS peaks: compare them with ``reserved``, not ``allocated``.
@@ -333,17 +351,16 @@ class CpuBackend(MemoryBackend):
         # the RSS peak instead of reusing pages that are still resident
         self._trim = _load_malloc_trim() if trim_heap else None
         self._rss = host_rss_reader()
-        self._pid = -1
+        self._generation = -1  # the _fork_generation its descriptors were opened in (-1: none yet)
         self._clear_fd: int | None = None
         self._status_fd: int | None = None
         self._use_status = False
         self._previous_rss = 0
-        self._checks = 0
         self._open()
 
     def _open(self) -> None:
         self.close()
-        self._pid = os.getpid()
+        self._generation = _fork_generation
         self.peak_source = PEAK_SAMPLED
         if not sys.platform.startswith("linux"):
             return
@@ -371,17 +388,25 @@ class CpuBackend(MemoryBackend):
         os.write(self._clear_fd, b"5")  # type: ignore[arg-type]
         return peak
 
+    @property
+    def resets_hwm(self) -> bool:
+        """Whether ``getrusage``'s high-water mark is reset at every phase boundary and not pinned
+        above the resident set: then it is the resident set's peak since the last sampled step, which the
+        RSS tripwire can read for a fraction of a ``statm`` read's cost (``cadence.rss_tripwire``)."""
+        return self.peak_source == PEAK_RSS_HWM and not self._use_status and sys.platform.startswith("linux")
+
     def baseline(self) -> tuple[int, int, int, int]:
-        if self._pid != os.getpid():
+        if self._generation != _fork_generation:
             self._open()
         info = self._mallinfo2() if self._mallinfo2 is not None else None
         if self.peak_source == PEAK_RSS_HWM:
             peak = self._hwm_and_reset()
             rss = self._rss()
-            self._checks += 1
-            if not self._use_status and self._checks % 16 == 1:
-                # Right after a reset getrusage must equal RSS; if it is higher, an exited thread
-                # has frozen the process-wide maximum and only VmHWM stays resettable.
+            if not self._use_status:
+                # Right after a reset getrusage must equal RSS; if it is higher, the process-wide
+                # maximum is pinned (an inherited mark, see the class docstring) and only VmHWM
+                # stays resettable. Checked at every sampled step (0.3 µs): a mark inherited
+                # above the start-up RSS comes into view once the run frees memory.
                 after = resource.getrusage(_RUSAGE_THREAD).ru_maxrss * 1024
                 if after > rss + (4 << 20):
                     log.debug("getrusage maxrss is pinned (%d > rss %d); reading VmHWM instead", after, rss)
@@ -394,7 +419,7 @@ class CpuBackend(MemoryBackend):
         return allocated, rss, peak, peak
 
     def interval(self) -> tuple[int, int]:
-        if self._clear_fd is None and self._pid != os.getpid():
+        if self._clear_fd is None and self._generation != _fork_generation:
             self._open()
         if self.peak_source == PEAK_RSS_HWM:
             peak = self._hwm_and_reset()
@@ -420,7 +445,7 @@ class CpuBackend(MemoryBackend):
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state["_clear_fd"] = state["_status_fd"] = None
-        state["_pid"] = -1  # reopened on first use in the new process
+        state["_generation"] = -1  # reopened on first use in the new process
         state["_mallinfo2"] = None
         return state
 
@@ -449,18 +474,30 @@ class _StatmReader:
 
     def __init__(self) -> None:
         self._page = os.sysconf("SC_PAGE_SIZE")
-        self._pid = -1
+        self._generation = -1
         self._fd: int | None = None
 
     def __call__(self) -> int:
-        if self._pid != os.getpid():  # forked (or fresh): /proc/self was resolved at open time
+        if self._generation != _fork_generation:  # forked (or fresh): /proc/self was resolved at open time
             if self._fd is not None:
                 os.close(self._fd)
-            self._fd, self._pid = os.open("/proc/self/statm", os.O_RDONLY), os.getpid()
+            self._fd, self._generation = os.open("/proc/self/statm", os.O_RDONLY), _fork_generation
         return int(os.pread(self._fd, 128, 0).split()[1]) * self._page  # type: ignore[arg-type]
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"_page": self._page, "_pid": -1, "_fd": None}
+        return {"_page": self._page, "_generation": -1, "_fd": None}
+
+
+class HwmReader:
+    """The resident set's high-water mark (``getrusage(RUSAGE_THREAD).ru_maxrss``, bytes): the
+    larger of the current resident set and its peak since the last reset (``CpuBackend`` resets it
+    at every phase boundary of a sampled step), or a mark the process inherited through ``exec``
+    when that one is larger (pinned: see :class:`CpuBackend`).
+    A lighter system call than a ``statm`` read: it slows the training step after it by ~5 µs
+    against ~19 (``benchmarks/syscall_cost.py``). Picklable."""
+
+    def __call__(self) -> int:
+        return resource.getrusage(_RUSAGE_THREAD).ru_maxrss * 1024
 
 
 class _PsutilReader:

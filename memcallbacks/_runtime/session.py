@@ -25,7 +25,7 @@ from memcallbacks._runtime.cadence import (
     rss_tripwire,
     watch_reader,
 )
-from memcallbacks._runtime.columns import E_STAGE, MONITOR_TIME_S, OPTIMIZER
+from memcallbacks._runtime.columns import E_STAGE, MONITOR_TIME_S, OPTIMIZER, PEAK_RESERVED
 from memcallbacks._runtime.extras import extra_metrics, load_session_state, session_state
 from memcallbacks._runtime.sampling import MemoryEngine
 from memcallbacks._findings import Finding, FindingLog
@@ -46,6 +46,11 @@ __all__ = ["Session", "LogFn", "is_oom", "LINGERING_EVERY_STEP_UNTIL"]
 LogFn = Callable[[dict[str, float], int], None]
 
 
+# Right after a reset the high-water mark equals the resident set; more than this above it, the mark
+# is pinned (Session._rebase_tripwire; the CPU backend's own pinning check uses the same margin).
+HWM_PINNED_SLACK = 4 << 20
+
+
 class Session(RunEnd):
     """One process's monitor state. Every method is safe to call when disabled."""
 
@@ -55,7 +60,7 @@ class Session(RunEnd):
         state["watch"] = None  # detectors hold weak references; start() builds new ones
         state["snap"] = None
         state["trackers"] = None
-        state["_watch_read"] = state["_trip"] = None
+        state["_watch_read"] = state["_trip"] = state["_trip_rss"] = None
         return state
 
     def __init__(self, config: MonitorConfig, framework: str, owner: str, logger: logging.Logger | None = None) -> None:
@@ -83,6 +88,7 @@ class Session(RunEnd):
         self.cadence = Cadence(config)
         self._watch_read: Callable[[], int | None] | None = None
         self._trip: Callable[[], int] | None = None  # the RSS tripwire between costly reads (Cadence)
+        self._trip_rss: Callable[[], int] | None = None  # its statm read, where the tripwire reads the high-water mark
         self.trip_at: float = math.inf
         """A quiet step whose resident set is at or above this reads memory (see :func:`rss_tripwire`)."""
         self._read_s = 0.0  # the open step's watch read, charged apart from the every-step cost
@@ -227,7 +233,10 @@ class Session(RunEnd):
             self.watch.stop()
         backend = self.engine.backend
         self._watch_read = watch_reader(backend) if backend is not None else None
-        self._trip = rss_tripwire(self._watch_read)
+        self._trip = rss_tripwire(self._watch_read, hwm_resets=bool(getattr(backend, "resets_hwm", False)))
+        # reading the high-water mark: statm, to check it against after every sampled step, and to fall back on
+        self._trip_rss = rss_tripwire(self._watch_read) if self._trip is not None and self._trip.source == "hwm" else None
+        self.cadence.tripwire = self._trip.source if self._trip is not None else None
         self.trip_at = math.inf
         if self._trip is not None:  # quiet steps are not timed: their checks are charged at this cost
             t0 = time.perf_counter()
@@ -414,6 +423,26 @@ class Session(RunEnd):
         self.cadence.after_read(count, value)
         return self.watch.after_baseline(count, value, batch)
 
+    def _rebase_tripwire(self, row: list[Any]) -> None:
+        """After a sampled step, whose phase boundaries reset the resident set's high-water mark that
+        the tripwire reads: the steps that follow raise the mark to their own peak, so the tripwire
+        goes off at this step's measured peak plus the threshold, not at the resident set now.
+
+        Right after the reset the mark equals the resident set. Well above it, it is pinned: a
+        process started by ``exec`` inherits the mark of the address space it replaced (a launcher's,
+        a test runner's) and ``getrusage`` reports the larger, which comes into view once the run's
+        own resident set falls below it. The tripwire then reads ``statm`` for the rest of the run."""
+        now = self._trip()  # type: ignore[misc]
+        rss = self._trip_rss() if self._trip_rss is not None else 0
+        if now > rss + HWM_PINNED_SLACK:
+            self._trip, self._trip_rss = self._trip_rss, None
+            self.cadence.tripwire = "rss"
+            self.trip_at = rss + self.cadence.trip_bytes
+            self.log.debug("memcallbacks: the resident-set high-water mark is pinned at %d bytes (resident set %d); the RSS tripwire reads statm", now, rss)
+            return
+        peak = row[PEAK_RESERVED]
+        self.trip_at = (max(now, peak) if peak > 0 else now) + self.cadence.trip_bytes
+
     def _plan_quiet(self) -> None:
         """After a step: up to which count the steps that follow may be quiet (see :meth:`begin_step`)."""
         nxt = self.current_count + 1
@@ -476,6 +505,8 @@ class Session(RunEnd):
                     self._samples_unmarked += 1
                 self._marks = False
                 if row is not None:
+                    if self._trip is not None and self._trip.source == "hwm":
+                        self._rebase_tripwire(row)
                     self.preflight.compare(row)
                     self.cadence.charge(row[MONITOR_TIME_S], sampled=True)
                 elif self._fast_s is not None:  # an unsampled step: its start and its end, as one cost
