@@ -287,6 +287,24 @@ def test_census_diff_counts_a_storage_a_frame_held_first_as_growth():
     assert [(d.holder, d.tensors, d.bytes) for d in after.diff(before) if d.bytes > 0] == [("Net.cache", 1, MiB)]
 
 
+def test_census_diff_ignores_a_loop_variable_bound_to_a_dataset_view():
+    """``for x in list(data)``: every step binds ``x`` to a view of a storage that was there all
+    along (found through the list the first time, through ``x`` the second). It keeps nothing;
+    the list that grew in the same loop is the only growth."""
+    model = Net()
+    data = list(torch.zeros(4, 256 * 1024))  # one 4 MiB storage, four row views
+    before = take_census(model=model, time_budget_s=BUDGET)
+    for x in data:
+        model.cache.append(torch.zeros(64 * 1024))
+        if len(model.cache) == 2:
+            break
+    del data
+    after = take_census(model=model, time_budget_s=BUDGET)
+    assert any(r.holder and r.holder.endswith(" local x") for r in after.records)  # reached through the loop variable
+    assert [(d.holder, d.tensors, d.bytes) for d in after.diff(before) if d.bytes > 0] == [("Net.cache", 2, MiB // 2)]
+    assert not [d for d in after.diff(before) if d.bytes < 0]
+
+
 def test_census_reports_cost_and_truncates_at_budget():
     keep = [torch.randn(8) for _ in range(3)]
     census = take_census(time_budget_s=BUDGET)

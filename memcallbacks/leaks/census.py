@@ -125,10 +125,16 @@ class Census:
         A storage that an object (not a frame's local) held at both censuses is neither: the path
         search may reach it through another holder the second time (a dataset found through
         ``Trainer.fit_loop._data_source``, then ``Trainer.fit_loop._combined_loader``), and "grew by
-        1 tensor" would then name a holder that holds nothing new. A storage that a frame held the
-        first time (the step's batch) and a holder keeps now counts as that holder's growth."""
+        1 tensor" would then name a holder that holds nothing new. Nor is a storage that was there
+        before and is now bound to a frame's variable itself (``local x``, no subscript or
+        attribute): a loop variable that holds a view of a dataset tensor (``for x in
+        list(data)``) is rebound every step and keeps nothing. A storage that a frame held the first
+        time (the step's batch) and a container keeps now counts as that container's growth."""
         held = {(r.device, r.data_ptr, r.nbytes) for r in before.records if r.holder and " local " not in r.holder and r.holder not in (NOT_SEARCHED, NO_ROOT)}
-        both = frozenset(held & {(r.device, r.data_ptr, r.nbytes) for r in self.records})
+        existed = {(r.device, r.data_ptr, r.nbytes) for r in before.records}
+        now_keys = {(r.device, r.data_ptr, r.nbytes) for r in self.records}
+        rebound = {(r.device, r.data_ptr, r.nbytes) for r in self.records if _bare_local(r)}
+        both = frozenset((held & now_keys) | (rebound & existed))
         now, then = self.by_holder(both), before.by_holder(both)
         deltas = []
         for key in set(now) | set(then):
@@ -182,6 +188,15 @@ class Census:
         parts = [f"{c} {format_bytes(b)}" for c, b in self.bytes_by_category.items() if b]
         cost = f"{self.seconds:.2f} s, {self.objects_scanned} objects{', truncated' if self.truncated else ''}"
         return f"census: {', '.join(parts) or 'no tensors'} ({cost})"
+
+
+def _bare_local(record: TensorRecord) -> bool:
+    """The record's path is a frame's variable itself (``"train() local x"``), not an item or an
+    attribute reached through one."""
+    path, holder = record.path, record.holder
+    if not path or not holder or " local " not in holder or not (path == holder or path.startswith(holder + " (")):
+        return False  # (a frame's path ends with its place: "train() local x (train.py:40)")
+    return holder.split(" local ", 1)[1].isidentifier()
 
 
 def format_top_holders(census: Census, n: int = 5) -> list[str]:
