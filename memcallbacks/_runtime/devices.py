@@ -325,6 +325,11 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forked)
 
 
+HWM_PINNED_SLACK = 4 << 20
+"""Right after a reset the high-water mark equals the resident set; more than this above it, the
+mark is pinned (see :class:`CpuBackend`)."""
+
+
 class CpuBackend(MemoryBackend):
     """The process itself, for training on CPU.
 
@@ -408,7 +413,7 @@ class CpuBackend(MemoryBackend):
                 # stays resettable. Checked at every sampled step (0.3 µs): a mark inherited
                 # above the start-up RSS comes into view once the run frees memory.
                 after = resource.getrusage(_RUSAGE_THREAD).ru_maxrss * 1024
-                if after > rss + (4 << 20):
+                if after > rss + HWM_PINNED_SLACK:
                     log.debug("getrusage maxrss is pinned (%d > rss %d); reading VmHWM instead", after, rss)
                     self._use_status = True
         else:

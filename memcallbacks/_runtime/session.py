@@ -46,11 +46,6 @@ __all__ = ["Session", "LogFn", "is_oom", "LINGERING_EVERY_STEP_UNTIL"]
 LogFn = Callable[[dict[str, float], int], None]
 
 
-# Right after a reset the high-water mark equals the resident set; more than this above it, the mark
-# is pinned (Session._rebase_tripwire; the CPU backend's own pinning check uses the same margin).
-HWM_PINNED_SLACK = 4 << 20
-
-
 class Session(RunEnd):
     """One process's monitor state. Every method is safe to call when disabled."""
 
@@ -60,7 +55,7 @@ class Session(RunEnd):
         state["watch"] = None  # detectors hold weak references; start() builds new ones
         state["snap"] = None
         state["trackers"] = None
-        state["_watch_read"] = state["_trip"] = state["_trip_rss"] = None
+        state["_watch_read"] = state["_trip"] = None
         return state
 
     def __init__(self, config: MonitorConfig, framework: str, owner: str, logger: logging.Logger | None = None) -> None:
@@ -88,7 +83,6 @@ class Session(RunEnd):
         self.cadence = Cadence(config)
         self._watch_read: Callable[[], int | None] | None = None
         self._trip: Callable[[], int] | None = None  # the RSS tripwire between costly reads (Cadence)
-        self._trip_rss: Callable[[], int] | None = None  # its statm read, where the tripwire reads the high-water mark
         self.trip_at: float = math.inf
         """A quiet step whose resident set is at or above this reads memory (see :func:`rss_tripwire`)."""
         self._read_s = 0.0  # the open step's watch read, charged apart from the every-step cost
@@ -234,8 +228,6 @@ class Session(RunEnd):
         backend = self.engine.backend
         self._watch_read = watch_reader(backend) if backend is not None else None
         self._trip = rss_tripwire(self._watch_read, hwm_resets=bool(getattr(backend, "resets_hwm", False)))
-        # reading the high-water mark: statm, to check it against after every sampled step, and to fall back on
-        self._trip_rss = rss_tripwire(self._watch_read) if self._trip is not None and self._trip.source == "hwm" else None
         self.cadence.tripwire = self._trip.source if self._trip is not None else None
         self.trip_at = math.inf
         if self._trip is not None:  # quiet steps are not timed: their checks are charged at this cost
@@ -431,15 +423,16 @@ class Session(RunEnd):
         Right after the reset the mark equals the resident set. Well above it, it is pinned: a
         process started by ``exec`` inherits the mark of the address space it replaced (a launcher's,
         a test runner's) and ``getrusage`` reports the larger, which comes into view once the run's
-        own resident set falls below it. The tripwire then reads ``statm`` for the rest of the run."""
-        now = self._trip()  # type: ignore[misc]
-        rss = self._trip_rss() if self._trip_rss is not None else 0
-        if now > rss + HWM_PINNED_SLACK:
-            self._trip, self._trip_rss = self._trip_rss, None
-            self.cadence.tripwire = "rss"
-            self.trip_at = rss + self.cadence.trip_bytes
-            self.log.debug("memcallbacks: the resident-set high-water mark is pinned at %d bytes (resident set %d); the RSS tripwire reads statm", now, rss)
+        own resident set falls below it. The CPU backend checks for that at every sampled step's
+        baseline (:attr:`CpuBackend.resets_hwm`); once it has, the tripwire reads ``statm`` for the
+        rest of the run."""
+        if not getattr(self.engine.backend, "resets_hwm", False):
+            self._trip = rss_tripwire(self._watch_read)
+            self.cadence.tripwire = self._trip.source if self._trip is not None else None
+            self.trip_at = (self._trip() if self._trip is not None else 0) + self.cadence.trip_bytes
+            self.log.debug("memcallbacks: the resident-set high-water mark is pinned above the resident set; the RSS tripwire reads statm")
             return
+        now = self._trip()  # type: ignore[misc]
         peak = row[PEAK_RESERVED]
         self.trip_at = (max(now, peak) if peak > 0 else now) + self.cadence.trip_bytes
 
