@@ -29,7 +29,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from memcallbacks._runtime.devices import heap_in_use_bytes, host_rss_reader
+from memcallbacks._base.devices import heap_in_use_bytes, host_rss_reader
 from memcallbacks.leaks.growth import GrowthDetector
 
 KiB, MiB = 1024, 1024 * 1024

@@ -35,8 +35,8 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to measure")
         return 0
-    from memcallbacks._runtime import torch_private
-    from memcallbacks._runtime.devices import CudaBackend
+    from memcallbacks._base import torch_private
+    from memcallbacks._base.devices import CudaBackend
 
     model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(8)]).cuda()
     opt = torch.optim.AdamW(model.parameters())

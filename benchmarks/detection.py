@@ -15,7 +15,7 @@ import warnings
 import torch
 from torch import nn
 
-from memcallbacks._runtime.devices import heap_in_use_bytes
+from memcallbacks._base.devices import heap_in_use_bytes
 from memcallbacks.leaks import find_holders, take_census
 from memcallbacks.leaks.growth import GrowthDetector
 from memcallbacks.leaks.lingering import LingeringDetector

@@ -53,8 +53,8 @@ from lightning.pytorch.callbacks import Callback, DeviceStatsMonitor
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
 from memcallbacks import MemoryMonitor
-from memcallbacks._runtime import devices as _devices
-from memcallbacks._runtime.devices import CpuBackend, host_rss_reader, select_backend
+from memcallbacks._base import devices as _devices
+from memcallbacks._base.devices import CpuBackend, host_rss_reader, select_backend
 
 # benchmarks/_common.py: run as a script, this file's folder is sys.path[0]
 from _common import BARE, TARGET_LOG_EVERY, TARGET_RATIO, TARGET_US_PER_STEP

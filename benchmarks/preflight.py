@@ -1,7 +1,7 @@
 """Pre-flight accuracy and speed: predicted vs measured per-phase peaks on CPU, and a 1B-param meta model.
 
     python benchmarks/preflight.py            # the table in docs/preflight.md
-    python benchmarks/preflight.py --scale 1  # the sizes tests/test_preflight.py uses
+    python benchmarks/preflight.py --scale 1  # the sizes tests/preflight/test_preflight.py uses
     python benchmarks/preflight.py --device cuda --quick --json preflight_cuda.json   # scripts/gpu_check.sh
 
 On CUDA the ground truth is ``torch.cuda.max_memory_allocated`` per phase of the real steady-state

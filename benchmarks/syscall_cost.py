@@ -37,7 +37,7 @@ from _common import mlp_layers
 
 
 def calls() -> dict[str, Callable[[], object]]:
-    from memcallbacks._runtime.devices import heap_in_use_bytes, host_rss_reader
+    from memcallbacks._base.devices import heap_in_use_bytes, host_rss_reader
 
     found: dict[str, Callable[[], object]] = {"no call": lambda: None, "os.getpid()": os.getpid}
     rss = host_rss_reader()

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from memcallbacks._base.version import __version__
 
-from memcallbacks._config import MonitorConfig
-from memcallbacks._findings import Finding
+from memcallbacks._base.config import MonitorConfig
+from memcallbacks._base.findings import Finding
 
 if TYPE_CHECKING:  # pragma: no cover
     from memcallbacks.lightning import MemoryMonitor

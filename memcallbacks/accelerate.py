@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator
 import torch
 from torch import nn
 
-from memcallbacks._config import MonitorConfig
+from memcallbacks._base.config import MonitorConfig
 from memcallbacks._runtime.guard import entry_point
 from memcallbacks._runtime.lifecycle import weak_method
 from memcallbacks._runtime.session import LogFn

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from memcallbacks._config import MonitorConfig, check_config_names, resolve_config
+from memcallbacks._base.config import MonitorConfig, check_config_names, resolve_config
 from memcallbacks._runtime.cadence import TRIP_MASK
 from memcallbacks._runtime.guard import SetupError, entry_point, quiet_gate
 from memcallbacks._runtime.results import SessionResults

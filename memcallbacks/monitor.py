@@ -17,7 +17,7 @@ from typing import Any, Iterable, Iterator
 import torch
 from torch import nn
 
-from memcallbacks._config import MonitorConfig, resolve_config
+from memcallbacks._base.config import MonitorConfig, resolve_config
 from memcallbacks._runtime.guard import entry_point
 from memcallbacks._runtime.lifecycle import Cleanup, weak_method
 from memcallbacks._runtime.preflight_check import fake_step_running

@@ -27,8 +27,8 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "installed. Install it: pip install 'memcallbacks[transformers]'."
     ) from exc
 
-from memcallbacks._config import MonitorConfig, resolve_config
-from memcallbacks._runtime.columns import OPTIMIZER, OTHER
+from memcallbacks._base.config import MonitorConfig, resolve_config
+from memcallbacks._base.columns import OPTIMIZER, OTHER
 from memcallbacks._runtime.guard import entry_point
 from memcallbacks._runtime.lifecycle import weak_method
 from memcallbacks._runtime.results import SessionResults

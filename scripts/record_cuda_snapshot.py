@@ -6,7 +6,7 @@ The same story as tests/data/make_cuda_like_snapshot.py (which builds one by han
 a linear model trains three steps with allocator history on; step 2 appends a 32 MiB buffer to a
 list and never frees it; then an allocation far above the device's memory fails (caught). Writes
 OUT_DIR/cuda_recorded_snapshot.pickle (a few hundred KiB) and OUT_DIR/cuda_recorded_snapshot.json
-(what tests/test_snapshot.py::test_recorded_cuda_snapshot checks). Copy both into tests/data/ to
+(what tests/snapshot/test_snapshot.py::test_recorded_cuda_snapshot checks). Copy both into tests/data/ to
 make that test run on every machine.
 """
 

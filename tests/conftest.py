@@ -34,7 +34,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
     # Tests that compare the process's RSS with tensor sizes run first. Later in a long session,
     # earlier tests' leftovers (threads with their malloc arenas, resident free heap) add to the RSS
-    # of a step: in one full CI run every backward peak of tests/test_preflight_monitor.py read
+    # of a step: in one full CI run every backward peak of tests/preflight/test_preflight_monitor.py read
     # +14 MiB over what the same test measures alone (and over the prediction).
     items[:] = [i for i in items if i.get_closest_marker("rss_sensitive")] + [i for i in items if not i.get_closest_marker("rss_sensitive")]
     if torch.cuda.is_available():
@@ -85,7 +85,7 @@ def returned_heap() -> None:
     leave large free blocks in the heap, still resident, and a new tensor that lands in one raises no
     RSS; after this it faults fresh pages in. A no-op off glibc."""
     gc.collect()
-    from memcallbacks._runtime.devices import _load_malloc_trim
+    from memcallbacks._base.devices import _load_malloc_trim
 
     trim = _load_malloc_trim()
     if trim is not None:

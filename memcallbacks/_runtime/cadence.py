@@ -33,8 +33,8 @@ import math
 import time
 from typing import Any, Callable
 
-from memcallbacks._config import MonitorConfig
-from memcallbacks._runtime.devices import HwmReader, _StatmReader, heap_in_use_bytes, host_rss_reader
+from memcallbacks._base.config import MonitorConfig
+from memcallbacks._base.devices import HwmReader, _StatmReader, heap_in_use_bytes, host_rss_reader
 
 __all__ = ["Cadence", "watch_reader", "rss_tripwire", "TRIP_MASK", "LINGERING_EVERY_STEP_UNTIL", "MARK_EVERY_SAMPLES", "DENSE_READ_STEPS", "QUIET_FROM"]
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from memcallbacks._findings import Finding
+from memcallbacks._base.findings import Finding
 
-from memcallbacks._runtime.columns import ALLOCATED
+from memcallbacks._base.columns import ALLOCATED
 from memcallbacks._runtime.sampling import GIB
 
 if TYPE_CHECKING:

@@ -22,23 +22,13 @@ import functools
 import logging
 from typing import Any, Callable, TypeVar
 
+from memcallbacks._base.errors import OutputDirError, SetupError, UsageError
+
 log = logging.getLogger(__name__)
 
 __all__ = ["UsageError", "OutputDirError", "entry_point", "quiet_gate", "contain", "safe_str"]
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-
-class UsageError(Exception):
-    """Mixin for errors the user must fix before training; the guard lets them through."""
-
-
-class OutputDirError(UsageError, PermissionError):
-    """The output folder cannot be written (or is another live monitor's)."""
-
-
-class SetupError(UsageError, ValueError):
-    """A setup the monitor refuses before training (two monitors writing one folder)."""
 
 
 def safe_str(exc: BaseException, limit: int = 2000) -> str:

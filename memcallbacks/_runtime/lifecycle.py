@@ -19,7 +19,7 @@ import threading
 import weakref
 from typing import Any, Callable
 
-from memcallbacks._runtime.guard import OutputDirError
+from memcallbacks._base.errors import OutputDirError
 
 log = logging.getLogger(__name__)
 

@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from memcallbacks._findings import Finding
-from memcallbacks._runtime.columns import MICRO_BATCHES, OPTIMIZER_STEPS, PEAK_ALLOCATED, PEAK_BACKWARD, PEAK_FORWARD, PEAK_OPTIMIZER, RESERVED, STEP
+from memcallbacks._base.findings import Finding
+from memcallbacks._base.columns import MICRO_BATCHES, OPTIMIZER_STEPS, PEAK_ALLOCATED, PEAK_BACKWARD, PEAK_FORWARD, PEAK_OPTIMIZER, RESERVED, STEP
 from memcallbacks._runtime.preflight_steps import autocast_precision, batch_size_of, call_step, resize_batch
-from memcallbacks._units import GiB, format_bytes
+from memcallbacks._base.units import GiB, format_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
     from memcallbacks._runtime.session import Session

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from memcallbacks._findings import Finding
+from memcallbacks._base.findings import Finding
 
 if TYPE_CHECKING:  # pragma: no cover
     from memcallbacks._runtime.session import Session

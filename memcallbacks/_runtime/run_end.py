@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 
-from memcallbacks._runtime import distributed as _distributed
+from memcallbacks._base import distributed as _distributed
 from memcallbacks._runtime.guard import safe_str
-from memcallbacks._runtime.outputs import REPORT_VERSION, write_outputs
+from memcallbacks._files.outputs import REPORT_VERSION, write_outputs
 from memcallbacks.trackers import RunOutputs
 from memcallbacks.trackers.ranks import receive_snapshots, snapshot_payload
 
@@ -68,7 +68,7 @@ class RunEnd:
 
     def report(self) -> dict[str, Any]:
         """What ``report.json`` holds: version, config, summary, findings, events and files."""
-        from memcallbacks import __version__
+        from memcallbacks._base.version import __version__
 
         return {
             "version": REPORT_VERSION,

@@ -14,10 +14,10 @@ import math
 import time
 from typing import Any, Callable
 
-from memcallbacks._runtime import distributed as _distributed
-from memcallbacks._config import MonitorConfig
-from memcallbacks._units import GiB
-from memcallbacks._runtime.devices import MemoryBackend, host_rss_reader, select_backend
+from memcallbacks._base import distributed as _distributed
+from memcallbacks._base.config import MonitorConfig
+from memcallbacks._base.units import GiB
+from memcallbacks._base.devices import MemoryBackend, host_rss_reader, select_backend
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +27,7 @@ GIB = float(GiB)
 STATE_VERSION = 1
 """Version of the checkpointed monitor state (``state_dict()``)."""
 
-from memcallbacks._runtime.columns import (  # the row layout; re-exported for adapters
+from memcallbacks._base.columns import (  # the row layout; re-exported for adapters
     ALLOCATED,
     ALLOC_RETRIES,
     BACKWARD,
@@ -432,7 +432,7 @@ class MemoryEngine:
     def load_state_dict(self, state: dict[str, Any], key: str = "state_dict") -> dict[str, Any] | None:
         """Restore a saved state (older versions migrate, see saved_state.py); return the read state,
         or None for one of a newer version (skipped with a warning). ``ValueError`` names ``key``."""
-        from memcallbacks._runtime.saved_state import read_state
+        from memcallbacks._files.saved_state import read_state
 
         read = read_state(state, key, STATE_VERSION)
         if read is None:

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from memcallbacks._config import MonitorConfig
+from memcallbacks._base.config import MonitorConfig
 from memcallbacks._runtime.cadence import (
     COLD_FACTOR,
     LINGERING_EVERY_STEP_UNTIL,
@@ -25,18 +25,18 @@ from memcallbacks._runtime.cadence import (
     rss_tripwire,
     watch_reader,
 )
-from memcallbacks._runtime.columns import E_STAGE, MONITOR_TIME_S, OPTIMIZER, PEAK_RESERVED
+from memcallbacks._base.columns import E_STAGE, MONITOR_TIME_S, OPTIMIZER, PEAK_RESERVED
 from memcallbacks._runtime.extras import extra_metrics, load_session_state, session_state
 from memcallbacks._runtime.sampling import MemoryEngine
-from memcallbacks._findings import Finding, FindingLog
-from memcallbacks._runtime.outputs import check_writable
+from memcallbacks._base.findings import Finding, FindingLog
+from memcallbacks._files.outputs import check_writable
 from memcallbacks._runtime.lifecycle import claim_folder, release_folder
 from memcallbacks._runtime.preflight_check import PreflightCheck
 from memcallbacks._runtime.run_end import RunEnd, is_oom
-from memcallbacks.snapshot.auto import AutoSnapshot
-from memcallbacks.estimate.check import StateCheck
+from memcallbacks._runtime.auto_snapshot import AutoSnapshot
+from memcallbacks._runtime.state_check import StateCheck
 from memcallbacks.leaks.census import format_top_holders
-from memcallbacks.leaks.watch import LeakWatch
+from memcallbacks._runtime.leak_watch import LeakWatch
 from memcallbacks.trackers import Dashboard, Trackers
 
 log = logging.getLogger(__name__)
@@ -597,7 +597,7 @@ class Session(RunEnd):
             self.engine.backend = None
 
     def format_report(self) -> str:
-        from memcallbacks._runtime.report import format_report
+        from memcallbacks._files.report import format_report
 
         return format_report(self.report(), self.history_frame())
 

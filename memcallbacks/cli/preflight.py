@@ -116,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from memcallbacks._units import format_bytes
+    from memcallbacks._base.units import format_bytes
     from memcallbacks.preflight import PreflightError, max_batch_size, predict
 
     named, positional = parse_batch_spec(args.batch)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from memcallbacks._runtime.report import format_report, load_output_dir
+from memcallbacks._files.report import format_report, load_output_dir
 
 __all__ = ["register"]
 

@@ -1,6 +1,6 @@
 """Theory: what params, grads and optimizer state should take per rank (``docs/theory.md``)."""
 
-from memcallbacks._units import GB, GiB
+from memcallbacks._base.units import GB, GiB
 from memcallbacks.estimate.compare import compare, estimate_grid
 from memcallbacks.estimate.compute import estimate
 from memcallbacks.estimate.layers import find_layers

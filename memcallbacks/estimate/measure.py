@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memcallbacks._storage import distinct_bytes, local_tensor
+from memcallbacks._base.storage import distinct_bytes, local_tensor
 from memcallbacks.estimate.compute import estimate
 from memcallbacks.estimate.layers import _detect_strategy, _is_fsdp2, _unwrap
 from memcallbacks.estimate.result import MemoryEstimate
@@ -128,7 +128,7 @@ def _fsdp2_mixed_precision(model: nn.Module) -> str | None:
     """``"bf16-mixed"``/``"16-mixed"`` when ``fully_shard``'s ``MixedPrecisionPolicy`` computes in a
     lower dtype than the (fp32) sharded parameters: those, their grads and the optimizer state stay
     fp32; the unsharded copies gathered for compute are in ``param_dtype``."""
-    from memcallbacks._runtime.torch_private import fsdp2_param_dtype
+    from memcallbacks._base.torch_private import fsdp2_param_dtype
 
     for module in model.modules():
         if _is_fsdp2(module):

@@ -12,7 +12,7 @@ from typing import Any, Union
 
 import torch
 
-from memcallbacks._units import UNITS as _UNITS
+from memcallbacks._base.units import UNITS as _UNITS
 
 __all__ = ["OPTIMIZERS", "PRECISIONS", "SHARDINGS", "STRATEGIES", "OptimizerArg", "canonical_strategy"]
 

@@ -12,8 +12,8 @@ from typing import Any, Iterable
 
 import torch
 
-from memcallbacks._storage import StorageKey, storage_keys
-from memcallbacks._units import format_bytes
+from memcallbacks._base.storage import StorageKey, storage_keys
+from memcallbacks._base.units import format_bytes
 from memcallbacks.leaks.holders import HolderPath, search_paths
 from memcallbacks.leaks.tensors import describe_tensor, graph_tensors, iter_tensors
 

@@ -18,8 +18,8 @@ import collections
 import weakref
 from typing import Any
 
-from memcallbacks._findings import Finding
-from memcallbacks._units import format_bytes
+from memcallbacks._base.findings import Finding
+from memcallbacks._base.units import format_bytes
 
 __all__ = ["GraphChains", "MIN_STEPS_ALIVE", "chain_finding"]
 

@@ -11,9 +11,9 @@ from typing import Any, Callable
 
 import torch
 
-from memcallbacks._findings import Finding
-from memcallbacks._storage import storage_keys
-from memcallbacks._units import MiB, format_bytes
+from memcallbacks._base.findings import Finding
+from memcallbacks._base.storage import storage_keys
+from memcallbacks._base.units import MiB, format_bytes
 from memcallbacks.leaks.paths import edge_fragment
 from memcallbacks.leaks.tensors import describe_tensor, graph_tensors, is_parameter
 

@@ -23,8 +23,8 @@ import logging
 import time
 from typing import Any, Callable
 
-from memcallbacks._findings import Finding
-from memcallbacks._units import MiB, format_bytes
+from memcallbacks._base.findings import Finding
+from memcallbacks._base.units import MiB, format_bytes
 from memcallbacks.leaks.cycles import GarbageCollector
 
 log = logging.getLogger(__name__)

@@ -6,8 +6,8 @@ import collections
 import math
 from dataclasses import dataclass
 
-from memcallbacks._findings import Finding
-from memcallbacks._units import KiB, MiB, format_bytes
+from memcallbacks._base.findings import Finding
+from memcallbacks._base.units import KiB, MiB, format_bytes
 
 __all__ = ["GrowthDetector"]
 

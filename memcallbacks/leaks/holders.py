@@ -9,8 +9,8 @@ from typing import Any, Iterable
 
 import torch
 
-from memcallbacks._storage import StorageKey, storage_keys
-from memcallbacks._units import format_bytes
+from memcallbacks._base.storage import StorageKey, storage_keys
+from memcallbacks._base.units import format_bytes
 from memcallbacks.leaks.paths import render_chain
 from memcallbacks.leaks.roots import Roots
 from memcallbacks.leaks.search import ReferenceSearch

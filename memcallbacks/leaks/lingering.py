@@ -8,10 +8,10 @@ from typing import Any
 
 import torch
 
-from memcallbacks._findings import Finding
-from memcallbacks._runtime.torch_private import node_metadata
-from memcallbacks._storage import storage_keys
-from memcallbacks._units import MiB, format_bytes
+from memcallbacks._base.findings import Finding
+from memcallbacks._base.torch_private import node_metadata
+from memcallbacks._base.storage import storage_keys
+from memcallbacks._base.units import MiB, format_bytes
 from memcallbacks.leaks.chains import GraphChains
 from memcallbacks.leaks.marks import METADATA_KEY, find_graph_root
 from memcallbacks.leaks.kept import OutputRef, alive_outputs, output_refs, storage_tensor

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from memcallbacks._runtime.torch_private import node_metadata
+from memcallbacks._base.torch_private import node_metadata
 
 __all__ = ["METADATA_KEY", "find_graph_root"]
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from memcallbacks._runtime.torch_private import is_autograd_node
+from memcallbacks._base.torch_private import is_autograd_node
 from memcallbacks.leaks.roots import Roots, frame_locals
 from memcallbacks.leaks.tensors import describe_tensor
 

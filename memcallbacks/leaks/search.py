@@ -10,8 +10,8 @@ from typing import Any, Iterable
 
 import torch
 
-from memcallbacks._runtime.torch_private import is_autograd_node_type
-from memcallbacks._storage import StorageKey, storage_keys
+from memcallbacks._base.torch_private import is_autograd_node_type
+from memcallbacks._base.storage import StorageKey, storage_keys
 from memcallbacks.leaks.roots import Roots
 from memcallbacks.leaks.tensors import node_children
 

@@ -9,9 +9,9 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
-from memcallbacks._storage import distinct_bytes
+from memcallbacks._base.storage import distinct_bytes
 
-from memcallbacks._runtime.torch_private import saved_tensors_of
+from memcallbacks._base.torch_private import saved_tensors_of
 
 __all__ = [
     "batch_bytes",

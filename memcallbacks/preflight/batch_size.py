@@ -30,7 +30,7 @@ class BatchFit:
     """Every batch size predicted and its peak bytes."""
 
     def __str__(self) -> str:
-        from memcallbacks._units import format_bytes
+        from memcallbacks._base.units import format_bytes
 
         if self.batch_size == 0:
             return (f"no batch fits {format_bytes(self.capacity_bytes)}: the smallest tried peaks at "

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memcallbacks._runtime import torch_private as _tp
+from memcallbacks._base import torch_private as _tp
 from memcallbacks.preflight._fake import batch_tensors
 
 __all__ = ["measure_step", "live_bytes"]

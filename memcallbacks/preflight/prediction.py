@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from memcallbacks._units import format_bytes
+from memcallbacks._base.units import format_bytes
 
 __all__ = ["Prediction"]
 

@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from memcallbacks._runtime import torch_private as _tp
-from memcallbacks._runtime.outputs import write_json
+from memcallbacks._base import torch_private as _tp
+from memcallbacks._files.outputs import write_json
 from memcallbacks.snapshot.cpu_convert import cpu_events_to_snapshot
 from memcallbacks.snapshot.files import CPU_SNAPSHOT_FILE, DEFAULT_MAX_ENTRIES, snapshot_file_name, write_snapshot
 from memcallbacks.snapshot.render import render_snapshot

@@ -8,7 +8,7 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from memcallbacks._runtime import torch_private as _tp
+from memcallbacks._base import torch_private as _tp
 from memcallbacks.snapshot.files import _OP_FILENAME, DEFAULT_MAX_ENTRIES, META_KEY, _plain
 
 __all__ = ["cpu_events_to_snapshot"]

@@ -15,8 +15,8 @@ import pickle
 from pathlib import Path
 from typing import Any
 
-from memcallbacks._runtime.outputs import atomic_write
-from memcallbacks._units import format_bytes
+from memcallbacks._files.outputs import atomic_write
+from memcallbacks._base.units import format_bytes
 
 __all__ = [
     "SNAPSHOT_PROTOCOL",

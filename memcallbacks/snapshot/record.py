@@ -1,6 +1,6 @@
 """CUDA allocator history: start and stop recording, mark steps, dump a snapshot (also from inside an OOM).
 
-Every private torch call goes through :mod:`memcallbacks._runtime.torch_private`.
+Every private torch call goes through :mod:`memcallbacks._base.torch_private`.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from memcallbacks._runtime import torch_private as _tp
-from memcallbacks._units import format_bytes
+from memcallbacks._base import torch_private as _tp
+from memcallbacks._base.units import format_bytes
 from memcallbacks.snapshot.files import DEFAULT_MAX_ENTRIES, META_KEY, _plain, write_snapshot
 
 log = logging.getLogger(__name__)

@@ -12,8 +12,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from memcallbacks._runtime.outputs import atomic_write
-from memcallbacks._units import GiB, MiB, format_bytes
+from memcallbacks._files.outputs import atomic_write
+from memcallbacks._base.units import GiB, MiB, format_bytes
 from memcallbacks.snapshot.sites import Allocation, SiteTotal
 from memcallbacks.snapshot.summary import DeviceSummary, SnapshotSummary, summarize_snapshot
 from memcallbacks.snapshot.summary_text import device_name

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from memcallbacks._units import format_bytes
+from memcallbacks._base.units import format_bytes
 from memcallbacks.snapshot.sites import SiteTotal
 from memcallbacks.snapshot.summary import DeviceSummary, SnapshotSummary
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Iterable
 
-from memcallbacks._findings import Finding
+from memcallbacks._base.findings import Finding
 from memcallbacks.trackers._base import Dashboard, RunOutputs, Tracker
 
 log = logging.getLogger(__name__)

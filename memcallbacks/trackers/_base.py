@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from memcallbacks._findings import Finding
+from memcallbacks._base.findings import Finding
 
 __all__ = ["Dashboard", "RunOutputs", "Tracker", "finding_text", "flat_summary"]
 

@@ -15,7 +15,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from memcallbacks._runtime.outputs import atomic_write
+from memcallbacks._files.outputs import atomic_write
 
 log = logging.getLogger(__name__)
 

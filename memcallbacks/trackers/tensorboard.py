@@ -6,7 +6,7 @@ import logging
 import re
 from typing import Any
 
-from memcallbacks._findings import Finding
+from memcallbacks._base.findings import Finding
 from memcallbacks.trackers._base import Dashboard, RunOutputs, Tracker, finding_text
 
 log = logging.getLogger(__name__)

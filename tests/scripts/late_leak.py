@@ -3,7 +3,7 @@
 A user's training run is its own process. In a test session's process, earlier tests leave freed
 heap still resident, which a late leak refills before the resident set moves: the RSS tripwire then
 fires as late as that space allows (up to ~45 steps for 256 KiB/step, measured), not as it does in
-a run of its own. ``tests/test_quiet_steps.py`` runs this script for the latency targets.
+a run of its own. ``tests/runtime/test_quiet_steps.py`` runs this script for the latency targets.
 
 Usage: ``python late_leak.py OUTPUT_DIR {plain,plain_log_fn,lightning} RATE_BYTES START STEPS [FREE_AT]``
 

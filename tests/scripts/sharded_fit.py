@@ -11,7 +11,7 @@
 ``fully_shard``) or ``DDPStrategy`` (Lightning re-launches this script for rank 1).
 
 Results come back through files only: the monitor's under OUT_DIR/mem, and one record per rank,
-OUT_DIR/rank{R}.json (written atomically), for tests/test_sharding.py and any later comparison::
+OUT_DIR/rank{R}.json (written atomically), for tests/adapters/test_sharding.py and any later comparison::
 
     {"rank", "world_size", "runner", "strategy", "mixed_precision", "optimizer", "steps",
      "model": {"num_params", "dim", "blocks", "layer_params", "param_shapes": {name: [global shape]}},

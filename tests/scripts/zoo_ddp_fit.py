@@ -1,4 +1,4 @@
-"""A clean 2-process DDP fit (CPU, gloo) with leak detection on, for tests/test_leak_zoo.py.
+"""A clean 2-process DDP fit (CPU, gloo) with leak detection on, for tests/scenarios/test_leak_zoo.py.
 
     python tests/scripts/zoo_ddp_fit.py OUT_DIR [--steps 64]
 

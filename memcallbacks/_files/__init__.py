@@ -1,0 +1,1 @@
+"""File output: history.csv, report.json, memory.png, the text report, saved state; written atomically, bounded."""

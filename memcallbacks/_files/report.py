@@ -1,0 +1,174 @@
+"""Plain-text rendering of a monitor's report: where memory went, per phase, in a form a person reads."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from memcallbacks._base.units import format_bytes, format_delta
+
+__all__ = ["format_report", "load_output_dir"]
+
+
+def load_output_dir(folder: str | Path) -> tuple[dict[str, Any], Any]:
+    """Read ``report.json`` (or the rank-zero one) and its history CSV from a monitor's output_dir.
+
+    Raises ``FileNotFoundError`` or ``ValueError`` with one line naming the file and what is
+    wrong: not a folder, no report, a report of the wrong shape, a history that is not a
+    memcallbacks CSV or not the one the report was written with."""
+    from memcallbacks._files.fileset import check_fingerprint
+
+    folder = Path(folder)
+    try:
+        is_dir = folder.is_dir()
+    except OSError as exc:  # a name longer than the OS allows, say
+        raise FileNotFoundError(f"{str(folder)[:200]!r} cannot be looked up ({exc.strerror or exc}).") from None
+    if not is_dir:
+        raise FileNotFoundError(f"{str(folder)!r} is not a folder; pass the monitor's output_dir (it holds report.json).")
+    candidates = [folder / "report.json", *sorted(folder.glob("report.rank*.json"))]
+    path = next((p for p in candidates if p.is_file()), None)
+    if path is None:
+        raise FileNotFoundError(f"no report.json in {str(folder)!r}; is it a memcallbacks output_dir?")
+    try:
+        report = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{str(path)!r} is not valid JSON ({exc}); the file may be truncated.") from None
+    _check_shape(report, path)
+    history = None
+    for candidate in _history_candidates(report, folder):
+        if candidate.is_file():
+            check_fingerprint(candidate, (report.get("integrity") or {}).get("history"), path)
+            history = _read_history(candidate)
+            break
+    return report, history
+
+
+def _check_shape(report: Any, path: Path) -> None:
+    if not isinstance(report, dict):
+        raise ValueError(f"{str(path)!r} holds a JSON {type(report).__name__}, not a memcallbacks report (an object with 'summary').")
+    for key, kind in (("summary", dict), ("files", dict), ("findings", list), ("events", list), ("model_states", dict), ("snapshots", list)):
+        if key in report and report[key] is not None and not isinstance(report[key], kind):
+            raise ValueError(f"{str(path)!r}: '{key}' is a {type(report[key]).__name__}, not a{'n' if kind is dict else ''} "
+                             f"{'object' if kind is dict else 'list'}; this is not a memcallbacks report.")
+    if "summary" not in report:
+        raise ValueError(f"{str(path)!r} has no 'summary'; this is not a memcallbacks report.")
+
+
+def _history_candidates(report: dict[str, Any], folder: Path) -> list[Path]:
+    name = (report.get("files") or {}).get("history")
+    # the report's own name for it first, looked up in this folder (the run may have been copied here)
+    found = [folder / Path(name).name] if isinstance(name, str) and name else []
+    return found + [folder / "history.csv", folder / "history.rank0.csv"]
+
+
+def _read_history(path: Path) -> Any:
+    import pandas as pd
+
+    try:
+        history = pd.read_csv(path)
+    except (UnicodeDecodeError, ValueError, pd.errors.ParserError, pd.errors.EmptyDataError) as exc:
+        raise ValueError(f"{str(path)!r} is not a CSV file memcallbacks wrote ({type(exc).__name__}: {str(exc)[:200]}).") from None
+    missing = [c for c in ("step", "allocated", "peak_allocated") if c not in history.columns]
+    if missing:
+        raise ValueError(f"{str(path)!r} has no {', '.join(missing)} column(s); it is not a memcallbacks history.")
+    return history
+
+
+def format_report(report: dict[str, Any], history: Any = None) -> str:
+    """A short text report: device, per-phase peaks, baseline drift, the monitor's cost, findings, files."""
+    s = report.get("summary", {})
+    device = s.get("device", {})
+    lines = []
+    peak_note = " (RSS high-water marks)" if device.get("peak_source") == "rss_high_water_mark" else ""
+    lines.append(f"memcallbacks report — {device.get('device', '?')} ({device.get('peak_source', '?')} peaks), "
+                 f"{s.get('steps_seen', 0)} steps, {s.get('steps_recorded', 0)} rows")
+    if s.get("capacity_bytes"):
+        lines.append(f"  device capacity            {format_bytes(s['capacity_bytes'])}")
+    lines.append(f"  peak over the run          {format_bytes(s.get('max_allocated_bytes'))} allocated, "
+                 f"{format_bytes(s.get('max_reserved_bytes'))} reserved")
+    base = "reserved (RSS)" if peak_note else "allocated"
+    lines.append(f"  per-phase peaks{peak_note}, and the most each rose above {base} at step start:")
+    for phase in ("forward", "backward", "optimizer"):
+        lines.append(f"    {phase:<10} {format_bytes(s.get(f'peak_{phase}_bytes')):>12}   {format_delta(s.get(f'peak_{phase}_above_baseline_bytes'))}")
+    first, last = s.get("first_allocated_bytes"), s.get("last_allocated_bytes")
+    if first is not None and last is not None:
+        lines.append(f"  allocated at step start    {format_bytes(first)} (first row) -> {format_bytes(last)} (last row), "
+                     f"change {format_delta(last - first)}")
+    if history is not None and len(history) and "peak_forward" in history:
+        top = history.loc[history["peak_allocated"].idxmax()]
+        lines.append(f"  largest step peak          step {int(top['step'])}: {format_bytes(top['peak_allocated'])} "
+                     f"(forward {format_bytes(top['peak_forward'])}, backward {format_bytes(top['peak_backward'])}, "
+                     f"optimizer {format_bytes(top['peak_optimizer'])})")
+    for stage, e in (s.get("eval") or {}).items():
+        lines.append(f"  {stage:<26} {e['runs']} run(s), peak {format_bytes(e['peak_allocated_bytes'])}")
+    states = report.get("model_states") or {}
+    if states.get("expected_steady_bytes") is not None:
+        exp = states.get("expected", {})
+        lines.append(f"  model states (theory)      {format_bytes(states['expected_steady_bytes'])} expected at step {states.get('step')} "
+                     f"({states.get('strategy')}, {states.get('precision')}, world size {states.get('world_size')}: params "
+                     f"{format_bytes(exp.get('params'))}, grads {format_bytes(exp.get('grads'))}, optimizer {format_bytes(exp.get('optimizer'))}); "
+                     f"unexplained {format_bytes(states.get('unexplained_bytes'))}")
+    lines += _preflight_lines(report.get("preflight"))
+    snaps = report.get("snapshots") or []
+    if snaps:
+        lines.append(f"  snapshots                  {len(snaps)}: " + "; ".join(f"step {r.get('step')} ({r.get('trigger')})" for r in snaps[:3]))
+    cost = s.get("monitor_time_per_step_us")
+    if cost:
+        lines.append(f"  monitor's own time         {cost['median']:.0f} µs median per sampled step")
+    findings = report.get("findings") or []
+    cadence = s.get("cadence")
+    if cadence:
+        overhead = cadence.get("overhead")
+        lines.append(f"  cadence                    memory read every {cadence['read_every_n_steps']} (every step for the first "
+                     f"{cadence['dense_read_steps']}), sample every "
+                     f"{cadence['sample_every_n_steps']} ({cadence['sample_interval_source']}), log every "
+                     f"{cadence['log_every_n_steps'] or '- (nowhere to log)'} steps; own time "
+                     f"{'?' if overhead is None else f'{100 * overhead:.2f}%'} of step time (budget {100 * cadence['overhead_budget']:g}%)")
+        extra = [f"{n} {what}" for n, what in ((cadence.get("read_bursts"), "burst(s) of every-step reads after a risen floor"),
+                                               (cadence.get("rss_trips"), "read(s) the RSS tripwire asked for")) if n]
+        if extra:
+            lines.append(f"                             {'; '.join(extra)}")
+    lines.append(f"  findings                   {len(findings) or 'none'}")
+    for f in findings:
+        lines.append(f"    [{f.get('kind')}] step {f.get('step')}: {f.get('message')}")
+        for holder in f.get("holders", [])[:5]:
+            lines.append(f"        held by {holder}")
+    for event in report.get("events") or []:
+        lines.append(f"  event: {event.get('kind')} at step {event.get('step')}: {event.get('error', '')[:200]}")
+    if s.get("disabled_after_error"):
+        lines.append("  note: the monitor hit an internal error and disabled itself (see the log for the traceback)")
+    files = report.get("files") or {}
+    if files:
+        lines.append("  files:")
+        for kind, path in files.items():
+            lines.append(f"    {kind:<14} {path}")
+    return "\n".join(lines)
+
+
+def _preflight_lines(pre: dict[str, Any] | None) -> list[str]:
+    """The pre-flight section: status, predicted vs measured per phase, capacity (docs/preflight.md)."""
+    if not pre:
+        return []
+    status = pre.get("status")
+    if status != "predicted":
+        why = pre.get("error") or pre.get("reason") or "no training forward was seen"
+        return [f"  pre-flight                 {status}: {why}"]
+    p = pre.get("prediction") or {}
+    frame = "above the RSS at step start" if pre.get("frame") == "above_step_start" else "allocated"
+    comparison = pre.get("comparison") or {}
+    peaks = pre.get("peaks") or {}  # as the framework orders the step (Lightning: last step's grads through forward)
+    phase = max(peaks, key=peaks.__getitem__) if peaks else p.get("peak_phase")
+    lines = [f"  pre-flight                 predicted peak {format_bytes(peaks.get(phase, p.get('peak_bytes')))} in {phase} "
+             f"({p.get('device')}, {p.get('precision')}, batch size {pre.get('batch_size')}); measured vs predicted, "
+             f"{frame}, max over {comparison.get('steps_compared', 0)} steady step(s):"]
+    for phase, c in (comparison.get("phases") or {}).items():
+        ratio = f"x{c['ratio']:.3f}" if c.get("ratio") is not None else ""
+        lines.append(f"    {phase:<10} predicted {format_bytes(c.get('predicted_bytes')):>12}   measured "
+                     f"{format_bytes(c.get('measured_max_bytes')):>12}   {ratio}")
+    if pre.get("capacity_bytes"):
+        fit = pre.get("max_batch_size")
+        verdict = "fits" if pre.get("fits") else "exceeds"
+        tail = "" if not fit else f"; largest batch size that fits: {fit['batch_size']}" if fit["batch_size"] else "; no batch size fits"
+        lines.append(f"    {verdict} {format_bytes(pre['capacity_bytes'])} ({pre.get('capacity_source')}){tail}")
+    return lines

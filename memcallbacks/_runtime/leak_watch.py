@@ -1,0 +1,293 @@
+"""Leak watching and the theory check, wired to step boundaries: what Session calls around each step.
+
+``LeakWatch`` runs the detectors (lingering references in :mod:`memcallbacks.leaks.lingering`, baseline
+growth in :mod:`memcallbacks.leaks.growth`, periodic garbage collection in :mod:`memcallbacks.leaks.cycles`)
+and, when one fires, the census of :mod:`memcallbacks.leaks.census` to name the holders.
+``StateCheck`` compares the step-start baseline with what
+:mod:`memcallbacks.estimate` says params, grads and optimizer state should take. Both are
+framework-free; adapters hand over the batch, the loss and the training objects.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any, Callable
+
+from memcallbacks._base.config import MonitorConfig
+from memcallbacks._base.findings import Finding
+from memcallbacks.leaks.census import Census, take_census
+from memcallbacks.leaks.chains import chain_finding
+from memcallbacks.leaks.cycles import GarbageCollector
+from memcallbacks.leaks.garbage import cyclic_garbage_note
+from memcallbacks.leaks.gc_watch import CollectionWatch
+from memcallbacks.leaks.growth import GrowthDetector
+from memcallbacks.leaks.holders import find_holders
+from memcallbacks.leaks.lingering import LingeringDetector, find_graph_root
+from memcallbacks.leaks.tensors import describe_tensor, graph_bytes
+
+log = logging.getLogger(__name__)
+
+__all__ = ["LeakWatch"]
+
+# A growth finding names what grew between a census at detection and one at least this many steps later
+# (at the next read from then on, or when the run ends).
+GROWTH_CENSUS_GAP = 16
+
+
+class LeakWatch:
+    """Per-step leak detection. Each method is cheap unless something is wrong."""
+
+    def __init__(
+        self,
+        config: MonitorConfig,
+        allocated_now: Callable[[], int | None],
+        ignore: list[Any],
+        *,
+        charge: Callable[[float], None] | None = None,
+        wake: Callable[[], None] | None = None,
+    ) -> None:
+        """``charge``: told the seconds the garbage-collection callback spends reading memory;
+        ``wake``: called when a large automatic collection makes the next step inspect the garbage."""
+        self.config = config
+        self._ignore = ignore  # our own objects, never reported as holders
+        self.lingering = (
+            LingeringDetector(min_bytes=config.lingering_min_bytes) if config.detect_leaks else None
+        )
+        self.growth = (
+            GrowthDetector(
+                warmup_steps=config.growth_warmup_steps,
+                min_rate_bytes=config.growth_min_bytes_per_step,
+                min_growth_bytes=config.growth_min_total_bytes,
+            )
+            if config.detect_leaks
+            else None
+        )
+        self.gc = (
+            GarbageCollector(
+                every_n_steps=config.gc_every_n_steps,
+                disable_automatic=config.gc_disable_automatic,
+                allocated_bytes=allocated_now,
+            )
+            if config.gc_every_n_steps
+            else None
+        )
+        # Python's automatic collections, measured through gc.callbacks (a `cycle` finding needs no
+        # configuration); off when the periodic collection has turned them off anyway
+        self.collections = (
+            CollectionWatch(allocated_now, min_bytes=config.lingering_min_bytes, charge=charge, wake=wake)
+            if config.detect_leaks and not config.gc_disable_automatic
+            else None
+        )
+        self.gc_results: list[dict[str, Any]] = []
+        self._growth_census: Census | None = None
+        self._growth_census_due: int | None = None  # the step from which census B is taken
+        self._growth_finding: Finding | None = None
+        self.model: Any = None
+        self.optimizer: Any = None
+
+    def start(self) -> None:
+        if self.gc is not None:
+            self.gc.start()
+        if self.collections is not None:
+            self.collections.start()
+
+    def stop(self) -> None:
+        if self.gc is not None:
+            self.gc.stop()
+        if self.collections is not None:
+            self.collections.stop()
+
+    # ------------------------------------------------------------------ at step start, before the baseline
+    def check_lingering(self, step: int, batch: Any) -> list[Finding]:
+        if self.lingering is None:
+            return []
+        found = []
+        finding = self.lingering.check(step, current_batch=batch)
+        if finding is not None:
+            finding.holders = self.lingering_holders()
+            if not finding.holders:
+                self._blame_garbage(finding)
+            found.append(finding)
+        chain = self.lingering.chains.check(step)
+        if chain is not None:
+            finding = self._chain(step, chain)
+            if finding is not None:
+                found.append(finding)
+        return found
+
+    def _chain(self, step: int, chain: list[tuple[int, Any]]) -> Finding | None:
+        """The finding for graphs of several earlier steps alive at once, with the variable that links them."""
+        steps = [s for s, _ in chain]
+        oldest = chain[0][1]
+        del chain
+        root = find_graph_root(oldest)
+        holders: list[str] = []
+        nbytes = 0
+        if root is not None:
+            nbytes = graph_bytes(root)
+            search = find_holders([root], time_budget_s=self.config.census_time_budget_s, ignore=self._ignore)
+            holders = [f"{p.path} -> autograd graphs of steps {steps[0]}..{steps[-1]} and on" for p in search.paths[:2]]
+            if not holders and self._garbage_note([root]) is not None:
+                return None  # graphs waiting in cyclic garbage, not a chain: the collection watch reports cycles
+            del root
+        return chain_finding(step, steps, nbytes, holders)
+
+    def _garbage_note(self, targets: list[Any]) -> Any:
+        if self.collections is not None:
+            self.collections.own = True
+        try:
+            return cyclic_garbage_note(targets)
+        finally:
+            if self.collections is not None:
+                self.collections.own = False
+
+    def _blame_garbage(self, finding: Finding) -> None:
+        """No live object holds what lingers: if it sits in cyclic garbage, say so (and which cycle)."""
+        assert self.lingering is not None
+        targets = self.lingering.alive_tensors()
+        root = self.lingering.graph_root()
+        if root is not None:
+            targets.append(root)
+        del root
+        if not targets:
+            return
+        note = self._garbage_note(targets)
+        del targets
+        if note is None:
+            return
+        finding.holders = note.holders
+        finding.details["in_cyclic_garbage"] = True
+        finding.message = note.message(finding.message)
+
+    def before_baseline(self, step: int, batch: Any, *, lingering: bool = True) -> list[Finding]:
+        found: list[Finding] = self.check_lingering(step, batch) if lingering else []
+        collections = self.collections
+        if collections is not None and collections.due:
+            finding = self._inspect_collections(collections, step)
+            if finding is not None:
+                found.append(finding)
+        if self.gc is not None:
+            if collections is not None:
+                collections.own = True
+            try:
+                result = self.gc.maybe_collect(step)
+            finally:
+                if collections is not None:
+                    collections.own = False
+            if result is not None:
+                self.gc_results.append(
+                    {"step": step, "seconds": result.seconds, "collected": result.collected, "bytes_freed": result.bytes_freed}
+                )
+                if len(self.gc_results) > 1000:
+                    del self.gc_results[: len(self.gc_results) // 2]
+                finding = result.to_finding()
+                if finding is not None:
+                    found.append(finding)
+        return found
+
+    def _inspect_collections(self, collections: CollectionWatch, step: int) -> Finding | None:
+        try:
+            return collections.inspect(step)
+        except Exception:
+            log.debug("could not inspect the garbage", exc_info=True)
+            return None
+
+    @property
+    def last_gc(self) -> dict[str, Any] | None:
+        return self.gc_results[-1] if self.gc_results else None
+
+    # ------------------------------------------------------------------ on sampled steps, after the baseline
+    def after_baseline(self, step: int, baseline: int, batch: Any) -> list[Finding]:
+        """Feed one memory read (allocated bytes at the start of ``step``) to growth detection; the
+        growth finding, and its holders once the second census is due."""
+        if self.growth is None:
+            return []
+        finding = self.growth.update(step, baseline)
+        due = self._growth_census_due
+        if finding is None:
+            if due is not None and step >= due:
+                # the holders arrive on a step the detector did not report: an update, not a new sighting
+                return self._name_growth(step, batch, sighting=False)
+            return []
+        first = self._growth_finding is None
+        self._growth_finding = finding
+        if first:
+            # census A now; census B some steps later tells what grew, by holder
+            self._growth_census = self._census(batch)
+            self._growth_census_due = step + GROWTH_CENSUS_GAP
+        elif due is not None and step >= due:
+            return self._name_growth(step, batch)
+        return [finding]
+
+    def finish(self) -> list[Finding]:
+        """The run ends: a growth finding still waiting for its second census gets it now (a short
+        run, or one whose reads are far apart, would otherwise end with a growth finding and no holder)."""
+        if self._growth_census_due is None or self._growth_finding is None:
+            return []
+        return self._name_growth(self._growth_finding.step, None, sighting=False)
+
+    def _name_growth(self, step: int, batch: Any, sighting: bool = True) -> list[Finding]:
+        self._growth_census_due = None
+        finding, before = self._growth_finding, self._growth_census
+        self._growth_census = None
+        if finding is None or before is None:
+            return []
+        after = self._census(batch)
+        if after is None:
+            return [finding]
+        deltas = [d for d in after.diff(before) if d.bytes > 0]
+        finding.holders = [str(d) for d in deltas[:5]]
+        finding.details["census_cost_s"] = round(before.seconds + after.seconds, 3)
+        if not sighting:
+            finding = copy.copy(finding)
+            finding.count = 0  # FindingLog.add: merge the holders, leave the count alone
+        return [finding]
+
+    # ------------------------------------------------------------------ at step end
+    def end_step(self, step: int, batch: Any, loss: Any, outputs: Any = None) -> None:
+        if self.lingering is not None:
+            self.lingering.end_step(step, batch, loss, outputs)
+
+    # ------------------------------------------------------------------ attribution
+    def lingering_holders(self) -> list[str]:
+        """Who keeps the previous step alive: the reference to the graph first (the cause — a kept
+        loss), rendered through the autograd graph to the leaves it holds; then the other paths."""
+        assert self.lingering is not None
+        targets = self.lingering.alive_tensors()
+        holders: list[str] = []
+        root = self.lingering.graph_root()
+        if root is not None:
+            leaves = [t for t in targets if getattr(t, "is_leaf", False) and t.requires_grad]
+            tail = ", ".join(f"leaf tensor {describe_tensor(t)}" for t in leaves[:3]) or "its saved tensors"
+            if any(t.grad is not None for t in leaves[:3]):
+                tail += " (and its .grad)"
+            search = find_holders([root], time_budget_s=self.config.census_time_budget_s, ignore=self._ignore)
+            holders += [f"{p.path} -> autograd graph -> {tail}" for p in search.paths[:2]]
+            del root
+        return holders + self.holders_of(targets)[: max(0, 5 - len(holders))]
+
+    def holders_of(self, tensors: list[Any]) -> list[str]:
+        if not tensors:
+            return []
+        search = find_holders(tensors, time_budget_s=self.config.census_time_budget_s, ignore=self._ignore)
+        return [str(p) for p in search.paths[:5]]
+
+    def _census(self, batch: Any) -> Census | None:
+        """:meth:`census` for the detectors' own use: a failure only costs the holders."""
+        try:
+            return self.census(batch)
+        except Exception:
+            log.debug("census failed", exc_info=True)
+            return None
+
+    def census(self, batch: Any = None) -> Census:
+        """A census now (for ``explain()``)."""
+        return take_census(
+            model=self.model,
+            optimizer=self.optimizer,
+            current_batch=batch,
+            time_budget_s=self.config.census_time_budget_s,
+            ignore=self._ignore,
+        )
+

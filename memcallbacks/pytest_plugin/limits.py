@@ -1,0 +1,113 @@
+"""The ``train_memory`` marker's limits: size strings ("4 MiB", "2 GiB", "0 B") parsed and checked once, before the test runs."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from memcallbacks._base.config import check_config_names
+
+__all__ = ["Limits", "PHASE_NAMES", "parse_size"]
+
+PHASE_NAMES = ("forward", "backward", "optimizer", "other", "step")
+"""Phases a limit can name: the monitor's four phases, and ``step`` (the peak over the whole step)."""
+
+_UNITS = {
+    "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 2**10, "m": 2**20, "g": 2**30,
+}
+_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+
+def _named(name: str, value: Any) -> str:
+    """``("train_memory(max_leak)", "4 pc")`` -> ``"train_memory(max_leak='4 pc')"``."""
+    return f"{name[:-1]}={value!r})" if name.endswith(")") else f"{name}={value!r}"
+
+
+def parse_size(value: Any, name: str) -> int:
+    """``"4 MiB"`` -> 4194304; an int is bytes. Raise ValueError naming ``name`` otherwise."""
+    if isinstance(value, bool):
+        raise ValueError(f"{_named(name, value)} is not a size; pass bytes as an int or a string such as '4 MiB', '2 GiB' or '0 B'.")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"{_named(name, value)} is negative; pass 0 or more bytes, e.g. '0 B' or '4 MiB'.")
+        return value
+    if isinstance(value, str):
+        match = _SIZE.match(value)
+        unit = match.group(2).lower() if match else ""
+        if match and unit in _UNITS or match and unit == "":
+            return int(round(float(match.group(1)) * _UNITS.get(unit, 1)))
+    raise ValueError(
+        f"{_named(name, value)} is not a size; pass bytes as an int or a string such as '4 MiB', '2 GiB' or '0 B' "
+        "(units: B, KiB, MiB, GiB, TiB, or KB, MB, GB, TB in powers of ten)."
+    )
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What a ``train_memory`` test must stay within. Built by :meth:`from_marker` or :meth:`build`."""
+
+    max_leak: int = 0
+    """Bytes of tensor memory alive after the last step beyond what was alive after ``warmup`` steps."""
+    max_peak: int | None = None
+    """Bytes: no phase of any step may peak above it."""
+    warmup: int = 2
+    """Optimizer steps before the leak baseline is taken (optimizer state and lazy buffers appear there)."""
+    phases: dict[str, int] = field(default_factory=dict)
+    """Per-phase peak limits in bytes, keys from :data:`PHASE_NAMES`."""
+    config: dict[str, Any] = field(default_factory=dict)
+    """Further ``MonitorConfig`` fields for the monitors the plugin attaches (e.g. ``gc_every_n_steps``)."""
+
+    @classmethod
+    def build(
+        cls,
+        max_leak: Any = "0 B",
+        max_peak: Any = None,
+        warmup: Any = 2,
+        phases: Mapping[str, Any] | None = None,
+        **config: Any,
+    ) -> "Limits":
+        where = "train_memory"
+        leak = parse_size(max_leak, f"{where}(max_leak)")
+        peak = None if max_peak is None else parse_size(max_peak, f"{where}(max_peak)")
+        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
+            raise ValueError(f"{where}(warmup={warmup!r}) must be a positive number of optimizer steps, e.g. warmup=2.")
+        if phases is None:
+            phases = {}
+        if not isinstance(phases, Mapping):
+            raise ValueError(f"{where}(phases={phases!r}) must be a dict such as {{'backward': '2 GiB'}}.")
+        unknown = sorted(set(phases) - set(PHASE_NAMES))
+        if unknown:
+            raise ValueError(f"{where}(phases=...) has unknown phase(s) {', '.join(map(repr, unknown))}; use {', '.join(PHASE_NAMES)}.")
+        parsed = {k: parse_size(v, f"{where}(phases[{k!r}])") for k, v in phases.items()}
+        try:
+            check_config_names(config, where)
+        except TypeError as exc:
+            raise ValueError(str(exc)) from None
+        return cls(max_leak=leak, max_peak=peak, warmup=warmup, phases=parsed, config=dict(config))
+
+    @classmethod
+    def from_marker(cls, marker: Any) -> "Limits":
+        """From ``@pytest.mark.train_memory(...)`` (keywords, or max_leak as the one positional argument)."""
+        args, kwargs = tuple(marker.args), dict(marker.kwargs)
+        if len(args) > 1:
+            raise ValueError(f"train_memory takes at most one positional argument (max_leak), got {args!r}; pass the rest by keyword.")
+        if args:
+            if "max_leak" in kwargs:
+                raise ValueError("train_memory got max_leak twice (positionally and by keyword); pass it once.")
+            kwargs["max_leak"] = args[0]
+        return cls.build(**kwargs)
+
+    def replace(self, **changes: Any) -> "Limits":
+        """These limits with some arguments given again (as :meth:`build` takes them)."""
+        current: dict[str, Any] = {"max_leak": self.max_leak, "max_peak": self.max_peak, "warmup": self.warmup, "phases": dict(self.phases)}
+        current.update(self.config)
+        current.update(changes)
+        return Limits.build(**current)
+
+    def peak_limits(self) -> dict[str, int]:
+        """``{phase: bytes}``: ``max_peak`` for every phase, overridden per phase by ``phases``."""
+        out = {name: self.max_peak for name in PHASE_NAMES if self.max_peak is not None}
+        out.update(self.phases)
+        return out  # type: ignore[return-value]

@@ -1,0 +1,382 @@
+"""What the pytest plugin measures on one monitor: step marks, two tensor censuses, and exact CPU phase peaks.
+
+A :class:`Probe` wraps one :class:`~memcallbacks._runtime.session.Session`'s step calls (the
+calls every adapter makes at step and phase boundaries), so it works the same for Lightning,
+Accelerate, Transformers and plain loops. It takes a census of live tensor storages after
+``warmup`` steps and again at the end of training, and marks every boundary in a
+:class:`Timeline`: on CPU a ``torch.profiler`` session whose allocation events give, after the
+test, the exact peak of live CPU-allocator bytes in each phase of each step (RSS high-water marks
+move with glibc's heap and are not repeatable enough to compare runs).
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from memcallbacks._base.units import format_bytes
+from memcallbacks.pytest_plugin.cycles import CycleCheck, thaw
+from memcallbacks._base.columns import PEAK_ALLOCATED, PEAK_BACKWARD, PEAK_FORWARD, PEAK_OPTIMIZER, PEAK_OTHER, PHASES
+
+log = logging.getLogger(__name__)
+
+__all__ = ["CARRY_OVER", "LeakResult", "Probe", "Timeline"]
+
+CARRY_OVER = ("parameters", "gradients", "optimizer state", "buffers", "current batch")
+"""Census categories expected to stay alive from step to step: never counted as a leak."""
+
+_MARKER = "memcallbacks::train_memory_mark"
+_CLOSE = {i: ("close", i) for i in range(len(PHASES))}
+
+
+class Timeline:
+    """One ``torch.profiler`` session per test (CPU allocation events only) and the boundary marks in it."""
+
+    def __init__(self) -> None:
+        self._prof: Any = None
+        self.labels: list[tuple[int, tuple[Any, ...]]] = []  # (probe id, label), in mark order
+        self.unavailable = ""
+        self.steps: dict[int, list[dict[str, int]]] = {}  # probe id -> per step {phase: relative peak}
+        self.levels: dict[int, dict[str, int]] = {}  # probe id -> {"anchor": relative level}
+
+    def start(self) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        from memcallbacks._base import torch_private as _tp
+
+        if _tp.profiler_enabled():
+            self.unavailable = "another torch.profiler was running"
+            return
+        try:
+            prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+            prof.__enter__()
+        except Exception as exc:  # an unusual torch build: fall back to the monitor's RSS peaks
+            self.unavailable = f"torch.profiler would not start ({exc})"
+            return
+        self._prof = prof
+
+    @property
+    def running(self) -> bool:
+        return self._prof is not None
+
+    def mark(self, probe: int, label: tuple[Any, ...]) -> None:
+        if self._prof is None:
+            return
+        import torch
+
+        with torch.profiler.record_function(_MARKER):
+            pass
+        self.labels.append((probe, label))
+
+    def stop(self) -> None:
+        """Stop profiling and turn the events into per-step phase peaks; safe to call twice."""
+        prof, self._prof = self._prof, None
+        if prof is None:
+            return
+        from memcallbacks._base import torch_private as _tp
+
+        try:
+            prof.__exit__(None, None, None)
+            events, times = _tp.profiler_memory_events(prof, _MARKER)
+        except Exception as exc:
+            self.unavailable = f"the profile could not be read ({type(exc).__name__}: {exc})"
+            return
+        if len(times) != len(self.labels):
+            self.unavailable = f"{len(times)} marks in the profile, {len(self.labels)} expected"
+            return
+        self._segments([e for e in events if e.device_type == "cpu"], times)
+
+    def _segments(self, events: list[Any], times: list[int]) -> None:
+        """Walk events and marks in time order: the running sum of allocations is the live level."""
+        level, peak, i = 0, 0, 0
+        open_step: dict[int, dict[str, int] | None] = {}
+        for (probe, label), t in zip(self.labels, times):
+            while i < len(events) and events[i].time_ns < t:
+                level += events[i].nbytes
+                if level > peak:
+                    peak = level
+                i += 1
+            # the segment that ends at this mark peaked at `peak`
+            kind = label[0]
+            step = open_step.get(probe)
+            if kind == "close" and step is not None:
+                name = PHASES[label[1]]
+                step[name] = max(step.get(name, peak), peak)
+            elif kind == "begin":
+                step = {}
+                open_step[probe] = step
+                self.steps.setdefault(probe, []).append(step)
+            elif kind == "end":
+                open_step[probe] = None
+            elif kind == "anchor":
+                self.levels.setdefault(probe, {})["anchor"] = level
+            peak = level
+
+
+@dataclass
+class LeakResult:
+    """The census comparison of one monitor: unexpected tensor bytes after warmup and at the end."""
+
+    warmup_bytes: int
+    final_bytes: int
+    steps: int
+    """Steps between the two censuses."""
+    holders: list[str] = field(default_factory=list)
+    cost_s: float = 0.0
+
+    @property
+    def leaked(self) -> int:
+        return self.final_bytes - self.warmup_bytes
+
+
+def _storage_keys_of(objects: list[Any]) -> set[Any]:
+    from memcallbacks._base.storage import storage_keys
+    from memcallbacks.leaks.tensors import iter_tensors
+
+    keys: set[Any] = set()
+    for obj in objects:
+        for t in iter_tensors(obj):
+            keys.update((str(k[0]), k[1]) for k, _ in storage_keys(t))  # as TensorRecord names them
+    return keys
+
+
+def _weak_tensors(keys: set[Any]) -> list[tuple[Any, Any]]:
+    """``[(storage key, weakref to a tensor on it)]`` for the live tensors on the storages ``keys``."""
+    from memcallbacks._base.storage import storage_keys
+    from memcallbacks.leaks.census import _scan_heap
+
+    out = []
+    for t in _scan_heap()[1]:
+        for key, _ in storage_keys(t):
+            key = (str(key[0]), key[1])
+            if key in keys:
+                try:
+                    out.append((key, weakref.ref(t)))
+                except TypeError:
+                    pass
+    return out
+
+
+def _unexpected(census: Any, ignore: set[Any]) -> tuple[int, dict[Any, Any]]:
+    """Bytes (and records by storage) outside the carry-over categories and the framework's bookkeeping."""
+    records = {(r.device, r.data_ptr): r for r in census.records if r.category not in CARRY_OVER}
+    records = {k: r for k, r in records.items() if k not in ignore}
+    return sum(r.nbytes for r in records.values()), records
+
+
+class Probe:
+    """Step marks, censuses and results for one monitor core. Each wrapper forwards to the real call first-class."""
+
+    def __init__(
+        self,
+        core: Any,
+        timeline: Timeline,
+        *,
+        warmup: int,
+        max_leak: int,
+        bookkeeping: Callable[[], list[Any]] | None = None,
+        census_every_step: bool = False,
+        last_step: Callable[[], bool] | None = None,
+        name: str = "",
+    ) -> None:
+        self.core = core
+        self.timeline = timeline
+        self.warmup = warmup
+        self.max_leak = max_leak
+        self.bookkeeping = bookkeeping
+        self.census_every_step = census_every_step  # for loops with no end event the probe sees (Accelerate)
+        self.last_step = last_step  # True while the run's last step ends: its end census is taken there (Transformers)
+        self.cycles = CycleCheck(max_leak)
+        self.name = name
+        self.steps = 0
+        self.leak: LeakResult | None = None
+        self._warmup_census: Any = None
+        self._warmup_bytes = 0
+        self._final_step = -1
+        self.frozen = False  # set once the test body has returned: what is alive then says nothing about training
+        self._warmup_alive: list[tuple[Any, Any]] = []
+        self._last_batch: list[Any] = []  # weak references to the last step's batch tensors
+        self.census_seconds = 0.0
+        self.anchor_bytes = 0  # total tensor bytes of the latest census, where the timeline's anchor mark is
+        self._wrap()
+
+    # ------------------------------------------------------------------ wrappers on the core's step calls
+    def _wrap(self) -> None:
+        # instance attributes shadow Session's methods: every adapter calls them through `core.`
+        core, me, mark = self.core, id(self), self.timeline.mark
+        begin, boundary, end, finish = core.begin_step, core.boundary, core.end_step, core.finish
+
+        def begin_step(*args: Any, **kwargs: Any) -> Any:
+            mark(me, _CLOSE[3] if core.step_open else ("begin",))
+            return begin(*args, **kwargs)
+
+        def boundary_(closing: int) -> Any:
+            result = boundary(closing)
+            mark(me, _CLOSE[closing])
+            return result
+
+        def end_step(closing: int = 2, **kwargs: Any) -> Any:
+            was_open = core.step_open
+            if was_open:
+                mark(me, _CLOSE[closing])
+            result = end(closing, **kwargs)
+            if was_open:
+                mark(me, ("end",))
+                batch = kwargs.get("batch")
+                if self.last_step is not None:  # the step's output is as transient as its batch
+                    batch = [batch, kwargs.get("loss")]
+                self._step_ended(batch)
+            return result
+
+        def finish_(*args: Any, **kwargs: Any) -> Any:
+            self._final_census(self._batch_alive())
+            if self.timeline.running and self._warmup_census is None and self.steps and not self.frozen:
+                self._census(self._batch_alive())  # too few steps for the leak check: the anchor for the peaks
+            return finish(*args, **kwargs)
+
+        core.begin_step, core.boundary, core.end_step, core.finish = begin_step, boundary_, end_step, finish_
+
+    def _step_ended(self, batch: Any) -> None:
+        from memcallbacks.leaks.tensors import iter_tensors
+
+        self.steps += 1
+        refs = []
+        for t in iter_tensors(batch):
+            try:
+                refs.append(weakref.ref(t))
+            except TypeError:
+                pass
+        self._last_batch = refs
+        if self.steps == self.warmup:
+            self.cycles.baseline()
+            census = self._census(batch)
+            if census is not None:
+                self._warmup_census = census
+                self._warmup_bytes, records = _unexpected(census, self._ignored())
+                batch_keys = {(r.device, r.data_ptr) for r in census.records if r.category == "current batch"}
+                self._warmup_alive = _weak_tensors(set(records) | batch_keys)
+                self.cycles.hold()
+        elif self.steps > self.warmup and (self.census_every_step or self._is_last_step()):
+            self._final_census(batch)
+
+    def _is_last_step(self) -> bool:
+        try:
+            return self.last_step is not None and bool(self.last_step())
+        except Exception:
+            log.debug("train_memory: could not tell the last step", exc_info=True)
+            return False
+
+    def _batch_alive(self) -> list[Any]:
+        return [t for t in (r() for r in self._last_batch) if t is not None]
+
+    # ------------------------------------------------------------------ censuses
+    def _ignored(self) -> set[Any]:
+        if self.bookkeeping is None:
+            return set()
+        try:
+            return _storage_keys_of(self.bookkeeping())
+        except Exception:
+            log.debug("train_memory: could not read the framework's bookkeeping tensors", exc_info=True)
+            return set()
+
+    def _census(self, batch: Any, find_paths: bool = False) -> Any:
+        import time
+
+        from memcallbacks.leaks import take_census
+
+        thaw()  # gc.get_objects() does not list a frozen heap
+        t0 = time.perf_counter()
+        try:
+            census = take_census(current_batch=batch, find_paths=find_paths, ignore=[self, self.core])
+        except Exception:
+            log.warning("train_memory: a tensor census failed; the leak check is skipped for %s.", self.name, exc_info=True)
+            return None
+        finally:
+            self.census_seconds += time.perf_counter() - t0
+        if not find_paths:
+            self.timeline.mark(id(self), ("anchor",))
+            self.anchor_bytes = census.total_bytes
+        return census
+
+    def _final_census(self, batch: Any) -> None:
+        if self.frozen or self._warmup_census is None or self.steps <= self.warmup or self._final_step == self.steps:
+            return
+        self._final_step = self.steps
+        self.cycles.check(self.steps)
+        try:
+            census = self._census(batch)
+            if census is None:
+                return
+            ignore = self._ignored()
+            final, records = _unexpected(census, ignore)
+            leak = LeakResult(self._warmup_bytes, final, self.steps - self.warmup)
+            if leak.leaked > self.max_leak:
+                leak.holders = self._new_holders(batch, ignore)
+            self.leak = leak
+        finally:
+            # a loop with no end event checks again at its next step end
+            if self.census_every_step:
+                self.cycles.hold()
+            else:
+                self.cycles.release()
+
+    def _new_holders(self, batch: Any, ignore: set[Any]) -> list[str]:
+        """Who holds the storages that were not alive after warmup: a census with paths, grouped by holder."""
+        census = self._census(batch, find_paths=True)
+        if census is None:
+            return []
+        # storages alive since warm-up, by their tensors: an address freed and reused later is new
+        before = {key for key, ref in self._warmup_alive if ref() is not None}
+        grew: dict[str, list[int]] = {}
+        for key, record in _unexpected(census, ignore)[1].items():
+            if key in before:
+                continue
+            acc = grew.setdefault(record.holder or f"({record.category}, holder not found)", [0, 0])
+            acc[0] += 1
+            acc[1] += record.nbytes
+        # a holder with several new tensors collects them; one new tensor is usually a rebound variable
+        ranked = sorted(grew.items(), key=lambda kv: (kv[1][0] < 2, -kv[1][1]))
+        return [
+            f"{holder} holds {n} tensor{'s' if n != 1 else ''} / {format_bytes(b)} allocated after warm-up"
+            for holder, (n, b) in ranked[:5]
+        ]
+
+    # ------------------------------------------------------------------ results
+    @property
+    def device_kind(self) -> str:
+        backend = getattr(self.core.engine, "backend", None)
+        return backend.kind if backend is not None else str(self.core.engine.device_info.get("kind", "cpu"))
+
+    def phase_peaks(self) -> tuple[dict[str, int], str]:
+        """``({phase: peak bytes}, source)``: the largest peak of each phase over all steps."""
+        steps = self.timeline.steps.get(id(self))
+        anchor = self.timeline.levels.get(id(self), {}).get("anchor")
+        if self.device_kind == "cpu" and steps is not None and anchor is not None:
+            offset = self.anchor_bytes - anchor
+            peaks: dict[str, int] = {}
+            for step in steps:
+                for phase, value in step.items():
+                    peaks[phase] = max(peaks.get(phase, value + offset), value + offset)
+            if peaks:
+                peaks["step"] = max(peaks.values())
+            return peaks, "live CPU tensor bytes (torch.profiler allocation events)"
+        return self._history_peaks(), f"the monitor's {self.device_kind} peaks"
+
+    def _history_peaks(self) -> dict[str, int]:
+        rows = self.core.engine.rows
+        if not rows:
+            return {}
+        peaks: dict[str, int] = {}
+        columns = ((PEAK_FORWARD, "forward"), (PEAK_BACKWARD, "backward"), (PEAK_OPTIMIZER, "optimizer"), (PEAK_OTHER, "other"), (PEAK_ALLOCATED, "step"))
+        for column, phase in columns:
+            values = [row[column] for row in rows if row[column] == row[column]]  # drop NaN
+            if values:
+                peaks[phase] = int(max(values))
+        return peaks
+
+    def findings(self) -> list[Any]:
+        found = [f for f in self.core.findings if f.kind in ("lingering", "growth", "cycle")]
+        keys = {f.key for f in found}
+        return found + [f for f in self.cycles.findings if f.key not in keys]

@@ -1,0 +1,224 @@
+"""One ``train_memory`` test: the monitors it attached, what they measured, and the failure text."""
+
+from __future__ import annotations
+
+import logging
+import textwrap
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator
+
+from memcallbacks._base.units import format_bytes
+from memcallbacks.pytest_plugin.limits import PHASE_NAMES, Limits
+from memcallbacks.pytest_plugin.probe import Probe, Timeline
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Failure", "TrainMemory"]
+
+_WIDTH = 100
+
+
+@dataclass
+class Failure:
+    """One reason a test fails: a summary line, holder chains, and what to do."""
+
+    summary: str
+    holders: list[str] = field(default_factory=list)
+    fix: str = ""
+
+    def render(self) -> str:
+        lines = [self.summary]
+        lines += [f"    held by: {h}" for h in self.holders]
+        if self.fix:
+            lines += textwrap.wrap(self.fix, _WIDTH, initial_indent="    fix: ", subsequent_indent="         ")
+        return "\n".join(lines)
+
+
+LINGERING_FLOOR = 4096
+"""Lingering references below this many bytes do not fail a test (see monitor_config)."""
+
+
+class TrainMemory:
+    """The ``train_memory`` fixture: limits, the monitors attached in this test, and their verdict.
+
+    Example::
+
+        def test_loop(train_memory):
+            train_memory.limits(max_leak="1 MiB")
+            for x, y in train_memory.track(model, optimizer, batches):
+                loss = F.mse_loss(model(x), y)
+                loss.backward(); optimizer.step(); optimizer.zero_grad()
+    """
+
+    def __init__(self, limits: Limits, output_dir: Path) -> None:
+        self._limits = limits
+        self.output_dir = output_dir
+        self.timeline = Timeline()
+        self.probes: list[Probe] = []
+        self.closers: list[Callable[[], None]] = []
+        self._patches: Any = None
+        self._started = False
+        self._evaluated: list[Failure] | None = None
+
+    # ------------------------------------------------------------------ set-up
+    def limits(self, limits: Limits | None = None, **kwargs: Any) -> Limits:
+        """Replace the marker's limits (all or some): ``train_memory.limits(max_leak="1 MiB")``. Returns them."""
+        if limits is not None and kwargs:
+            raise TypeError("train_memory.limits() takes a Limits object or keyword arguments, not both.")
+        if self.probes:
+            raise RuntimeError("train_memory.limits() must be called before training starts: a monitor is already attached.")
+        self._limits = limits if limits is not None else self._limits.replace(**kwargs)
+        return self._limits
+
+    @property
+    def current_limits(self) -> Limits:
+        return self._limits
+
+    def monitor_config(self) -> dict[str, Any]:
+        """MonitorConfig fields for every monitor the plugin creates: every step sampled and checked."""
+        folder = self.output_dir / f"monitor{len(self.probes)}"
+        config: dict[str, Any] = {
+            "sample_every_n_steps": 1,
+            "output_dir": str(folder),
+            "plot": False,
+            "estimate_model_states": False,
+            "growth_warmup_steps": self._limits.warmup,
+            # a loop variable still holding the last step's scalar loss (4 B) is not a failure: lingering
+            # counts from LINGERING_FLOOR bytes (a kept graph or batch is far above it)
+            "lingering_min_bytes": max(self._limits.max_leak, LINGERING_FLOOR),
+        }
+        config.update(self._limits.config)
+        return config
+
+    def start(self) -> None:
+        """Install the constructor wrappers and the profiler (once)."""
+        if self._started:
+            return
+        from memcallbacks.pytest_plugin.attach import Patches
+
+        self._started = True
+        self.timeline.start()
+        self._patches = Patches(self)
+        self._patches.install()
+
+    def probe(
+        self, core: Any, *, name: str, bookkeeping: Callable[[], list[Any]] | None = None,
+        census_every_step: bool = False, last_step: Callable[[], bool] | None = None,
+    ) -> Probe:
+        probe = Probe(
+            core, self.timeline, warmup=self._limits.warmup, max_leak=self._limits.max_leak,
+            bookkeeping=bookkeeping, census_every_step=census_every_step, last_step=last_step, name=name,
+        )
+        self.probes.append(probe)
+        return probe
+
+    def track(self, model: Any, optimizer: Any, batches: Iterable[Any], **config: Any) -> Iterator[Any]:
+        """Watch a hand-written loop: yields the batches, marking a step boundary before each."""
+        from memcallbacks.monitor import Monitor
+
+        self.start()
+        monitor = Monitor(model, optimizer, **{**self.monitor_config(), **config})
+        self.probe(monitor._current_session(), name="train_memory.track()")
+        self.closers.append(monitor.close)
+        try:
+            yield from monitor.track(batches)
+        finally:
+            monitor.close()  # the end census sees the test's locals: the loop has just ended
+
+    def stop(self) -> None:
+        """Close what the test left open, remove the wrappers, stop the profiler. Safe to call twice."""
+        closers, self.closers = self.closers, []
+        for probe in self.probes:
+            if probe.census_every_step:
+                probe.frozen = True  # a loop the test left open ends here, after its locals are gone
+        for close in closers:
+            try:
+                close()
+            except Exception:
+                log.warning("train_memory: closing a monitor failed", exc_info=True)
+        for probe in self.probes:
+            probe.cycles.release()
+        if self._patches is not None:
+            self._patches.remove()
+        self.timeline.stop()
+
+    # ------------------------------------------------------------------ verdict
+    def phase_peaks(self) -> tuple[dict[str, int], str]:
+        """The largest peak per phase over every monitor of the test, and where the numbers come from."""
+        peaks: dict[str, int] = {}
+        sources = []
+        for probe in self.probes:
+            found, source = probe.phase_peaks()
+            sources.append(source)
+            for phase, value in found.items():
+                peaks[phase] = max(peaks.get(phase, value), value)
+        return peaks, (sources[0] if len(set(sources)) == 1 else "; ".join(sorted(set(sources))))
+
+    def failures(self) -> list[Failure]:
+        if self._evaluated is None:
+            self.stop()
+            self._evaluated = self._findings() + self._leaks() + self._peaks()
+        return self._evaluated
+
+    def _findings(self) -> list[Failure]:
+        out = []
+        for probe in self.probes:
+            for finding in probe.findings():
+                out.append(Failure(_finding_summary(finding), list(finding.holders), finding.message))
+        return out
+
+    def _leaks(self) -> list[Failure]:
+        out = []
+        limit = self._limits.max_leak
+        for probe in self.probes:
+            leak = probe.leak
+            if leak is None or leak.leaked <= limit:
+                continue
+            out.append(Failure(
+                f"leaked {format_bytes(leak.leaked)} over {leak.steps} step{'s' if leak.steps != 1 else ''} "
+                f"(limit {format_bytes(limit)}): tensor memory alive after the last step ({format_bytes(leak.final_bytes)}) "
+                f"against after warm-up step {self._limits.warmup} ({format_bytes(leak.warmup_bytes)}), params, grads, "
+                f"optimizer state and the current batch left out [{probe.name}]",
+                leak.holders,
+                "Something keeps tensors from step to step: a list or dict on the model or a global that gets a "
+                "tensor per step, a running total without `.detach()`, or outputs stored on `self`. Store "
+                "`.item()` or `.detach().cpu()` values, bound or clear the cache; the holders name what grew.",
+            ))
+        return out
+
+    def _peaks(self) -> list[Failure]:
+        limits = self._limits.peak_limits()
+        if not limits:
+            return []
+        peaks, source = self.phase_peaks()
+        out = []
+        for phase in PHASE_NAMES:
+            limit, value = limits.get(phase), peaks.get(phase)
+            if limit is None or value is None or value <= limit:
+                continue
+            out.append(Failure(
+                f"peak {phase} {format_bytes(value)} over limit {format_bytes(limit)} (measured as {source})",
+                fix=f"Find what {phase} keeps alive at its peak (a memory snapshot: MemoryMonitor(auto_snapshot=True), "
+                "docs/snapshots.md), or raise the limit if the model grew on purpose.",
+            ))
+        return out
+
+    def report(self, nodeid: str) -> str:
+        failures = self.failures()
+        head = f"train_memory: {nodeid} failed {len(failures)} memory check{'s' if len(failures) != 1 else ''}"
+        blocks = [f.render() for f in failures]
+        tail = f"monitor files: {self.output_dir}"
+        return "\n\n".join([head, *blocks, tail])
+
+
+def _finding_summary(finding: Any) -> str:
+    details = finding.details or {}
+    if finding.kind == "lingering":
+        start = details.get("from_step", finding.step - 1)
+        return f"step {finding.step} kept {format_bytes(finding.bytes)} of step {start} alive (lingering)"
+    if finding.kind == "growth":
+        rate = details.get("rate_bytes_per_step")
+        per_step = f", {format_bytes(rate)}/step" if rate else ""
+        return f"memory at step start grew by {format_bytes(finding.bytes)} up to step {finding.step}{per_step} (growth)"
+    return f"gc.collect() freed {format_bytes(finding.bytes)} of tensors held in reference cycles at step {finding.step} (cycle)"

@@ -1,0 +1,76 @@
+"""Every ``memcallbacks ...`` and ``python ...`` command shown in README.md and docs/*.md runs as shown.
+
+Commands are taken from fenced code blocks (a leading ``$ `` dropped, ``&&`` chains split) and from
+inline code spans, and run in one scratch folder holding what they read: the snapshot pickles they
+name (copies of tests/data/cuda_like_snapshot.pickle) and ``examples/`` (whose Lightning example
+writes the run that ``memcallbacks report runs/example/version_0/memcallbacks`` reads, so it runs first).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SNAPSHOTS = ("memory_snapshot_step12.pickle", "memory_snapshot_step120.pickle", "snap.pickle")
+
+#: Shown but not run here, each with its reason. Everything else must exit 0.
+#: Benchmarks (``python benchmarks/...``) are timed runs of minutes, some for a GPU: here each one's
+#: exact command line is parsed (``--help`` appended: every option before it is checked), and
+#: docs/benchmarks.md says when each was last run in full.
+EXEMPT = {
+    "python -m pytest -q": "the whole test suite (it includes this test)",
+    "memcallbacks summary": "the name of a command in prose, not a command line",
+    "memcallbacks report": "the name of a command in prose, not a command line",
+    "memcallbacks estimate": "the name of a command in prose, not a command line",
+    "memcallbacks render": "the name of a command in prose, not a command line",
+    "memcallbacks render: no such file: PATH": "an error message quoted in prose",
+}
+
+
+def documented_commands() -> list[str]:
+    found: list[str] = []
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        text = doc.read_text()
+        lines = [line for block in re.findall(r"```[^\n]*\n(.*?)```", text, re.S) for line in block.splitlines()]
+        lines += re.findall(r"(?<!`)`([^`\n]+)`(?!`)", re.sub(r"```.*?```", "", text, flags=re.S))
+        for line in lines:
+            line = line.strip().removeprefix("$ ")
+            for part in line.split("&&"):
+                command = part.split("  #")[0].split(" # ")[0].strip()
+                if re.match(r"(memcallbacks|python) \S", command) and command not in found:
+                    found.append(command)
+    # the example that writes runs/ first: `memcallbacks report runs/...` reads it
+    return sorted(found, key=lambda c: not c.startswith("python examples/lightning"))
+
+
+@pytest.fixture(scope="module")
+def scratch(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("docs")
+    for name in SNAPSHOTS:
+        shutil.copy(ROOT / "tests" / "data" / "cuda_like_snapshot.pickle", folder / name)
+    for name in ("examples", "benchmarks", "tests"):
+        (folder / name).symlink_to(ROOT / name)
+    return folder
+
+
+def test_the_exempt_list_is_small_and_current() -> None:
+    commands = documented_commands()
+    assert len(EXEMPT) <= 10 and set(EXEMPT) <= set(commands), set(EXEMPT) - set(commands)
+    assert len([c for c in commands if c not in EXEMPT]) >= 8
+
+
+@pytest.mark.parametrize("command", [c for c in documented_commands() if c not in EXEMPT])
+def test_documented_command_runs_as_shown(scratch: Path, command: str) -> None:
+    bindir = str(Path(sys.executable).parent)  # `memcallbacks` and `python` of this environment
+    env = dict(os.environ, PATH=bindir + os.pathsep + os.environ.get("PATH", ""), PYTHONPATH=str(ROOT))
+    if command.startswith("python benchmarks/"):
+        command += " --help"  # parse the documented arguments; the timed run itself is not a test
+    done = subprocess.run(command, shell=True, cwd=scratch, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"{command!r} exited {done.returncode}:\n{done.stderr[-2000:]}"
