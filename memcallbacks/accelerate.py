@@ -21,12 +21,12 @@ import torch
 from torch import nn
 
 from memcallbacks._base.config import MonitorConfig
+from memcallbacks._base.columns import BACKWARD, FORWARD
+from memcallbacks._runtime.adapter_support import accelerate_strategy, precision_name, rank_zero_trackers
 from memcallbacks._runtime.guard import entry_point
 from memcallbacks._runtime.lifecycle import weak_method
 from memcallbacks._runtime.session import LogFn
-from memcallbacks._runtime.sampling import BACKWARD, FORWARD
 from memcallbacks.monitor import Monitor
-from memcallbacks.trackers import Trackers
 
 if TYPE_CHECKING:  # pragma: no cover
     from accelerate import Accelerator
@@ -91,7 +91,7 @@ class AccelerateMemoryMonitor(Monitor):
         super().__init__(model, optimizer, log_fn or weak_method(self._log_to_trackers), device=accelerator.device, config=config, **kwargs)
         self._optimizer = optimizer
         if model is not None:  # hooked by Monitor.__init__
-            self._session.title = type(model).__name__
+            self._session.attach(title=type(model).__name__)
             self._set_training_objects()
         else:
             self._hook_prepared_models()
@@ -108,8 +108,8 @@ class AccelerateMemoryMonitor(Monitor):
             default_output_dir=Path(base) / "memcallbacks" if base else None,
         )
         # the main process's trackers (accelerator.init_trackers), looked up again on each logged step
-        main = bool(accelerator.is_main_process)
-        self._session.trackers = Trackers(lambda: accelerator.trackers, owner="AccelerateMemoryMonitor", logger=log) if main else None
+        trackers = rank_zero_trackers(bool(accelerator.is_main_process), lambda: accelerator.trackers, "AccelerateMemoryMonitor", log)
+        self._session.attach(trackers=trackers)
 
     @entry_point("hooking the prepared models")
     def _hook_prepared_models(self) -> None:
@@ -122,7 +122,7 @@ class AccelerateMemoryMonitor(Monitor):
                 found = True
                 self._hook_model(model)
                 if not self._session.title:
-                    self._session.title = type(getattr(model, "module", model)).__name__
+                    self._session.attach(title=type(getattr(model, "module", model)).__name__)
         if found:
             self._set_training_objects()
 
@@ -134,20 +134,10 @@ class AccelerateMemoryMonitor(Monitor):
             optimizer = accelerator._optimizers[0]
         optimizer = getattr(optimizer, "optimizer", optimizer)  # the AcceleratedOptimizer's inner one
         model = self._hooked_models[0] if len(self._hooked_models) == 1 else None
-        # accelerator._models keeps the bare module under DDP, so the strategy is named here
-        kind = str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type))
-        strategy: str | None = None
-        if kind == "DEEPSPEED":
-            stage = getattr(getattr(accelerator.state, "deepspeed_plugin", None), "zero_stage", 0)
-            strategy = f"zero{stage}" if stage in (1, 2, 3) else "ddp"
-        elif kind == "FSDP":
-            version = getattr(getattr(accelerator.state, "fsdp_plugin", None), "fsdp_version", 1)
-            strategy = "fsdp2" if version == 2 else "fsdp"
-        elif kind.startswith("MULTI_") and int(accelerator.num_processes) > 1:
-            strategy = "ddp"
-        precision = {"fp16": "16-mixed", "bf16": "bf16-mixed"}.get(str(accelerator.mixed_precision))
+        strategy = accelerate_strategy(accelerator)
         world_size = int(accelerator.num_processes) if strategy is not None else None
-        self._session.set_training_objects(model, optimizer, precision=precision, strategy=strategy, world_size=world_size)
+        self._session.attach(model=model, optimizer=optimizer, precision=precision_name(accelerator.mixed_precision),
+                             strategy=strategy, world_size=world_size)
 
     def _install_backward_wrapper(self) -> None:
         # the instance attribute shadows Accelerator.backward; close() (or the cleanup of a monitor

@@ -31,7 +31,6 @@ import copy
 import importlib
 import importlib.util
 import logging
-import math
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -39,13 +38,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from memcallbacks._base.config import MonitorConfig, check_config_names, resolve_config
-from memcallbacks._runtime.cadence import TRIP_MASK
+from memcallbacks._base.columns import BACKWARD, FORWARD, OPTIMIZER, OTHER
+from memcallbacks._runtime.adapter_support import OptimizerHooks, lightning_strategy, precision_name, rank_zero_trackers
 from memcallbacks._runtime.guard import SetupError, entry_point, quiet_gate
 from memcallbacks._runtime.results import SessionResults
 from memcallbacks._runtime.preflight_steps import training_step
-from memcallbacks._runtime.session import Session
-from memcallbacks._runtime.sampling import BACKWARD, FORWARD, OPTIMIZER, OTHER
-from memcallbacks.trackers import Trackers
+from memcallbacks._runtime.session import Session, output_folder
 
 if TYPE_CHECKING:  # pragma: no cover
     import lightning.pytorch as pl
@@ -75,27 +73,6 @@ def _callback_bases() -> tuple[type, ...]:
     return tuple(bases)
 
 
-# Lightning's strategies by class name, in memcallbacks.estimate's names (others: detected from the model).
-_LIGHTNING_STRATEGIES = {
-    "SingleDeviceStrategy": "single",
-    "SingleDeviceXLAStrategy": "single",
-    "DDPStrategy": "ddp",
-    "FSDPStrategy": "fsdp",
-    "ModelParallelStrategy": "fsdp2",
-}
-
-
-def _strategy_name(strategy: Any) -> str | None:
-    """Map a Lightning strategy object to :func:`memcallbacks.estimate.estimate`'s names (None: detect from the model)."""
-    name = type(strategy).__name__
-    if name in _LIGHTNING_STRATEGIES:
-        return _LIGHTNING_STRATEGIES[name]
-    if name == "DeepSpeedStrategy":
-        stage = (getattr(strategy, "config", None) or {}).get("zero_optimization", {}).get("stage", 0)
-        return f"zero{stage}" if stage in (1, 2, 3) else "ddp"
-    return None
-
-
 class MemoryMonitor(SessionResults, *_callback_bases()):  # type: ignore[misc]
     """Per-phase memory peaks on every training step, logged through the trainer's loggers.
 
@@ -118,10 +95,7 @@ class MemoryMonitor(SessionResults, *_callback_bases()):  # type: ignore[misc]
     its checkpoint :attr:`state_key`) and, when they write files, its own ``output_dir``.
     """
 
-    _quiet = False  # the current step is quiet (Session.begin_step): the step hooks return at once
-    _quiet_until = 0  # Session.quiet_until as of the last busy step's end; 0 while a busy step is open
-    _trip: Any = None  # Session's RSS tripwire and its threshold, mirrored with _quiet_until
-    _trip_at = math.inf
+    _quiet = False  # the current step is quiet (the session's plan said so): the step hooks return at once
 
     def __init__(self, config: MonitorConfig | dict[str, Any] | None = None, **kwargs: Any) -> None:
         if config is None:
@@ -131,9 +105,10 @@ class MemoryMonitor(SessionResults, *_callback_bases()):  # type: ignore[misc]
         else:
             self.config = resolve_config(config, kwargs, "MemoryMonitor")
         self._session = Session(self.config, "lightning", "MemoryMonitor", log)
+        self._is_quiet = self._session.plan.quiet  # the plan's one quiet test, asked by the step hooks' gate
         self._stepped = False
         self._automatic = True
-        self._optimizer_hooks: list[Any] = []
+        self._optimizer_hooks = OptimizerHooks(self._optimizer_pre_hook, self._optimizer_post_hook)
         self._started_for: int | None = None
         self._trainer: Any = None
         self._loss: Any = None  # this step's loss, held only until the step ends
@@ -169,8 +144,7 @@ class MemoryMonitor(SessionResults, *_callback_bases()):  # type: ignore[misc]
         """The folder the files will go to (as ``Session.start`` picks it); None without files."""
         if not self.config.write_files:
             return None
-        folder = self.config.output_dir or self._default_dir(trainer) or os.path.join(os.getcwd(), "memcallbacks_output")
-        return os.path.realpath(folder)
+        return output_folder(self.config.output_dir, self._default_dir(trainer))
 
     def _check_siblings(self, trainer: "pl.Trainer") -> None:
         """Refuse, before training, a second MemoryMonitor that would overwrite this one's files.
@@ -195,7 +169,7 @@ class MemoryMonitor(SessionResults, *_callback_bases()):  # type: ignore[misc]
     def _start(self, trainer: "pl.Trainer") -> None:
         session = self._session
         self._trainer = trainer
-        if self._started_for == id(trainer) and session.engine.backend is not None:
+        if self._started_for == id(trainer) and session.started:
             return
         self._started_for = id(trainer)
         default_dir = self._default_dir(trainer)
@@ -205,9 +179,7 @@ class MemoryMonitor(SessionResults, *_callback_bases()):  # type: ignore[misc]
                 "MemoryMonitor: the Trainer has no logger (logger=False); memory metrics are not logged, but "
                 "`monitor.history` and the files in output_dir are still kept.",
             )
-        session.log_fn = self._emit
-        # rank zero's TensorBoard/W&B/MLflow loggers get the dashboard, report and snapshots
-        session.trackers = Trackers(lambda: trainer.loggers, owner="MemoryMonitor", logger=log) if trainer.is_global_zero else None
+        session.attach(log_fn=self._emit, trackers=rank_zero_trackers(trainer.is_global_zero, lambda: trainer.loggers, "MemoryMonitor", log))
         session.start(
             trainer.strategy.root_device,
             rank=trainer.global_rank,
@@ -233,31 +205,22 @@ class MemoryMonitor(SessionResults, *_callback_bases()):  # type: ignore[misc]
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._automatic = bool(pl_module.automatic_optimization)
         self._stepped = self._quiet = False
-        self._quiet_until = 0
         self._last_count = self._log_step(trainer) - 1
-        self._session.step_open = False
-        self._session.title = f"{type(pl_module).__name__}"
         optimizers = list(trainer.optimizers)
-        self._session.set_training_objects(
-            trainer.strategy.model or pl_module,
-            optimizers[0] if len(optimizers) == 1 else None,
-            precision=str(getattr(trainer, "precision", "")) or None,
-            strategy=_strategy_name(trainer.strategy),
+        self._session.attach(
+            title=type(pl_module).__name__,
+            model=trainer.strategy.model or pl_module,
+            optimizer=optimizers[0] if len(optimizers) == 1 else None,
+            precision=precision_name(getattr(trainer, "precision", None)),
+            strategy=lightning_strategy(trainer.strategy),
             world_size=trainer.world_size,
         )
-        if not self._automatic and self._session.enabled and not self._optimizer_hooks:
+        if not self._automatic and self._session.enabled:
             # manual optimization: the optimizer's own hooks bound the optimizer phase exactly
-            from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
-
-            self._optimizer_hooks = [
-                register_optimizer_step_pre_hook(self._optimizer_pre_hook),
-                register_optimizer_step_post_hook(self._optimizer_post_hook),
-            ]
+            self._optimizer_hooks.install()
 
     def _remove_optimizer_hooks(self) -> None:
-        for handle in self._optimizer_hooks:
-            handle.remove()
-        self._optimizer_hooks = []
+        self._optimizer_hooks.remove()
 
     @entry_point("optimizer pre-hook")
     def _optimizer_pre_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -273,13 +236,10 @@ class MemoryMonitor(SessionResults, *_callback_bases()):  # type: ignore[misc]
     # read, with no wrapper frame: that check cannot raise, and everything else is in a guarded method.
     @quiet_gate("on_train_batch_start")
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int) -> None:
-        # the session's plan, mirrored on the callback at each busy step's end: the check reads no
-        # other object (measured: reading the session here cost quiet steps ~20 µs more at fit level)
-        # (the RSS tripwire, where the watch's read is costly: a quiet step whose resident set has
-        # risen since the last read is not quiet; a fault here leaves the step to the guarded method)
+        # the session's plan decides (StepPlan.quiet, which cannot raise; a fault reading Lightning's
+        # counter leaves the step to the guarded method)
         try:
-            stepped = trainer.fit_loop.epoch_loop._batches_that_stepped
-            if stepped < self._quiet_until and (stepped & TRIP_MASK or self._trip is None or self._trip() < self._trip_at):
+            if self._is_quiet(trainer.fit_loop.epoch_loop._batches_that_stepped):
                 self._quiet = True  # most steps of a long run: skipped by every hook, counted at the next other step
                 return
         except Exception:
@@ -290,16 +250,15 @@ class MemoryMonitor(SessionResults, *_callback_bases()):  # type: ignore[misc]
     def _train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int) -> None:
         session = self._session
         self._quiet = False
-        self._quiet_until = 0  # until this step's end plans the next quiet stretch
         if session.step_open:  # a further micro-batch of the open step (gradient accumulation)
             session.begin_step(0)
             return
         count = self._log_step(trainer)
         session.count_quiet(count - self._last_count - 1)
         self._last_count = count
-        if session.preflight.due:  # preflight=True: this batch's step predicted on fake tensors, before it starts
+        if session.preflight_due:  # preflight=True: this batch's step predicted on fake tensors, before it starts
             manual = None if self._automatic else "manual optimization (training_step runs its own backward and optimizer steps)"
-            session.preflight.run(batch, model=pl_module, forward_fn=training_step(batch_idx), skip=manual, grads_through_forward=True)
+            session.run_preflight(batch, model=pl_module, forward_fn=training_step(batch_idx), skip=manual, grads_through_forward=True)
         log_now = session.will_log(count)
         if session.enabled and session.wants_sample(count, log_now):
             session.begin_step(trainer.global_step, trainer.current_epoch, batch_idx, log=log_now, count=count, batch=batch, sample=True)
@@ -346,8 +305,6 @@ class MemoryMonitor(SessionResults, *_callback_bases()):  # type: ignore[misc]
         if self._stepped or not self._automatic:
             log_step = self._log_step(trainer) if session.log_this_step else None
             session.end_step(OPTIMIZER if self._automatic else OTHER, log_step=log_step, batch=batch, loss=loss, outputs=outputs)
-            self._quiet_until = session.quiet_until  # a wake() after this waits for the next busy step
-            self._trip, self._trip_at = session._trip, session.trip_at
         else:  # accumulating gradients: the step goes on with the next batch
             session.boundary(OTHER)
         self._stepped = False

@@ -18,12 +18,12 @@ import torch
 from torch import nn
 
 from memcallbacks._base.config import MonitorConfig, resolve_config
+from memcallbacks._base.columns import BACKWARD, FORWARD, OPTIMIZER, OTHER, PHASES
+from memcallbacks._runtime.adapter_support import OptimizerHooks
 from memcallbacks._runtime.guard import entry_point
 from memcallbacks._runtime.lifecycle import Cleanup, weak_method
-from memcallbacks._runtime.preflight_check import fake_step_running
 from memcallbacks._runtime.results import SessionResults
 from memcallbacks._runtime.session import LogFn, Session
-from memcallbacks._runtime.sampling import BACKWARD, FORWARD, OPTIMIZER, OTHER, PHASES
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ class Monitor(SessionResults):
             raise TypeError(f"{type(self).__name__}(log_fn={log_fn!r}) must be callable as log_fn(metrics, step) or None.")
         self.config = resolve_config(config, kwargs, type(self).__name__)
         self._session = Session(self.config, self.framework, type(self).__name__, logging.getLogger(type(self).__module__))
-        self._session.log_fn = log_fn
+        self._session.attach(log_fn=log_fn)
         self._model_ref = weakref.ref(model) if model is not None else None
         self._handles: list[Any] = []  # the global optimizer hooks
         # models with forward hooks: always on in auto mode; under track()/step() only on steps that
@@ -133,7 +133,7 @@ class Monitor(SessionResults):
         self._cleanup.add("remove its forward hooks", lambda: _remove_all(forward_handles))
         self._start(device)
         self._finalizer = weakref.finalize(self, self._cleanup.abandoned)
-        self._session.set_training_objects(model, optimizer)
+        self._session.attach(model=model, optimizer=optimizer)
         self._install_hooks(model)
 
     # ------------------------------------------------------------------ setup
@@ -161,11 +161,8 @@ class Monitor(SessionResults):
         self._session.start(device)
 
     def _install_hooks(self, model: nn.Module | None) -> None:
-        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
-
         # torch's global hook table holds the monitor weakly: one dropped without close() can be collected
-        self._handles.append(register_optimizer_step_pre_hook(weak_method(self._optimizer_pre)))
-        self._handles.append(register_optimizer_step_post_hook(weak_method(self._optimizer_post)))
+        self._handles.extend(OptimizerHooks(self._optimizer_pre, self._optimizer_post).install())
         self._cleanup.handles.extend(self._handles)
         if model is not None:
             self._hook_model(model)
@@ -173,7 +170,7 @@ class Monitor(SessionResults):
     def _hook_model(self, model: nn.Module) -> None:
         """Watch ``model``'s forward passes (its hooks are installed now unless they are off)."""
         self._hooked_models.append(model)
-        self._session.preflight.watch_first_forward(model)  # preflight=True: predicted at its first training forward
+        self._session.watch_first_forward(model)  # preflight=True: predicted at its first training forward
         if self._forward_hooks_on:
             self._register_forward_hooks(model)
 
@@ -222,11 +219,11 @@ class Monitor(SessionResults):
                 self._output = tensors[0]  # its graph is what a kept loss would keep alive
             if len(self._outputs) < 8:
                 self._outputs.extend(tensors[: 8 - len(self._outputs)])  # a kept `logits` is watched
-            if session.engine.sampling:  # backward boundaries matter only on sampled steps
+            if session.sampling:  # backward boundaries matter only on sampled steps
                 for tensor in tensors:
                     tensor.register_hook(self._weak_backward_start)  # weak: a kept output must not keep the monitor
         except Exception as exc:
-            session.engine.fail(exc, "forward hook")
+            session.fail(exc, "forward hook")
 
     @entry_point("backward hook")
     def _backward_start(self, grad: torch.Tensor) -> None:
@@ -238,7 +235,7 @@ class Monitor(SessionResults):
         try:
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
         except Exception as exc:  # pragma: no cover - private API moved
-            self._session.engine.fail(exc, "backward hook")
+            self._session.fail(exc, "backward hook")
 
     @entry_point("backward-end callback")
     def _backward_end(self) -> None:
@@ -247,8 +244,6 @@ class Monitor(SessionResults):
 
     @entry_point("optimizer pre-hook")
     def _optimizer_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if fake_step_running():  # the pre-flight's fake optimizer, not the loop's
-            return
         if self._session.lingering_due:
             self._session.check_lingering(self._batch)
         if self._session.step_open:
@@ -256,8 +251,6 @@ class Monitor(SessionResults):
 
     @entry_point("optimizer hook")
     def _optimizer_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if fake_step_running():
-            return
         self._ever_stepped = True  # an optimizer exists: batches without a step accumulate
         if self._session.step_open:
             self._stepped = True
@@ -455,16 +448,12 @@ class Monitor(SessionResults):
     def attach(self, *, log_fn: LogFn | None = None, title: str | None = None, trackers: Any = None) -> None:
         """Where logged metrics go (``log_fn(metrics, step)``), the title of the report and plot, and
         the run's own trackers (:class:`memcallbacks.trackers.Trackers`) that get the dashboard and files."""
-        self._session.log_fn = log_fn
-        if title is not None:
-            self._session.title = title
-        if trackers is not None:
-            self._session.trackers = trackers
+        self._session.attach(log_fn=log_fn, title=title, **({"trackers": trackers} if trackers is not None else {}))
 
     def set_training_objects(self, model: Any, optimizer: Any, **strategy: Any) -> None:
         """The model and optimizer the census and the theory check look at (``precision``,
         ``strategy``, ``world_size`` as in :func:`memcallbacks.estimate.estimate`)."""
-        self._session.set_training_objects(model, optimizer, **strategy)
+        self._session.attach(model=model, optimizer=optimizer, **strategy)
 
     def will_log(self, count: int) -> bool:
         """Whether the step after ``count`` steps is a logged step (see ``Session.will_log``)."""

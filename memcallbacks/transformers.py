@@ -29,11 +29,11 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 from memcallbacks._base.config import MonitorConfig, resolve_config
 from memcallbacks._base.columns import OPTIMIZER, OTHER
+from memcallbacks._runtime.adapter_support import precision_name, rank_zero_trackers
 from memcallbacks._runtime.guard import entry_point
 from memcallbacks._runtime.lifecycle import weak_method
 from memcallbacks._runtime.results import SessionResults
 from memcallbacks.monitor import Monitor
-from memcallbacks.trackers import Trackers
 
 if TYPE_CHECKING:  # pragma: no cover
     from transformers import TrainerControl, TrainerState, TrainingArguments
@@ -170,11 +170,10 @@ class MemoryMonitorCallback(SessionResults, TrainerCallback):
         )
         monitor = self._monitor
         handler = self._handler
-        trackers = None
-        if handler is not None and state.is_world_process_zero:  # TensorBoard/W&B/MLflow callbacks of report_to
-            trackers = Trackers(lambda: handler.callbacks, owner="MemoryMonitorCallback", logger=log)
+        # the TensorBoard/W&B/MLflow callbacks of report_to
+        trackers = rank_zero_trackers(handler is not None and state.is_world_process_zero, lambda: handler.callbacks, "MemoryMonitorCallback", log)
         monitor.attach(log_fn=weak_method(self._stash), title=type(model).__name__ if model is not None else "Trainer", trackers=trackers)
-        precision = "bf16-mixed" if getattr(args, "bf16", False) else "16-mixed" if getattr(args, "fp16", False) else None
+        precision = precision_name("bf16" if getattr(args, "bf16", False) else "fp16" if getattr(args, "fp16", False) else None)
         # the Trainer passes the bare model: name plain data parallelism here, let the estimate detect the rest
         ddp = int(args.world_size) > 1 and not getattr(args, "fsdp", None) and not getattr(args, "deepspeed", None)
         monitor.set_training_objects(

@@ -14,8 +14,10 @@ from typing import Any, Iterator
 import pytest
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
-if TESTS_DIR not in sys.path:
-    sys.path.insert(0, TESTS_DIR)
+# helpers.py here, and the test modules other tests build on (tests/<wing>/test_*.py import each other by name)
+for _folder in [TESTS_DIR] + sorted(os.path.join(TESTS_DIR, d) for d in os.listdir(TESTS_DIR) if d not in ("data", "scripts", "__pycache__")):
+    if os.path.isdir(_folder) and _folder not in sys.path:
+        sys.path.insert(0, _folder)
 
 
 def pytest_configure(config: pytest.Config) -> None:

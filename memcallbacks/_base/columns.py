@@ -2,8 +2,24 @@
 
 from __future__ import annotations
 
-FORWARD, BACKWARD, OPTIMIZER, OTHER = range(4)
-PHASES = ("forward", "backward", "optimizer", "other")
+import enum
+
+
+class Phase(enum.IntEnum):
+    """The phases of a training step, in order; each is also its offset from ``PEAK_FORWARD`` in a row.
+    ``OTHER``: what no other phase covers (between micro-batches, before the optimizer step's start)."""
+
+    FORWARD = 0
+    BACKWARD = 1
+    OPTIMIZER = 2
+    OTHER = 3
+
+
+FORWARD, BACKWARD, OPTIMIZER, OTHER = Phase
+PHASES = tuple(p.name.lower() for p in Phase)
+"""The phase names, ``Phase``'s order: ``("forward", "backward", "optimizer", "other")``."""
+TRAINING_PHASES = PHASES[:3]
+"""The phases a step is predicted and compared in (``other`` has no prediction)."""
 
 COLUMNS = (
     "step",  # optimizer steps completed before this row's step (Lightning's global_step)
@@ -33,4 +49,4 @@ _C = {name: i for i, name in enumerate(COLUMNS)}
 EVAL_COLUMNS = ("stage", "step", "epoch", "batches", "allocated", "peak_allocated", "peak_reserved", "allocated_after", "host_rss")
 (E_STAGE, E_STEP, E_EPOCH, E_BATCHES, E_ALLOCATED, E_PEAK_ALLOCATED, E_PEAK_RESERVED, E_ALLOCATED_AFTER, E_HOST_RSS) = range(len(EVAL_COLUMNS))
 
-__all__ = ["FORWARD", "BACKWARD", "OPTIMIZER", "OTHER", "PHASES", "COLUMNS", "EVAL_COLUMNS", *(n.upper() for n in COLUMNS), *("E_" + n.upper() for n in EVAL_COLUMNS)]
+__all__ = ["Phase", "TRAINING_PHASES", "FORWARD", "BACKWARD", "OPTIMIZER", "OTHER", "PHASES", "COLUMNS", "EVAL_COLUMNS", *(n.upper() for n in COLUMNS), *("E_" + n.upper() for n in EVAL_COLUMNS)]

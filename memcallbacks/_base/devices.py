@@ -474,7 +474,7 @@ class CpuBackend(MemoryBackend):
         return out
 
 
-class _StatmReader:
+class StatmReader:
     """RSS from ``/proc/self/statm`` through a kept-open descriptor; reopened after fork or unpickling."""
 
     def __init__(self) -> None:
@@ -516,7 +516,7 @@ def host_rss_reader() -> Callable[[], int]:
     """Return a cheap, picklable zero-argument callable giving this process's resident set size in bytes."""
     if sys.platform.startswith("linux"):
         try:
-            reader = _StatmReader()
+            reader = StatmReader()
             reader()
             return reader
         except (OSError, ValueError, IndexError):

@@ -31,12 +31,11 @@ from __future__ import annotations
 import collections
 import math
 import time
-from typing import Any, Callable
+from typing import Any
 
 from memcallbacks._base.config import MonitorConfig
-from memcallbacks._base.devices import HwmReader, _StatmReader, heap_in_use_bytes, host_rss_reader
 
-__all__ = ["Cadence", "watch_reader", "rss_tripwire", "TRIP_MASK", "LINGERING_EVERY_STEP_UNTIL", "MARK_EVERY_SAMPLES", "DENSE_READ_STEPS", "QUIET_FROM"]
+__all__ = ["Cadence", "TRIP_MASK", "TRIP_EVERY", "COLD_FACTOR", "LINGERING_EVERY_STEP_UNTIL", "MARK_EVERY_SAMPLES", "DENSE_READ_STEPS", "QUIET_FROM"]
 
 # Lingering references are checked after every one of the first steps, then after every
 # MARK_EVERY_SAMPLES-th sampled step (a loop that keeps the previous step's batch or graph keeps
@@ -76,70 +75,6 @@ READ_SHARE = 0.5
 # with benchmarks/overhead.py on a ~1.4 ms CPU step (docs/benchmarks.md), a read or sampled step
 # slowed the fit by 2-3x what the monitor timed in itself; the budget counts twice the measured time.
 COLD_FACTOR = 2.0
-
-
-def watch_reader(backend: Any) -> Callable[[], int | None]:
-    """The read that sees a tensor leak step over step (docs/benchmarks.md, "Which read"): glibc's
-    in-use heap on CPU (``mallinfo2``: it sees a leak that fills heap freed earlier, which RSS
-    does not see until that space is used up), the caching allocator's own counter elsewhere."""
-    if backend.kind == "cpu":
-        return heap_in_use_bytes if heap_in_use_bytes() is not None else (lambda: backend.current()[0])
-    return lambda: backend.current()[0]
-
-
-def rss_tripwire(read: Callable[[], int | None] | None, *, hwm_resets: bool = False) -> _Tripwire | None:
-    """The cheap read checked at the steps between the watch's reads, where that read is costly
-    (glibc's heap on CPU): the resident set. A leak that takes fresh pages raises it at once; one
-    that refills heap freed earlier raises it once that space is used up (the scheduled reads see
-    it before then). ``None`` where the watch's read is cheap enough to take at every step the
-    budget allows (an allocator's counter, or RSS itself).
-
-    ``hwm_resets`` (the CPU backend resets the kernel's resident-set high-water mark at every phase
-    boundary, :attr:`CpuBackend.resets_hwm`): the tripwire reads that mark through ``getrusage``
-    (source ``"hwm"``), whose system call costs the next step a quarter of what a ``statm`` read's
-    does; the session rebases it after every sampled step and falls back to ``statm`` (source
-    ``"rss"``) when the mark is pinned above the resident set (:meth:`Session._rebase_tripwire`)."""
-    if read is not heap_in_use_bytes:
-        return None
-    try:
-        rss = host_rss_reader()
-        rss()
-    except Exception:
-        return None
-    if not isinstance(rss, _StatmReader):
-        return None  # psutil's read is too slow for it
-    if hwm_resets:
-        try:
-            hwm = HwmReader()
-            if hwm() > 0:
-                return _Tripwire(hwm, "hwm")
-        except Exception:
-            pass
-    return _Tripwire(rss, "rss")
-
-
-class _Tripwire:
-    """The resident set (``source`` ``"rss"``) or its high-water mark (``"hwm"``), or 0 if the
-    kernel stops answering (which never trips, and never fails a step: the Lightning gate calls it
-    with no guard frame). Picklable, like the reader inside."""
-
-    __slots__ = ("_rss", "source")
-
-    def __init__(self, rss: Callable[[], int], source: str = "rss") -> None:
-        self._rss = rss
-        self.source = source
-
-    def __call__(self) -> int:
-        try:
-            return self._rss()
-        except Exception:
-            return 0
-
-    def __getstate__(self) -> tuple[Callable[[], int], str]:
-        return self._rss, self.source
-
-    def __setstate__(self, state: tuple[Callable[[], int], str]) -> None:
-        self._rss, self.source = state
 
 
 def _aligned(every: int, log_every: int) -> int:

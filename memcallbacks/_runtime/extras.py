@@ -1,66 +1,36 @@
-"""What a session adds to the engine's rows: the extra logged keys (findings, the monitor's overhead,
-the theory check, snapshots, garbage collection) and the extra checkpointed state (events, findings)."""
+"""The logged keys a run adds to the engine's: findings, the monitor's overhead, the theory check,
+snapshots and garbage collection, with the same keys on every rank and every logged step."""
 
 from __future__ import annotations
 
-import logging
-from typing import TYPE_CHECKING, Any
-
-from memcallbacks._base.findings import Finding
+from typing import Any
 
 from memcallbacks._base.columns import ALLOCATED
-from memcallbacks._runtime.sampling import GIB
+from memcallbacks._base.units import GiB
 
-if TYPE_CHECKING:
-    from memcallbacks._runtime.session import Session
-
-log = logging.getLogger(__name__)
-
-__all__ = ["extra_metrics", "session_state", "load_session_state"]
+__all__ = ["extra_metrics"]
 
 
-def extra_metrics(session: "Session", row: list[Any] | None) -> dict[str, float]:
-    """Findings count, overhead, theory check and gc, with the same keys on every rank and every logged step."""
-    config = session.config
+def extra_metrics(
+    config: Any, row: list[Any] | None, *, findings: int, overhead: float, preflight: Any, capacity: float | None,
+    state: Any, snap: Any, last_gc: dict[str, Any] | None,
+) -> dict[str, float]:
+    """``capacity``: the device's bytes where the dashboard shows a capacity line (else None);
+    ``preflight``/``state``/``snap``: the run's pre-flight check, theory check and snapshot policy."""
     p = config.prefix
     nan = float("nan")
-    extra = {f"{p}/findings": float(len(session.findings)), f"{p}/overhead": session.cadence.overhead}
-    extra.update(session.preflight.metrics(row))
-    if session.dashboard.capacity:
-        extra[f"{p}/capacity_GiB"] = float(session.engine.capacity or 0) / GIB
-    state = session.state
+    extra = {f"{p}/findings": float(findings), f"{p}/overhead": overhead}
+    extra.update(preflight.metrics(row))
+    if capacity is not None:
+        extra[f"{p}/capacity_GiB"] = float(capacity or 0) / GiB
     if config.estimate_model_states:
         unexplained = state.unexplained(float(row[ALLOCATED])) if row is not None else None
-        extra[f"{p}/expected_GiB"] = state.expected_states / GIB if state.expected_level is not None else nan
-        extra[f"{p}/unexplained_GiB"] = unexplained / GIB if unexplained is not None else nan
-    snap = session.snap
+        extra[f"{p}/expected_GiB"] = state.expected_states / GiB if state.expected_level is not None else nan
+        extra[f"{p}/unexplained_GiB"] = unexplained / GiB if unexplained is not None else nan
     if snap is not None or config.auto_snapshot:
         extra[f"{p}/snapshots"] = float(len(snap.records)) if snap is not None else nan
     if config.gc_every_n_steps:
-        last = session.watch.last_gc if session.watch is not None else None
-        extra[f"{p}/gc_time_ms"] = last["seconds"] * 1e3 if last else nan
-        extra[f"{p}/gc_collected"] = float(last["collected"]) if last else nan
-        extra[f"{p}/gc_freed_GiB"] = (last["bytes_freed"] or 0) / GIB if last else nan
+        extra[f"{p}/gc_time_ms"] = last_gc["seconds"] * 1e3 if last_gc else nan
+        extra[f"{p}/gc_collected"] = float(last_gc["collected"]) if last_gc else nan
+        extra[f"{p}/gc_freed_GiB"] = (last_gc["bytes_freed"] or 0) / GiB if last_gc else nan
     return extra
-
-
-def session_state(session: "Session") -> dict[str, Any]:
-    """The engine's checkpointed state plus the session's events and findings."""
-    state = session.engine.state_dict()
-    state["events"] = list(session.events)
-    state["findings"] = session._findings.to_list()
-    return state
-
-
-def load_session_state(session: "Session", state: dict[str, Any], key: str = "state_dict") -> None:
-    """Restore a checkpointed state; a bad one raises one ``ValueError`` naming ``key`` (see saved_state.py)."""
-    read = session.engine.load_state_dict(state, key)
-    if read is None:
-        return
-    session.events = read["events"]
-    fields = set(Finding.__dataclass_fields__)
-    for item in read["findings"]:
-        try:
-            session._findings.add(Finding(**{k: v for k, v in item.items() if k in fields}))
-        except (TypeError, ValueError):
-            log.debug("dropping unreadable finding from checkpoint: %r", item)

@@ -28,18 +28,17 @@ from memcallbacks._runtime.preflight_steps import autocast_precision, batch_size
 from memcallbacks._base.units import GiB, format_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
-    from memcallbacks._runtime.session import Session
     from memcallbacks.preflight import BatchFit, Prediction
 
 log = logging.getLogger(__name__)
 
 __all__ = ["PreflightCheck", "MIN_GAP_BYTES", "PHASES", "fake_step_running"]
 
-PHASES = ("forward", "backward", "optimizer")
+from memcallbacks._base.columns import TRAINING_PHASES as PHASES
 _PEAK_COLUMN = {"forward": PEAK_FORWARD, "backward": PEAK_BACKWARD, "optimizer": PEAK_OPTIMIZER}
 MIN_GAP_BYTES = 8 << 20
 """A gap under this is never a finding: RSS moves by pages and thread stacks, the CUDA allocator by blocks."""
-_GIB = float(GiB)
+
 _NAN = math.nan
 _running = 0  # fake steps in progress in this process: their optimizer steps fire torch's global hooks too
 
@@ -62,9 +61,16 @@ def _hopper(device: torch.device) -> bool:
 class PreflightCheck:
     """One fit's pre-flight: the prediction, the capacity check and the running comparison."""
 
-    def __init__(self, session: "Session") -> None:
-        self.session = session
-        self.config = session.config
+    def __init__(self, config: Any, engine: Any, owner: str, log: logging.Logger, report: Callable[[Finding], None],
+                 current_step: Callable[[], int]) -> None:
+        """``engine``: the session's :class:`MemoryEngine`; ``report``: where findings go (the
+        session's finding log); ``current_step``: the open step, for the findings' step."""
+        self.config = config
+        self.engine = engine
+        self.owner = owner
+        self.log = log
+        self.report_finding = report
+        self.current_step = current_step
         self._handles: list[Any] = []
         self.reset()
 
@@ -100,12 +106,12 @@ class PreflightCheck:
     @property
     def due(self) -> bool:
         """Pre-flight is on and has not run yet in this fit."""
-        return self.status == "waiting" and self.session.engine.enabled
+        return self.status == "waiting" and self.engine.enabled
 
     @property
     def relative(self) -> bool:
         """CPU: compare peaks above the step start (RSS), not absolute bytes."""
-        return self.session.engine.device_info.get("kind", "cpu") == "cpu"
+        return self.engine.device_info.get("kind", "cpu") == "cpu"
 
     # ------------------------------------------------------------------ running the prediction
     def watch_first_forward(self, model: torch.nn.Module) -> None:
@@ -116,7 +122,7 @@ class PreflightCheck:
     def _first_forward(self, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
         if not (self.due and module.training and torch.is_grad_enabled()):
             return
-        device = self.session.engine.device
+        device = self.engine.device
         precision = self.precision or autocast_precision(device.type if device is not None else "cpu")
         self.run((tuple(args), dict(kwargs)), model=module, forward_fn=call_step, precision=precision)
 
@@ -131,13 +137,13 @@ class PreflightCheck:
         ``training_step`` and backward), so they are alive at step start and through forward."""
         if not self.due:
             return
-        engine = self.session.engine
+        engine = self.engine
         t0 = time.perf_counter()
         try:
             if skip:
                 self.status = "skipped"
                 self.info["reason"] = skip
-                self._warn("%s: pre-flight skipped: %s. Training goes on without a prediction.", self.session.owner, skip)
+                self._warn("%s: pre-flight skipped: %s. Training goes on without a prediction.", self.owner, skip)
                 return
             self.status = "running"
             self._predict(model if model is not None else self.model, batch, forward_fn, precision or self.precision, grads_through_forward)
@@ -151,7 +157,7 @@ class PreflightCheck:
             self.release()
 
     def _predict_kwargs(self, forward_fn: Callable[..., Any] | None, precision: str | None) -> dict[str, Any]:
-        device = self.session.engine.device or torch.device("cpu")
+        device = self.engine.device or torch.device("cpu")
         return dict(
             forward_fn=forward_fn,
             precision=precision or "fp32",
@@ -186,7 +192,7 @@ class PreflightCheck:
         kwargs = self._predict_kwargs(forward_fn, precision)
         p = predict(model, batch, self.optimizer, **kwargs)
         grads = self._adopt(p, grads_kept)
-        engine = self.session.engine
+        engine = self.engine
         capacity = self.config.capacity_bytes or engine.capacity
         source = "capacity_bytes" if self.config.capacity_bytes else ("host RAM" if engine.device_info.get("kind") == "cpu" else "device capacity")
         size = batch_size_of(batch)
@@ -219,7 +225,7 @@ class PreflightCheck:
         at_peak = dict((p.first_step if first else p).breakdown.get(phase, {}))
         if phase == "forward" and not first:
             at_peak["grads"] = at_peak.get("grads", 0) + grads  # the previous step's, kept through forward
-        self.session.add_finding(self._over_capacity(p, phase, peak, at_peak, first, capacity, source, size, fit, grads))
+        self.report_finding(self._over_capacity(p, phase, peak, at_peak, first, capacity, source, size, fit, grads))
 
     def _over_capacity(
         self, p: "Prediction", phase: str, peak: int, at_peak: dict[str, int], first: bool, capacity: int, source: str, size: int | None,
@@ -244,7 +250,7 @@ class PreflightCheck:
         )
         details = {"phase": phase, "predicted_peak_bytes": peak, "capacity_bytes": capacity, "batch_size": size,
                    "max_batch_size": fit.batch_size if fit is not None else None}
-        return Finding(kind="preflight", key="preflight:capacity", step=int(self.session.current_step), message=message,
+        return Finding(kind="preflight", key="preflight:capacity", step=int(self.current_step()), message=message,
                        bytes=int(peak - capacity), details=details)
 
     def _failed(self, exc: Exception) -> None:
@@ -255,11 +261,11 @@ class PreflightCheck:
         self.info.update(error=f"{type(exc).__name__}: {exc}", op=getattr(exc, "op", None))
         expected = isinstance(exc, (PreflightError, ValueError, NotImplementedError))
         self._warn("%s: pre-flight could not predict this run's step (%s: %s). Training goes on without a prediction.",
-                   self.session.owner, type(exc).__name__, exc, exc_info=None if expected else exc)
+                   self.owner, type(exc).__name__, exc, exc_info=None if expected else exc)
 
     def _warn(self, message: str, *args: Any, exc_info: BaseException | None = None) -> None:
-        if self.session.engine.rank == 0:
-            self.session.log.warning(message, *args, exc_info=exc_info)
+        if self.engine.rank == 0:
+            self.log.warning(message, *args, exc_info=exc_info)
 
     # ------------------------------------------------------------------ comparing with measured steps
     def levels(self, row: list[Any]) -> dict[str, float] | None:
@@ -274,7 +280,7 @@ class PreflightCheck:
     def compare(self, row: list[Any]) -> None:
         """A sampled steady-state step (one micro-batch, after an optimizer step): measured vs predicted per phase."""
         levels = self.levels(row)
-        engine = self.session.engine
+        engine = self.engine
         if levels is None or row[MICRO_BATCHES] != 1 or engine.optimizer_steps_total - row[OPTIMIZER_STEPS] <= 0:
             return
         base = float(row[RESERVED]) if self.relative else 0.0
@@ -290,7 +296,7 @@ class PreflightCheck:
                 worst = (ph, gap, amount, predicted)
         self.steps_compared += 1
         if worst is not None:
-            self.session.add_finding(self._above(int(row[STEP]), *worst))
+            self.report_finding(self._above(int(row[STEP]), *worst))
 
     def _above(self, step: int, phase: str, gap: float, amount: float, predicted: float) -> Finding:
         frame = "above the RSS at step start" if self.relative else "allocated"
@@ -313,10 +319,10 @@ class PreflightCheck:
             return {}
         pfx = self.config.prefix
         levels = self.levels(row) if row is not None else None
-        out = {f"{pfx}/predicted_peak_{ph}_GiB": levels[ph] / _GIB if levels else _NAN for ph in PHASES}
+        out = {f"{pfx}/predicted_peak_{ph}_GiB": levels[ph] / GiB if levels else _NAN for ph in PHASES}
         top = max(levels.values()) if levels else _NAN
-        out[f"{pfx}/predicted_peak_GiB"] = top / _GIB
-        out[f"{pfx}/preflight_error_GiB"] = (row[PEAK_ALLOCATED] - top) / _GIB if levels and row is not None else _NAN
+        out[f"{pfx}/predicted_peak_GiB"] = top / GiB
+        out[f"{pfx}/preflight_error_GiB"] = (row[PEAK_ALLOCATED] - top) / GiB if levels and row is not None else _NAN
         return out
 
     def add_columns(self, frame: Any) -> Any:

@@ -76,7 +76,7 @@ class RunEnd:
             "framework": self.framework,
             "config": self.config.to_dict(),
             "summary": dict(self.engine.summary(), cadence=self.cadence.summary()),
-            "findings": self._findings.to_list(),
+            "findings": self.sink.to_list(),
             "events": list(self.events),
             "model_states": dict(self.state.info),
             "preflight": self.preflight.report(),
@@ -87,7 +87,7 @@ class RunEnd:
 
     def recorded_nothing(self) -> bool:
         """No training step, no evaluation loop and no event since the last reset."""
-        return self.engine._seen_steps == 0 and not self.engine.eval_rows and not self.events
+        return self.engine.seen_steps == 0 and not self.engine.eval_rows and not self.events
 
     def _finish_watch(self) -> None:
         """Work the leak watch still owes when the run ends (a growth finding's second census)."""
@@ -109,6 +109,8 @@ class RunEnd:
         files: the folder keeps the previous run's set rather than an empty history."""
         # the files' imports (pandas, matplotlib) run dozens of collections: the gc watch, which
         # reads the heap around each one it measures, is for training, and training is over
+        if self._observers:
+            self._notify("run_finishing")
         collections = self.watch.collections if self.watch is not None else None
         if collections is not None:
             was_own, collections.own = collections.own, True

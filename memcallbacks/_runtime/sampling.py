@@ -21,9 +21,8 @@ from memcallbacks._base.devices import MemoryBackend, host_rss_reader, select_ba
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MemoryEngine", "FORWARD", "BACKWARD", "OPTIMIZER", "OTHER", "PHASES", "COLUMNS", "EVAL_COLUMNS", "GIB", "empty_history", "empty_eval_history"]
+__all__ = ["MemoryEngine", "FORWARD", "BACKWARD", "OPTIMIZER", "OTHER", "PHASES", "COLUMNS", "EVAL_COLUMNS", "empty_history", "empty_eval_history"]
 
-GIB = float(GiB)
 STATE_VERSION = 1
 """Version of the checkpointed monitor state (``state_dict()``)."""
 
@@ -240,6 +239,11 @@ class MemoryEngine:
         return row
 
     @property
+    def seen_steps(self) -> int:
+        """Training steps since the last reset, quiet ones included."""
+        return self._seen_steps
+
+    @property
     def in_step(self) -> bool:
         return self._open
 
@@ -307,19 +311,19 @@ class MemoryEngine:
         if row is None or not self.enabled:
             return [_NAN] * len(self.step_keys())
         values = [
-            row[ALLOCATED] / GIB,
-            row[RESERVED] / GIB,
-            row[PEAK_FORWARD] / GIB,
-            row[PEAK_BACKWARD] / GIB,
-            row[PEAK_OPTIMIZER] / GIB,
-            row[PEAK_ALLOCATED] / GIB,
-            row[PEAK_RESERVED] / GIB,
-            self.max_allocated / GIB,
-            row[HOST_RSS] / GIB,
+            row[ALLOCATED] / GiB,
+            row[RESERVED] / GiB,
+            row[PEAK_FORWARD] / GiB,
+            row[PEAK_BACKWARD] / GiB,
+            row[PEAK_OPTIMIZER] / GiB,
+            row[PEAK_ALLOCATED] / GiB,
+            row[PEAK_RESERVED] / GiB,
+            self.max_allocated / GiB,
+            row[HOST_RSS] / GiB,
             row[MONITOR_TIME_S] * 1e3,
         ]
         if self.device_info.get("kind", "cpu") != "cpu":
-            values += [float(row[ALLOC_RETRIES]), float(row[OOMS]), row[INACTIVE_SPLIT] / GIB]
+            values += [float(row[ALLOC_RETRIES]), float(row[OOMS]), row[INACTIVE_SPLIT] / GiB]
         return values
 
     def reduce(self, keys: list[str], values: list[float], rank_keys: tuple[str, ...] = ()) -> dict[str, float]:
@@ -351,7 +355,7 @@ class MemoryEngine:
         if row is None or not self.enabled:
             values = [_NAN] * 3
         else:
-            values = [row[E_ALLOCATED] / GIB, row[E_PEAK_ALLOCATED] / GIB, row[E_PEAK_RESERVED] / GIB]
+            values = [row[E_ALLOCATED] / GiB, row[E_PEAK_ALLOCATED] / GiB, row[E_PEAK_RESERVED] / GiB]
         return self.reduce(keys, values, (keys[1],))
 
     # ------------------------------------------------------------------ results

@@ -1,7 +1,7 @@
 """What the pytest plugin measures on one monitor: step marks, two tensor censuses, and exact CPU phase peaks.
 
-A :class:`Probe` wraps one :class:`~memcallbacks._runtime.session.Session`'s step calls (the
-calls every adapter makes at step and phase boundaries), so it works the same for Lightning,
+A :class:`Probe` observes one :class:`~memcallbacks._runtime.session.Session`'s step protocol
+(``Session.observe``: the calls every adapter makes at step and phase boundaries), so it works the same for Lightning,
 Accelerate, Transformers and plain loops. It takes a census of live tensor storages after
 ``warmup`` steps and again at the end of training, and marks every boundary in a
 :class:`Timeline`: on CPU a ``torch.profiler`` session whose allocation events give, after the
@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 from memcallbacks._base.units import format_bytes
 from memcallbacks.pytest_plugin.cycles import CycleCheck, thaw
-from memcallbacks._base.columns import PEAK_ALLOCATED, PEAK_BACKWARD, PEAK_FORWARD, PEAK_OPTIMIZER, PEAK_OTHER, PHASES
+from memcallbacks._base.columns import PEAK_ALLOCATED, PEAK_BACKWARD, PEAK_FORWARD, PEAK_OPTIMIZER, PEAK_OTHER, PHASES, Phase
 
 log = logging.getLogger(__name__)
 
@@ -200,43 +200,25 @@ class Probe:
         self._last_batch: list[Any] = []  # weak references to the last step's batch tensors
         self.census_seconds = 0.0
         self.anchor_bytes = 0  # total tensor bytes of the latest census, where the timeline's anchor mark is
-        self._wrap()
+        core.observe(self)
 
-    # ------------------------------------------------------------------ wrappers on the core's step calls
-    def _wrap(self) -> None:
-        # instance attributes shadow Session's methods: every adapter calls them through `core.`
-        core, me, mark = self.core, id(self), self.timeline.mark
-        begin, boundary, end, finish = core.begin_step, core.boundary, core.end_step, core.finish
+    # ------------------------------------------------------------------ the session's observer hooks
+    def step_beginning(self, micro_batch: bool) -> None:
+        self.timeline.mark(id(self), _CLOSE[Phase.OTHER] if micro_batch else ("begin",))
 
-        def begin_step(*args: Any, **kwargs: Any) -> Any:
-            mark(me, _CLOSE[3] if core.step_open else ("begin",))
-            return begin(*args, **kwargs)
+    def phase_closed(self, phase: int) -> None:
+        self.timeline.mark(id(self), _CLOSE[phase])
 
-        def boundary_(closing: int) -> Any:
-            result = boundary(closing)
-            mark(me, _CLOSE[closing])
-            return result
+    def step_ended(self, batch: Any, loss: Any) -> None:
+        self.timeline.mark(id(self), ("end",))
+        if self.last_step is not None:  # the step's output is as transient as its batch
+            batch = [batch, loss]
+        self._step_ended(batch)
 
-        def end_step(closing: int = 2, **kwargs: Any) -> Any:
-            was_open = core.step_open
-            if was_open:
-                mark(me, _CLOSE[closing])
-            result = end(closing, **kwargs)
-            if was_open:
-                mark(me, ("end",))
-                batch = kwargs.get("batch")
-                if self.last_step is not None:  # the step's output is as transient as its batch
-                    batch = [batch, kwargs.get("loss")]
-                self._step_ended(batch)
-            return result
-
-        def finish_(*args: Any, **kwargs: Any) -> Any:
-            self._final_census(self._batch_alive())
-            if self.timeline.running and self._warmup_census is None and self.steps and not self.frozen:
-                self._census(self._batch_alive())  # too few steps for the leak check: the anchor for the peaks
-            return finish(*args, **kwargs)
-
-        core.begin_step, core.boundary, core.end_step, core.finish = begin_step, boundary_, end_step, finish_
+    def run_finishing(self) -> None:
+        self._final_census(self._batch_alive())
+        if self.timeline.running and self._warmup_census is None and self.steps and not self.frozen:
+            self._census(self._batch_alive())  # too few steps for the leak check: the anchor for the peaks
 
     def _step_ended(self, batch: Any) -> None:
         from memcallbacks.leaks.tensors import iter_tensors
@@ -346,8 +328,7 @@ class Probe:
     # ------------------------------------------------------------------ results
     @property
     def device_kind(self) -> str:
-        backend = getattr(self.core.engine, "backend", None)
-        return backend.kind if backend is not None else str(self.core.engine.device_info.get("kind", "cpu"))
+        return str(self.core.device_kind)
 
     def phase_peaks(self) -> tuple[dict[str, int], str]:
         """``({phase: peak bytes}, source)``: the largest peak of each phase over all steps."""
@@ -365,7 +346,7 @@ class Probe:
         return self._history_peaks(), f"the monitor's {self.device_kind} peaks"
 
     def _history_peaks(self) -> dict[str, int]:
-        rows = self.core.engine.rows
+        rows = self.core.rows
         if not rows:
             return {}
         peaks: dict[str, int] = {}

@@ -23,6 +23,7 @@ from lightning.pytorch.loggers import CSVLogger
 from helpers import MIB, trainer_kwargs
 from memcallbacks import MemoryMonitor, Monitor, MonitorConfig
 from memcallbacks._runtime import cadence as C
+from memcallbacks._runtime import plan as P
 from memcallbacks.leaks.gc_watch import CollectionWatch
 from test_watch_defaults import BATCH, DIM, LeakyCallback, Net, growth_step, leak_tensor, loader, mlp
 
@@ -160,10 +161,10 @@ def test_the_tripwire_is_kept_for_costly_reads_only():
 
     if heap_in_use_bytes() is None:
         pytest.skip("no glibc mallinfo2: the watch reads RSS itself")
-    rss = C.rss_tripwire(heap_in_use_bytes)
+    rss = P.rss_tripwire(heap_in_use_bytes)
     assert rss is not None and rss() > 0
     assert pickle.loads(pickle.dumps(rss))() > 0  # spawn launchers pickle the callback that mirrors it
-    assert C.rss_tripwire(lambda: 0) is None and C.rss_tripwire(None) is None  # an allocator's counter: read every step
+    assert P.rss_tripwire(lambda: 0) is None and P.rss_tripwire(None) is None  # an allocator's counter: read every step
 
 
 def test_step_time_is_measured_across_quiet_steps():
@@ -303,17 +304,22 @@ def late_leak(tmp_path: Path, adapter: str, rate: int, start: int, steps: int, f
 
 
 def expected_tripwire() -> str | None:
-    """What the RSS tripwire reads in a run of its own on this machine: the resident set's high-water
-    mark where the CPU backend resets it, else statm; none without glibc (the watch reads RSS itself)."""
-    from memcallbacks._base.devices import CpuBackend, heap_in_use_bytes
+    """What the RSS tripwire reads in a run of its own on this machine, found without the monitor's
+    code: none without glibc's mallinfo2 (the watch then reads RSS itself); the resident set's
+    high-water mark where the kernel lets a process reset it (``5`` to /proc/self/clear_refs);
+    else the resident set (statm)."""
+    import ctypes
 
-    if heap_in_use_bytes() is None:
-        return None
-    backend = CpuBackend()
     try:
-        return "hwm" if backend.peak_source == "rss_high_water_mark" and sys.platform.startswith("linux") else "rss"
-    finally:
-        backend.close()
+        ctypes.CDLL(None).mallinfo2
+    except (AttributeError, OSError):
+        return None
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return "hwm"
+    except OSError:
+        return "rss"
 
 
 @pytest.mark.skipif(not Path("/bin/sh").exists(), reason="starts the run through /bin/sh")

@@ -1,0 +1,61 @@
+"""Where every part of a run reports its findings: one per cause, logged once on rank zero."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+from memcallbacks._base.findings import Finding, FindingLog
+
+__all__ = ["FindingSink"]
+
+
+class FindingSink:
+    """The run's findings (a :class:`FindingLog`), the ones new since the snapshot policy last
+    looked, and the warnings they produced. ``rank``: called at each warning (rank zero logs)."""
+
+    def __init__(self, owner: str, log: logging.Logger, rank: Callable[[], int]) -> None:
+        self.owner = owner
+        self.log = log
+        self.rank = rank
+        self.reset()
+
+    def reset(self) -> None:
+        self.log_ = FindingLog()
+        self.new: list[Finding] = []
+        self._holders_logged: set[str] = set()
+
+    @property
+    def findings(self) -> list[Finding]:
+        return self.log_.findings
+
+    def add(self, finding: Finding) -> None:
+        """Keep one finding per cause; log a new cause once, as a warning, on rank zero."""
+        if self.log_.add(finding):
+            self.new.append(finding)
+            if self.rank() == 0:
+                self.log.warning("%s found a memory problem: %s", self.owner, finding)
+            if finding.holders:
+                self._holders_logged.add(finding.key)
+        elif finding.holders and finding.key not in self._holders_logged:
+            # growth: the holders come from a second census some steps after the first warning
+            self._holders_logged.add(finding.key)
+            if self.rank() == 0:
+                self.log.warning("%s: what grew (%s finding of step %d):\n%s", self.owner, finding.kind, finding.first_step or finding.step,
+                                 "\n".join(f"    {h}" for h in finding.holders))
+
+    def take_new(self) -> list[Finding]:
+        new, self.new = self.new, []
+        return new
+
+    def to_list(self) -> list[dict[str, Any]]:
+        return self.log_.to_list()
+
+    def restore(self, items: list[dict[str, Any]]) -> None:
+        """Findings read back from a checkpoint; unreadable ones are dropped."""
+        fields = set(Finding.__dataclass_fields__)
+        for item in items:
+            try:
+                self.log_.add(Finding(**{k: v for k, v in item.items() if k in fields}))
+            except (TypeError, ValueError):
+                self.log.debug("dropping unreadable finding from checkpoint: %r", item)
