@@ -87,9 +87,9 @@ def returned_heap() -> None:
     leave large free blocks in the heap, still resident, and a new tensor that lands in one raises no
     RSS; after this it faults fresh pages in. A no-op off glibc."""
     gc.collect()
-    from memcallbacks._base.devices import _load_malloc_trim
+    from memcallbacks._base.cpu import load_malloc_trim
 
-    trim = _load_malloc_trim()
+    trim = load_malloc_trim()
     if trim is not None:
         trim()
 

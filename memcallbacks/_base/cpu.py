@@ -1,0 +1,312 @@
+"""The CPU backend and the host's cheap reads: glibc's heap in use, the resident set (``statm``) and
+its resettable high-water mark (``getrusage`` after ``/proc/self/clear_refs``)."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import os
+import resource
+import sys
+from typing import Any, Callable
+
+import torch
+
+from memcallbacks._base.backend import PEAK_RSS_HWM, PEAK_SAMPLED, MemoryBackend
+
+log = logging.getLogger(__name__)
+
+__all__ = ["CpuBackend", "StatmReader", "HwmReader", "HWM_PINNED_SLACK", "heap_in_use_bytes", "host_rss_reader", "set_mmap_threshold", "load_malloc_trim"]
+
+# RUSAGE_THREAD skips summing CPU time over every thread (RUSAGE_SELF does); ru_maxrss is the
+# same process-wide high-water mark either way.
+_RUSAGE_THREAD = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")
+    ]
+
+
+_M_MMAP_THRESHOLD = -3
+
+
+_libc_handle: list[Any] = []  # [the C library or None], loaded on first use
+
+
+def _libc() -> Any:
+    """glibc through ctypes (one handle for the process), or None off Linux / when it cannot load."""
+    if not _libc_handle:
+        libc = None
+        if sys.platform.startswith("linux"):
+            try:
+                libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            except OSError:
+                pass
+        _libc_handle.append(libc)
+    return _libc_handle[0]
+
+
+def _libc_function(name: str) -> Any:
+    libc = _libc()
+    return getattr(libc, name, None) if libc is not None else None
+
+
+def set_mmap_threshold(nbytes: int) -> bool:
+    """Fix glibc's mmap threshold (``mallopt``); True on success. Process-wide and not reversible."""
+    mallopt = _libc_function("mallopt")
+    return mallopt is not None and bool(mallopt(_M_MMAP_THRESHOLD, ctypes.c_int(nbytes)))
+
+
+def load_malloc_trim() -> Callable[[], Any] | None:
+    """``malloc_trim(0)`` (glibc), or None: gives the pages of free heap chunks back to the OS."""
+    trim = _libc_function("malloc_trim")
+    if trim is None:
+        return None
+    trim.argtypes = [ctypes.c_size_t]
+    return lambda: trim(0)
+
+
+def _load_mallinfo2() -> Callable[[], _MallInfo2] | None:
+    fn = _libc_function("mallinfo2")  # glibc >= 2.33; the older mallinfo() overflows past 2 GiB
+    if fn is None:
+        return None
+    fn.restype = _MallInfo2
+    fn.argtypes = []
+    return fn
+
+
+_heap_reader: list[Any] = []  # [mallinfo2 or None], loaded on first use
+
+
+def heap_in_use_bytes() -> int | None:
+    """Bytes in use in the glibc malloc heap (``uordblks + hblkhd`` of ``mallinfo2``): the CPU
+    counterpart of CUDA's "allocated" (freed memory malloc keeps does not count). ``None`` off glibc >= 2.33."""
+    if not _heap_reader:
+        _heap_reader.append(_load_mallinfo2())
+    fn = _heap_reader[0]
+    if fn is None:
+        return None
+    info = fn()
+    return int(info.uordblks + info.hblkhd)
+
+
+_fork_generation = 0
+"""Forks this process has gone through, as seen from the child (``os.register_at_fork``): the
+descriptors of ``/proc/self/...`` opened before a fork name the parent's files, and the readers
+below reopen theirs when this has moved. A comparison with a global instead of an ``os.getpid()``
+call: a system call between two training steps costs the next one 3-15 µs on this machine's
+kernel (cold caches after the switch; docs/benchmarks.md), many times its own time."""
+
+
+def _forked() -> None:
+    global _fork_generation
+    _fork_generation += 1
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forked)
+
+
+HWM_PINNED_SLACK = 4 << 20
+"""Right after a reset the high-water mark equals the resident set; more than this above it, the
+mark is pinned (see :class:`CpuBackend`)."""
+
+
+class CpuBackend(MemoryBackend):
+    """The process itself, for training on CPU.
+
+    - ``allocated``: bytes in use by the C heap (glibc ``mallinfo2``: ``uordblks + hblkhd``),
+      which is where torch's CPU allocator puts tensors. Falls back to RSS off glibc.
+    - ``reserved``: the resident set size (RSS) of the process.
+    - peaks: the kernel's resident-set high-water mark, reset at every phase boundary by
+      writing ``5`` to ``/proc/self/clear_refs``; read through ``getrusage`` and checked
+      against RSS, falling back to ``VmHWM`` in ``/proc/self/status`` when ``getrusage``'s value
+      is pinned above it (a process started by ``exec`` inherits the high-water mark of the address
+      space it replaced: a launcher's, a test runner's; ``getrusage`` reports the larger). Where no resettable mark exists (macOS, Windows, locked-down
+      ``/proc``), the peak is the largest RSS sampled at phase boundaries.
+
+    Peaks on CPU are therefore RSS peaks: compare them with ``reserved``, not ``allocated``.
+    """
+
+    kind = "cpu"
+
+    def __init__(self, device: torch.device | None = None, *, trim_heap: bool = False) -> None:
+        super().__init__(device or torch.device("cpu"))
+        self._mallinfo2 = _load_mallinfo2()
+        # with cpu_mmap_threshold: free heap chunks (left from before the threshold was fixed) are
+        # given back at every boundary, so a tensor placed in one faults its pages in and shows in
+        # the RSS peak instead of reusing pages that are still resident
+        self._trim = load_malloc_trim() if trim_heap else None
+        self._rss = host_rss_reader()
+        self._generation = -1  # the _fork_generation its descriptors were opened in (-1: none yet)
+        self._clear_fd: int | None = None
+        self._status_fd: int | None = None
+        self._use_status = False
+        self._previous_rss = 0
+        self._open()
+
+    def _open(self) -> None:
+        self.close()
+        self._generation = _fork_generation
+        self.peak_source = PEAK_SAMPLED
+        if not sys.platform.startswith("linux"):
+            return
+        try:
+            self._clear_fd = os.open("/proc/self/clear_refs", os.O_WRONLY)
+            os.write(self._clear_fd, b"5")
+            self._status_fd = os.open("/proc/self/status", os.O_RDONLY)
+            self.peak_source = PEAK_RSS_HWM
+        except OSError as exc:
+            log.info("memcallbacks: /proc/self/clear_refs is not writable (%s); CPU peaks are sampled at phase boundaries.", exc)
+            self.close()
+
+    def _status_hwm(self) -> int:
+        data = os.pread(self._status_fd, 4096, 0)  # type: ignore[arg-type]
+        start = data.index(b"VmHWM:") + 6
+        return int(data[start : data.index(b"kB", start)]) * 1024
+
+    def _hwm_and_reset(self) -> int:
+        if self._trim is not None:
+            self._trim()  # a few µs when nothing is free; before the reset, so it cannot raise the peak
+        if self._use_status:
+            peak = self._status_hwm()
+        else:
+            peak = resource.getrusage(_RUSAGE_THREAD).ru_maxrss * 1024
+        os.write(self._clear_fd, b"5")  # type: ignore[arg-type]
+        return peak
+
+    @property
+    def resets_hwm(self) -> bool:
+        """Whether ``getrusage``'s high-water mark is reset at every phase boundary and not pinned
+        above the resident set: then it is the resident set's peak since the last sampled step, which the
+        RSS tripwire can read for a fraction of a ``statm`` read's cost (``cadence.rss_tripwire``)."""
+        return self.peak_source == PEAK_RSS_HWM and not self._use_status and sys.platform.startswith("linux")
+
+    def baseline(self) -> tuple[int, int, int, int]:
+        if self._generation != _fork_generation:
+            self._open()
+        info = self._mallinfo2() if self._mallinfo2 is not None else None
+        if self.peak_source == PEAK_RSS_HWM:
+            peak = self._hwm_and_reset()
+            rss = self._rss()
+            if not self._use_status:
+                # Right after a reset getrusage must equal RSS; if it is higher, the process-wide
+                # maximum is pinned (an inherited mark, see the class docstring) and only VmHWM
+                # stays resettable. Checked at every sampled step (0.3 µs): a mark inherited
+                # above the start-up RSS comes into view once the run frees memory.
+                after = resource.getrusage(_RUSAGE_THREAD).ru_maxrss * 1024
+                if after > rss + HWM_PINNED_SLACK:
+                    log.debug("getrusage maxrss is pinned (%d > rss %d); reading VmHWM instead", after, rss)
+                    self._use_status = True
+        else:
+            rss = self._rss()
+            peak = max(self._previous_rss, rss)
+            self._previous_rss = rss
+        allocated = info.uordblks + info.hblkhd if info is not None else rss
+        return allocated, rss, peak, peak
+
+    def interval(self) -> tuple[int, int]:
+        if self._clear_fd is None and self._generation != _fork_generation:
+            self._open()
+        if self.peak_source == PEAK_RSS_HWM:
+            peak = self._hwm_and_reset()
+        else:
+            rss = self._rss()
+            peak = max(self._previous_rss, rss)
+            self._previous_rss = rss
+        return peak, peak
+
+    def current(self) -> tuple[int, int]:
+        rss = self._rss()
+        info = self._mallinfo2() if self._mallinfo2 is not None else None
+        return (info.uordblks + info.hblkhd if info is not None else rss), rss
+
+    def capacity(self) -> int | None:
+        try:
+            import psutil
+
+            return int(psutil.virtual_memory().total)
+        except Exception:
+            return None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_clear_fd"] = state["_status_fd"] = None
+        state["_generation"] = -1  # reopened on first use in the new process
+        state["_mallinfo2"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._mallinfo2 = _load_mallinfo2()
+
+    def close(self) -> None:
+        for name in ("_clear_fd", "_status_fd"):
+            fd = getattr(self, name, None)
+            if fd is not None:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+                setattr(self, name, None)
+
+    def describe(self) -> dict[str, Any]:
+        out = super().describe()
+        out["allocated_source"] = "glibc mallinfo2" if self._mallinfo2 is not None else "rss"
+        return out
+
+
+class StatmReader:
+    """RSS from ``/proc/self/statm`` through a kept-open descriptor; reopened after fork or unpickling."""
+
+    def __init__(self) -> None:
+        self._page = os.sysconf("SC_PAGE_SIZE")
+        self._generation = -1
+        self._fd: int | None = None
+
+    def __call__(self) -> int:
+        if self._generation != _fork_generation:  # forked (or fresh): /proc/self was resolved at open time
+            if self._fd is not None:
+                os.close(self._fd)
+            self._fd, self._generation = os.open("/proc/self/statm", os.O_RDONLY), _fork_generation
+        return int(os.pread(self._fd, 128, 0).split()[1]) * self._page  # type: ignore[arg-type]
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"_page": self._page, "_generation": -1, "_fd": None}
+
+
+class HwmReader:
+    """The resident set's high-water mark (``getrusage(RUSAGE_THREAD).ru_maxrss``, bytes): the
+    larger of the current resident set and its peak since the last reset (``CpuBackend`` resets it
+    at every phase boundary of a sampled step), or a mark the process inherited through ``exec``
+    when that one is larger (pinned: see :class:`CpuBackend`).
+    A lighter system call than a ``statm`` read: it slows the training step after it by ~5 µs
+    against ~19 (``benchmarks/syscall_cost.py``). Picklable."""
+
+    def __call__(self) -> int:
+        return resource.getrusage(_RUSAGE_THREAD).ru_maxrss * 1024
+
+
+class _PsutilReader:
+    def __call__(self) -> int:
+        import psutil
+
+        return int(psutil.Process().memory_info().rss)
+
+
+def host_rss_reader() -> Callable[[], int]:
+    """Return a cheap, picklable zero-argument callable giving this process's resident set size in bytes."""
+    if sys.platform.startswith("linux"):
+        try:
+            reader = StatmReader()
+            reader()
+            return reader
+        except (OSError, ValueError, IndexError):
+            pass
+    return _PsutilReader()
+
+
