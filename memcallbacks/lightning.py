@@ -1,28 +1,10 @@
-"""Lightning adapter: ``MemoryMonitor``, a callback translating Lightning's hooks into engine calls.
+"""Lightning adapter: ``MemoryMonitor``, a callback translating Lightning's hooks into the session's step protocol.
 
 Works with both package names, ``lightning.pytorch`` and ``pytorch_lightning``: the class derives
 from the ``Callback`` of every one that is installed, so either ``Trainer`` (and LightningCLI's
 ``class_path: memcallbacks.MemoryMonitor``) accepts it.
 
-Logged keys (``prefix`` defaults to ``memory``; GiB = 2**30 bytes; full table in docs/metrics.md):
-
-==============================  ==========================================================
-key                             meaning
-==============================  ==========================================================
-memory/allocated_GiB            allocated at step start (the step's baseline)
-memory/reserved_GiB             reserved at step start (CPU: process RSS)
-memory/peak_forward_GiB         peak during forward (training_step up to the loss)
-memory/peak_backward_GiB        peak during backward
-memory/peak_optimizer_GiB       peak from the optimizer step's start (clipping included) to step end
-memory/peak_step_GiB            peak over the whole step
-memory/peak_reserved_GiB        reserved peak over the step (CPU: RSS high-water mark)
-memory/max_allocated_GiB        peak since fit start
-memory/host_rss_GiB             host resident set size at step start
-memory/monitor_time_ms          the monitor's own time in this step
-memory/alloc_retries, ooms,     cumulative allocator counters (CUDA/XPU only)
-memory/inactive_split_GiB
-memory/val/..._GiB              validation (test/..., predict/...) allocated at start and peak
-==============================  ==========================================================
+Logged keys (``memory/peak_forward_GiB``, ``memory/allocated_GiB``, ...): docs/metrics.md has the table.
 """
 
 from __future__ import annotations
@@ -39,8 +21,10 @@ import torch
 
 from memcallbacks._base.config import MonitorConfig, check_config_names, resolve_config
 from memcallbacks._base.columns import BACKWARD, FORWARD, OPTIMIZER, OTHER
-from memcallbacks._runtime.adapter_support import OptimizerHooks, lightning_strategy, precision_name, rank_zero_trackers
-from memcallbacks._runtime.guard import SetupError, entry_point, quiet_gate
+from memcallbacks._runtime.adapter_support import (
+    OptimizerHooks, lightning_strategy, precision_name, rank_zero_trackers, refuse_shared_folder, saved_state_of,
+)
+from memcallbacks._runtime.guard import entry_point, quiet_gate
 from memcallbacks._runtime.results import SessionResults
 from memcallbacks._runtime.preflight_steps import training_step
 from memcallbacks._runtime.session import Session, output_folder
@@ -152,19 +136,8 @@ class MemoryMonitor(SessionResults, *_callback_bases()):  # type: ignore[misc]
         Two monitors with the same ``prefix`` never get here: their ``state_key`` is the same, and
         the Trainer refuses them when it is built.
         """
-        mine = self._files_folder(trainer)
-        if mine is None:
-            return
-        for other in trainer.callbacks:
-            if other is self or not isinstance(other, MemoryMonitor):
-                continue
-            if other._files_folder(trainer) == mine:
-                raise SetupError(
-                    f"MemoryMonitor(output_dir={self.config.output_dir!r}, prefix={self.config.prefix!r}): the "
-                    f"MemoryMonitor with prefix={other.config.prefix!r} in the same Trainer writes its files to the "
-                    f"same folder, {mine}, so one would overwrite the other's history.csv, report.json and "
-                    "memory.png. Give each monitor its own output_dir=..., or write_files=False to all but one."
-                )
+        others = [cb for cb in trainer.callbacks if cb is not self and isinstance(cb, MemoryMonitor)]
+        refuse_shared_folder(self._files_folder(trainer), self.config, [(o.config, o._files_folder(trainer)) for o in others])
 
     def _start(self, trainer: "pl.Trainer") -> None:
         session = self._session
@@ -318,41 +291,7 @@ class MemoryMonitor(SessionResults, *_callback_bases()):  # type: ignore[misc]
     def _eval_end(self, trainer: "pl.Trainer") -> None:
         self._session.end_eval(log_step=self._log_step(trainer), emit=bool(trainer.loggers) and not trainer.sanity_checking)
 
-    @entry_point("on_validation_start")
-    def on_validation_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        self._eval_start(trainer, "validate")
-
-    @entry_point("on_validation_batch_end")
-    def on_validation_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
-        self._session.eval_batch()
-
-    @entry_point("on_validation_end")
-    def on_validation_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        self._eval_end(trainer)
-
-    @entry_point("on_test_start")
-    def on_test_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        self._eval_start(trainer, "test")
-
-    @entry_point("on_test_batch_end")
-    def on_test_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
-        self._session.eval_batch()
-
-    @entry_point("on_test_end")
-    def on_test_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        self._eval_end(trainer)
-
-    @entry_point("on_predict_start")
-    def on_predict_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        self._eval_start(trainer, "predict")
-
-    @entry_point("on_predict_batch_end")
-    def on_predict_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
-        self._session.eval_batch()
-
-    @entry_point("on_predict_end")
-    def on_predict_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        self._eval_end(trainer)
+    # validate/test/predict hooks (Lightning dispatches by name): made by _eval_hooks below the class
 
     # ------------------------------------------------------------------ end of fit, failures
     @entry_point("on_train_end")
@@ -425,17 +364,28 @@ class MemoryMonitor(SessionResults, *_callback_bases()):  # type: ignore[misc]
         before ``prefix`` was changed, has the state under another key: with one monitor in the
         Trainer and one monitor state in the checkpoint, that state is this monitor's.
         """
-        states = checkpoint.get("callbacks") or {}
-        if self.state_key in states:
-            return
-        name = type(self).__qualname__
-        saved = [k for k in states if isinstance(k, str) and (k == name or k.startswith(name + "{"))]
-        monitors = [cb for cb in trainer.callbacks if isinstance(cb, MemoryMonitor)]
-        if len(saved) == 1 and len(monitors) == 1 and states[saved[0]]:
-            log.info("MemoryMonitor(prefix=%r): restoring the history saved under the checkpoint key %r.", self.config.prefix, saved[0])
-            self.load_state_dict(copy.deepcopy(states[saved[0]]))
-        elif saved:
-            log.info(
-                "MemoryMonitor(prefix=%r): the checkpoint has no state under %r (it has %s); the history starts afresh.",
-                self.config.prefix, self.state_key, saved,
-            )
+        monitors = sum(isinstance(cb, MemoryMonitor) for cb in trainer.callbacks)
+        state = saved_state_of(checkpoint.get("callbacks") or {}, self.state_key, type(self).__qualname__, monitors, self.config.prefix, log)
+        if state is not None:
+            self.load_state_dict(copy.deepcopy(state))
+
+def _eval_hooks(stage: str, hook: str) -> None:
+    """``on_{hook}_start``/``_batch_end``/``_end`` for one evaluation loop, each forwarding to the shared method."""
+
+    def start(self: MemoryMonitor, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._eval_start(trainer, stage)
+
+    def batch_end(self: MemoryMonitor, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any,
+                  batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._session.eval_batch()
+
+    def end(self: MemoryMonitor, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._eval_end(trainer)
+
+    for name, fn in ((f"on_{hook}_start", start), (f"on_{hook}_batch_end", batch_end), (f"on_{hook}_end", end)):
+        fn.__name__ = fn.__qualname__ = name
+        setattr(MemoryMonitor, name, entry_point(name)(fn))
+
+
+for _stage, _hook in (("validate", "validation"), ("test", "test"), ("predict", "predict")):
+    _eval_hooks(_stage, _hook)

@@ -11,11 +11,12 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable
 
+from memcallbacks._base.errors import SetupError
 from memcallbacks._runtime.lifecycle import weak_method
 from memcallbacks._runtime.preflight_check import fake_step_running
 from memcallbacks.trackers import Trackers
 
-__all__ = ["lightning_strategy", "accelerate_strategy", "precision_name", "rank_zero_trackers", "OptimizerHooks"]
+__all__ = ["refuse_shared_folder", "saved_state_of", "lightning_strategy", "accelerate_strategy", "precision_name", "rank_zero_trackers", "OptimizerHooks"]
 
 # Lightning's strategies by class name, in memcallbacks.estimate's names (others: detected from the model).
 _LIGHTNING_STRATEGIES = {
@@ -106,3 +107,36 @@ class OptimizerHooks:
         handles, self.handles = self.handles, []
         for handle in handles:
             handle.remove()
+
+
+def refuse_shared_folder(mine: str | None, config: Any, others: list[tuple[Any, str | None]]) -> None:
+    """Refuse, before training, a second monitor in one trainer that would overwrite this one's
+    files (``others``: each sibling's config and folder; None: writes no files)."""
+    if mine is None:
+        return
+    for other, folder in others:
+        if folder == mine:
+            raise SetupError(
+                f"MemoryMonitor(output_dir={config.output_dir!r}, prefix={config.prefix!r}): the "
+                f"MemoryMonitor with prefix={other.prefix!r} in the same Trainer writes its files to the "
+                f"same folder, {mine}, so one would overwrite the other's history.csv, report.json and "
+                "memory.png. Give each monitor its own output_dir=..., or write_files=False to all but one."
+            )
+
+
+def saved_state_of(states: dict[str, Any], key: str, name: str, monitors: int, prefix: str, log: logging.Logger) -> Any:
+    """A monitor's state saved under another key, when which one is this monitor's is unambiguous.
+
+    A checkpoint saved when every monitor was keyed by its class name ``name``, or before
+    ``prefix`` was changed, has the state under another key than ``key``: with one monitor in the
+    trainer (``monitors``) and one monitor state in the checkpoint, that state is this monitor's.
+    None: the state is under ``key`` already (the framework loads it), or none can be adopted."""
+    if key in states:
+        return None
+    saved = [k for k in states if isinstance(k, str) and (k == name or k.startswith(name + "{"))]
+    if len(saved) == 1 and monitors == 1 and states[saved[0]]:
+        log.info("%s(prefix=%r): restoring the history saved under the checkpoint key %r.", name, prefix, saved[0])
+        return states[saved[0]]
+    if saved:
+        log.info("%s(prefix=%r): the checkpoint has no state under %r (it has %s); the history starts afresh.", name, prefix, key, saved)
+    return None

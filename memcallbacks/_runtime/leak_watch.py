@@ -1,4 +1,4 @@
-"""Leak watching and the theory check, wired to step boundaries: what Session calls around each step.
+"""The leak watch, wired to step boundaries: the lingering check, growth, cycles and the census the session calls around each step.
 
 ``LeakWatch`` runs the detectors (lingering references in :mod:`memcallbacks.leaks.lingering`, baseline
 growth in :mod:`memcallbacks.leaks.growth`, periodic garbage collection in :mod:`memcallbacks.leaks.cycles`)

@@ -1,4 +1,4 @@
-"""What every adapter shares: the engine plus step bookkeeping, logging decisions, findings, files and failures.
+"""The session every adapter drives: one run's step protocol (begin_step, boundary, end_step), orchestrating the plan, the engine, the watch and the files.
 
 Adapters (Lightning, Accelerate, Transformers, the plain-loop ``Monitor``) own one
 :class:`Session` and only translate their framework's events into its calls. Nothing here
