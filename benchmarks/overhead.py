@@ -654,7 +654,8 @@ def environment(args: argparse.Namespace) -> dict[str, Any]:
     return env
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None, *, require_device: bool = True) -> argparse.Namespace:
+    """The arguments, with the defaults --quick and --device imply; ``require_device=False`` reads them without a GPU."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="smoke run: fewer steps and repeats (about a minute; on CUDA about "
                    "30 s: 2 repeats of 100 steps, 2 A/B pairs, log_every 50 only, since every step synchronizes)")
@@ -675,7 +676,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reuse-batches", action="store_true", help="hand out the same few batch tensors every step (a pre-batched in-memory dataset) instead of fresh ones")
     p.add_argument("--seed", type=int, default=0, help="seed of the run order and the A/B plans")
     args = p.parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
+    if require_device and args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device is available.")
     quick = args.quick
     # a synchronized CUDA step of the larger model is slower than a CPU one: --quick there is sized to
