@@ -50,7 +50,7 @@ stage() {  # stage NAME SECONDS COMMAND...
   local t0=$SECONDS
   timeout --signal=INT --kill-after="$KILL_AFTER" "$seconds" "$@" >> "$log" 2>&1
   local rc=$?
-  echo "===== $name: rc=$rc in $((SECONDS - t0))s$([ $rc -eq 124 ] && echo ' (timed out)')" >> "$log"
+  echo "===== $name: rc=$rc in $((SECONDS - t0))s$( { [ $rc -eq 124 ] || [ $rc -eq 137 ]; } && echo ' (timed out)')" >> "$log"
   [ $rc -eq 0 ] || status=1
 }
 stage env 15 python3 -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda); print('device', torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'NO CUDA')"
