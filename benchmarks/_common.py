@@ -7,6 +7,7 @@ folder is ``sys.path[0]``).
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import platform
@@ -25,6 +26,41 @@ BARE = "bare"
 TARGET_LOG_EVERY = 50
 TARGET_US_PER_STEP = 30.0
 TARGET_RATIO = 1.03
+
+
+# ---------------------------------------------------------------------------- results as they come
+class ResultFile:
+    """A JSON results file rewritten after every measurement, so a run cut short (a stage timeout, a
+    Ctrl-C) leaves everything measured so far. Each write goes to a temporary file renamed over the
+    target (``os.replace``), so a reader never sees half a file; ``"complete"`` is False until
+    :meth:`finish`. ``path=None`` writes nothing."""
+
+    def __init__(self, path: str | os.PathLike[str] | None, **fixed: Any) -> None:
+        self.path = os.fspath(path) if path is not None else None
+        self.payload: dict[str, Any] = {**fixed, "complete": False}
+
+    def append(self, section: str, row: dict[str, Any]) -> None:
+        """Add one measurement to the list ``section`` and rewrite the file."""
+        self.payload.setdefault(section, []).append(row)
+        self.write()
+
+    def update(self, **sections: Any) -> None:
+        """Set whole sections and rewrite the file."""
+        self.payload.update(sections)
+        self.write()
+
+    def finish(self, **sections: Any) -> None:
+        """The last write: ``"complete": true``."""
+        self.payload["complete"] = True
+        self.update(**sections)
+
+    def write(self) -> None:
+        if self.path is None:
+            return
+        tmp = f"{self.path}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.payload, f, indent=1, default=str)
+        os.replace(tmp, self.path)
 
 
 # ---------------------------------------------------------------------------- the workload

@@ -21,8 +21,8 @@ variant shares the model, the data, the logger type and ``log_every_n_steps``. F
 Usage::
 
     python benchmarks/overhead.py                 # full run, about 5 minutes on 2 quiet cores
-    python benchmarks/overhead.py --quick         # about 1 minute smoke run
-    python benchmarks/overhead.py --json out.json # also save every measurement
+    python benchmarks/overhead.py --quick         # about 1 minute smoke run (CUDA: about 30 s, log 50 only)
+    python benchmarks/overhead.py --json out.json # also save every measurement, rewritten after each one
     python benchmarks/overhead.py --device cuda   # the same on a CUDA device, larger model
 
 Results and how to read them: docs/benchmarks.md.
@@ -58,7 +58,7 @@ from memcallbacks._base.devices import CpuBackend, host_rss_reader, select_backe
 
 # benchmarks/_common.py: run as a script, this file's folder is sys.path[0]
 from _common import BARE, TARGET_LOG_EVERY, TARGET_RATIO, TARGET_US_PER_STEP
-from _common import base_environment, interleaved_runs, is_logged, load_average, median_ci, mlp_layers, monitor_self_us, paired_with_bare, quantile, robust_mean, robust_step_us
+from _common import ResultFile, base_environment, interleaved_runs, is_logged, load_average, median_ci, mlp_layers, monitor_self_us, paired_with_bare, quantile, robust_mean, robust_step_us
 
 NOOP = "empty Callback"
 DEVICE_STATS = "DeviceStatsMonitor"
@@ -654,12 +654,15 @@ def environment(args: argparse.Namespace) -> dict[str, Any]:
     return env
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None, *, require_device: bool = True) -> argparse.Namespace:
+    """The arguments, with the defaults --quick and --device imply; ``require_device=False`` reads them without a GPU."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="smoke run: fewer steps and repeats (about a minute)")
+    p.add_argument("--quick", action="store_true", help="smoke run: fewer steps and repeats (about a minute; on CUDA about "
+                   "30 s: 2 repeats of 100 steps, 2 A/B pairs, log_every 50 only, since every step synchronizes)")
     p.add_argument("--json", metavar="PATH", help="write environment, every run and the summaries to PATH")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="train on this device (cuda: a larger model)")
-    p.add_argument("--log-every", type=int, nargs="+", default=[1, TARGET_LOG_EVERY], help="Trainer(log_every_n_steps=...) settings")
+    p.add_argument("--log-every", type=int, nargs="+", help=f"Trainer(log_every_n_steps=...) settings (default 1 {TARGET_LOG_EVERY}; "
+                   f"{TARGET_LOG_EVERY} with --quick on CUDA)")
     p.add_argument("--steps", type=int, help="timed steps per interleaved fit (a multiple of every --log-every)")
     p.add_argument("--skip-steps", type=int, default=50, help="untimed steps at the start of every fit")
     p.add_argument("--repeats", type=int, help="interleaved repeats (0 skips the interleaved fits)")
@@ -673,13 +676,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reuse-batches", action="store_true", help="hand out the same few batch tensors every step (a pre-batched in-memory dataset) instead of fresh ones")
     p.add_argument("--seed", type=int, default=0, help="seed of the run order and the A/B plans")
     args = p.parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
+    if require_device and args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device is available.")
     quick = args.quick
-    args.steps = args.steps or (200 if quick else 600)
+    # a synchronized CUDA step of the larger model is slower than a CPU one: --quick there is sized to
+    # end within gpu_check.sh's stage (about 2,750 steps in 17 fits instead of about 12,000 in 46)
+    cuda_quick = quick and args.device == "cuda"
+    args.log_every = args.log_every or ([TARGET_LOG_EVERY] if cuda_quick else [1, TARGET_LOG_EVERY])
+    args.steps = args.steps or (100 if cuda_quick else 200 if quick else 600)
     # 15 repeats: enough for the paired difference of two monitors to have a 95% interval (sign test)
-    args.repeats = args.repeats if args.repeats is not None else (3 if quick else 15)
-    args.ab_pairs = args.ab_pairs if args.ab_pairs is not None else (6 if quick else 20)
+    args.repeats = args.repeats if args.repeats is not None else (2 if cuda_quick else 3 if quick else 15)
+    args.ab_pairs = args.ab_pairs if args.ab_pairs is not None else (2 if cuda_quick else 6 if quick else 20)
     args.hook_repeats = args.hook_repeats if args.hook_repeats is not None else (1 if quick else 3)
     args.d_in, args.hidden, args.batch_size = (1024, 4096, 512) if args.device == "cuda" else (64, 128, 32)
     args.micro_calls = 400 if quick else 2000
@@ -709,6 +716,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.skip_steps} untimed steps per fit; interleaved: {args.repeats} repeats of {args.steps} steps; "
           f"A/B: {args.ab_pairs} pairs of {args.block}-step blocks; hooks: {args.hook_repeats} fits per log setting", flush=True)
     began = time.perf_counter()
+    results = ResultFile(args.json, environment=env, args=vars(args))  # rewritten after every fit
     batches = make_data(args)
     ab: list[dict[str, Any]] = []
     accounts: list[dict[str, Any]] = []
@@ -723,8 +731,13 @@ def main(argv: list[str] | None = None) -> int:
                   + ", ".join(f"{r['step_us_mean']:.0f} µs at log_every={r['log_every']}" for r in bare), flush=True)
 
         order = random.Random(args.seed)
-        runs = interleaved_runs(lambda variant, log_every: run_fit(variant, log_every, args, batches, workdir),
-                                args.variants, args.log_every, args.repeats, order, progress)
+        def measured(variant: str, log_every: int) -> dict[str, Any]:
+            row = run_fit(variant, log_every, args, batches, workdir)
+            results.append("interleaved_runs", row)  # the repeat number is added afterwards
+            return row
+
+        runs = interleaved_runs(measured, args.variants, args.log_every, args.repeats, order, progress)
+        results.update(interleaved_runs=runs)
         t_fits = time.perf_counter()
 
         if args.ab_pairs:
@@ -732,6 +745,7 @@ def main(argv: list[str] | None = None) -> int:
             order.shuffle(jobs)
             for k, (variant, log_every) in enumerate(jobs):
                 ab.append(run_ab(variant, log_every, args, batches, workdir, seed=args.seed * 1000 + k))
+                results.update(ab=ab)
             ab.sort(key=lambda r: (r["log_every"], AB_VARIANTS.index(r["variant"])))
             print(f"A/B fits done ({time.perf_counter() - began:.0f} s)", flush=True)
         t_ab = time.perf_counter()
@@ -739,6 +753,7 @@ def main(argv: list[str] | None = None) -> int:
         for repeat in range(args.hook_repeats):
             for log_every in args.log_every:
                 accounts.append(hook_accounting(log_every, args, batches, workdir, rotation=repeat))
+                results.update(hooks={"runs": accounts})
         t_hooks = time.perf_counter()
 
     fit_rows = summarize_fits(runs, args.log_every, args.variants) if runs else []
@@ -769,9 +784,9 @@ def main(argv: list[str] | None = None) -> int:
     print("\nwall time: " + ", ".join(f"{k} {v:.0f}" for k, v in timings.items())
           + f"; load average at end: {load_average() or '?'}")
     if args.json:
-        payload = {"environment": env, "args": vars(args), "timings": timings, "verdicts": verdicts, "interleaved": {"runs": runs, "summary": fit_rows},
-                   "ab": ab, "hooks": {"runs": accounts, "summary": hook_rows}, "micro": micro}
-        Path(args.json).write_text(json.dumps(payload, indent=1, default=str))
+        results.payload.pop("interleaved_runs", None)  # the finished file has them under "interleaved"
+        results.finish(timings=timings, verdicts=verdicts, interleaved={"runs": runs, "summary": fit_rows}, ab=ab,
+                       hooks={"runs": accounts, "summary": hook_rows}, micro=micro)
         print(f"saved {args.json}")
     return 0
 

@@ -23,11 +23,13 @@ import resource
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the model zoo tests share
 
+from _common import ResultFile  # noqa: E402  (this file's folder is sys.path[0])
 from preflight_zoo import CASES, Case  # noqa: E402
 
 from memcallbacks.preflight import measure_step, predict  # noqa: E402
@@ -103,8 +105,9 @@ def measure_cuda_step(case: Case, batch: object) -> dict[str, int]:
     return phases
 
 
-def cuda_table(scale: int) -> dict[str, object]:
-    """Predicted (``device="cuda"``) against measured ``max_memory_allocated`` per phase, per zoo model."""
+def cuda_table(scale: int, on_row: Callable[[dict[str, object]], None] = lambda row: None) -> dict[str, object]:
+    """Predicted (``device="cuda"``) against measured ``max_memory_allocated`` per phase, per zoo model;
+    ``on_row(row)`` after each model (the JSON is rewritten then: a stage timeout keeps the rows so far)."""
     hopper = torch.cuda.get_device_capability()[0] >= 9
     rows = []
     print("| model | predicted fwd / bwd / opt (MiB) | measured fwd / bwd / opt (MiB) | ratio fwd | bwd | opt |\n|---|---|---|---:|---:|---:|")
@@ -121,12 +124,14 @@ def cuda_table(scale: int) -> dict[str, object]:
             measured = measure_cuda_step(case, batch)
         except Exception as exc:  # one model failing must not hide the others
             rows.append({"model": case.name, "error": f"{type(exc).__name__}: {exc}"})
+            on_row(rows[-1])
             print(f"| {case.name} | failed: {type(exc).__name__}: {exc} |")
             continue
         predicted = p.phase_peaks()
         ratio = {ph: predicted[ph] / measured[ph] for ph in PHASES}
         rows.append({"model": case.name, "scale": scale, "precision": case.precision, "allocated_before_case_bytes": before,
                      "predicted_bytes": predicted, "measured_bytes": measured, "ratio": ratio, "notes": list(p.notes)})
+        on_row(rows[-1])
         mib = lambda d: " / ".join(f"{d[ph] / 2**20:.2f}" for ph in PHASES)  # noqa: E731
         print(f"| {case.name} | {mib(predicted)} | {mib(measured)} | " + " | ".join(f"{ratio[ph]:.4f}" for ph in PHASES) + " |", flush=True)
         del case, batch, p
@@ -196,9 +201,9 @@ def main() -> None:
             if args.json:
                 Path(args.json).write_text(json.dumps({"device": "cuda", "skipped": "no GPU present"}, indent=2))
             return
-        result = cuda_table(4 if args.quick else args.scale)
-        if args.json:
-            Path(args.json).write_text(json.dumps(result, indent=2))
+        results = ResultFile(args.json, device="cuda", scale=4 if args.quick else args.scale)
+        result = cuda_table(4 if args.quick else args.scale, on_row=lambda row: results.append("rows", row))
+        results.finish(**result)
         return
     torch.set_num_threads(2)
     scale = 1 if args.quick else args.scale

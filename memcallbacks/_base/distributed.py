@@ -1,8 +1,13 @@
-"""torch.distributed helpers: rank/world discovery and one-collective max-over-ranks reduction."""
+"""torch.distributed helpers: rank/world discovery, one-collective max-over-ranks reduction, object gather.
+
+Every collective's tensors go to :func:`_collective_device` (the monitored device under NCCL), never
+to ``torch.cuda.current_device()``.
+"""
 
 from __future__ import annotations
 
 import math
+import pickle
 from typing import Any, Sequence
 
 import torch
@@ -43,6 +48,11 @@ def max_over_ranks(values: Sequence[float], device: torch.device | None = None) 
 
     NaN stands for "this rank has no value" (a rank whose monitor disabled itself still joins
     the collective with NaNs so the others never hang). ``device``: the monitored device.
+
+    Under NCCL the gathered table comes back to the host with one device-to-host copy, which waits
+    for the work queued on the device so far: a synchronization on every logged step
+    (docs/metrics.md; ``reduce_across_ranks=False`` avoids it). The values have to reach the host
+    to be logged, and NCCL has no host-memory path.
     """
     if not is_distributed():
         return list(values), [0] * len(values)
@@ -50,16 +60,34 @@ def max_over_ranks(values: Sequence[float], device: torch.device | None = None) 
     local = torch.tensor(list(values), dtype=torch.float64, device=_collective_device(device))
     gathered = [torch.empty_like(local) for _ in range(world)]
     torch.distributed.all_gather(gathered, local)
-    table = torch.stack(gathered).cpu()
+    table = torch.stack(gathered).cpu()  # the one device-to-host copy (a sync under NCCL)
     table = torch.nan_to_num(table, nan=-math.inf)
     best, ranks = table.max(dim=0)
     return best.tolist(), ranks.tolist()
 
 
-def gather_objects(obj: Any) -> list[Any]:
-    """``all_gather_object`` when distributed, ``[obj]`` otherwise."""
+def gather_objects(obj: Any, device: torch.device | None = None) -> list[Any]:
+    """Every rank's ``obj`` (picklable), in rank order, on every rank; ``[obj]`` when not distributed.
+
+    torch's ``all_gather_object`` puts its byte tensors on ``torch.cuda.current_device()`` under
+    NCCL (``_get_object_coll_device`` gives only the device type, and ``_object_to_tensor`` calls
+    ``.to("cuda")``), so a plain loop that never called ``set_device`` would gather every rank's
+    object through ``cuda:0``. This does the same two ``all_gather`` calls (sizes, then the padded
+    bytes) with the tensors on :func:`_collective_device` (``device``: the monitored device).
+    """
     if not is_distributed():
         return [obj]
-    out: list[Any] = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(out, obj)
-    return out
+    world = torch.distributed.get_world_size()
+    where = _collective_device(device)
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    size = torch.tensor([len(data)], dtype=torch.int64, device=where)
+    sizes = [torch.empty_like(size) for _ in range(world)]
+    torch.distributed.all_gather(sizes, size)
+    lengths = [int(n) for n in torch.cat(sizes).tolist()]
+    longest = max(lengths)
+    local = torch.zeros(longest, dtype=torch.uint8)
+    local[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    local = local.to(where)
+    out = [torch.empty(longest, dtype=torch.uint8, device=where) for _ in range(world)]
+    torch.distributed.all_gather(out, local)
+    return [pickle.loads(t[:n].cpu().numpy().tobytes()) for t, n in zip(out, lengths)]

@@ -133,7 +133,7 @@ class RunEnd:
             distributed = engine.world_size > 1 and _distributed.is_distributed()
             # one collective: every rank's summary, and its snapshot files for rank zero's trackers
             payload = snapshot_payload(report["snapshots"], engine.rank) if self.config.log_to_trackers and engine.rank > 0 else None
-            gathered = _distributed.gather_objects((report["summary"], payload)) if gather and distributed else None
+            gathered = _distributed.gather_objects((report["summary"], payload), engine.device) if gather and distributed else None
             summaries = [g[0] for g in gathered] if gathered is not None else None
             if not (self.config.write_files and self.output_dir is not None):
                 self._to_trackers(report, gathered)

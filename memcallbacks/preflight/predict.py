@@ -12,7 +12,7 @@ from torch import nn
 
 from memcallbacks.estimate.tables import _canonical_precision
 from memcallbacks.estimate.tables import canonical_strategy as _canonical_strategy
-from memcallbacks.preflight import allocator
+from memcallbacks.preflight import allocator, workspaces
 from memcallbacks.preflight._analysis import StepResult, analyse
 from memcallbacks.preflight._fake import fake_batch, fake_model, fake_optimizer
 from memcallbacks.preflight._step import ForwardFn, default_forward_fn, run_step
@@ -79,7 +79,9 @@ def predict(
             forward_fn), ``"bf16-true"``, ``"16-true"``, ``"64-true"`` (params and float inputs cast).
         device: the target device; default: the model's (CPU for a meta model).
         strategy, world_size: model states per rank as :func:`memcallbacks.estimate.estimate` shards them.
-        hopper: CUDA target is Hopper or newer (a 32 MiB cuBLAS workspace instead of 8.1 MiB).
+        hopper: CUDA target is Hopper (a 32 MiB cuBLAS workspace instead of 8.1 MiB). One workspace per
+            thread that runs matmuls: the forward thread's from its first matmul, the autograd
+            device thread's from the first backward matmul (two in the steady step).
 
     Raises:
         PreflightError: the step cannot run on fake tensors (``.item()``, data-dependent shapes, an
@@ -95,9 +97,10 @@ def predict(
     compute = _compute_device(target, notes)
     forward_fn = forward_fn or default_forward_fn(loss_fn)
     runs = _run_two_steps(model, batch, optimizer, forward_fn, precision_name, compute, target.type == "cuda")
-    size = allocator.round_cuda if target.type == "cuda" else int
-    workspace = allocator.cublas_workspace_bytes(hopper) if target.type == "cuda" else 0
-    first, steady = (_build(t, b, size, workspace, target, precision_name, notes) for t, b in runs)
+    if target.type == "cuda":
+        first, steady = _build_cuda(runs, allocator.cublas_workspace_bytes(hopper), target, precision_name, notes)
+    else:  # exact bytes: what the CPU allocator is asked for
+        first, steady = (_build(analyse(t, b, int), target, precision_name, notes) for t, b in runs)
     steady = dataclass_replace(steady, first_step=first)
     if strategy != "single":
         steady = _shard(steady, model, optimizer, precision_name, strategy, world_size)
@@ -136,25 +139,42 @@ def _run_two_steps(
     return runs
 
 
-def _build(
-    tracker: Any, bounds: list[int], size: Callable[[int], int], workspace: int, target: torch.device, precision: str,
-    notes: list[str],
-) -> Prediction:
-    result: StepResult = analyse(tracker, bounds, size)
+def _build_cuda(
+    runs: list[tuple[Any, list[int]]], workspace: int, target: torch.device, precision: str, notes: list[str]
+) -> list[Prediction]:
+    """Both steps through the caching-allocator model, with one cuBLAS workspace per thread that runs
+    matmuls (:mod:`memcallbacks.preflight.workspaces`), allocated at that thread's first matmul."""
+    first_mm = workspaces.first_matmuls(runs[0][0].records)
+    # the steady step starts with the first step's workspaces; a thread whose first matmul comes only now gets one then
+    steady_mm = dict.fromkeys(first_mm, 0)
+    for thread, born in workspaces.first_matmuls(runs[1][0].records).items():
+        steady_mm.setdefault(thread, born + 1)
+    first_mm = {thread: born + 1 for thread, born in first_mm.items()}  # cuBLAS runs after the output's allocation
+    out = []
+    for (tracker, bounds), starts in ((runs[0], first_mm), (runs[1], steady_mm)):
+        extra: dict[int, list[int]] = {}
+        for at in starts.values():
+            extra.setdefault(at, []).append(workspace)
+        rep = allocator.replay(tracker.events, [r.nbytes for r in tracker.records], extra)
+        result = analyse(tracker, bounds, allocator.round_size, record_bytes=rep.record_bytes,
+                         workspace_at={at: sum(blocks) for at, blocks in rep.extra_bytes.items()})
+        threads = " and ".join(sorted(starts)) or "none (no matmul seen)"
+        note = (f"cuBLAS workspace {workspace} bytes for each thread that runs matmuls: {threads}; blocks as the caching "
+                f"allocator hands them out (rounded to {allocator.MIN_BLOCK} bytes, a large-pool block split only when more "
+                f"than 1 MiB is left); reserved (estimated) {rep.peak_reserved} bytes")
+        out.append(_build(result, target, precision, [*notes, note]))
+    return out
+
+
+def _build(result: StepResult, target: torch.device, precision: str, notes: list[str]) -> Prediction:
     breakdown = {phase: dict(r.breakdown) for phase, r in result.phases.items()}
     peaks = {phase: r.peak_bytes for phase, r in result.phases.items()}
-    if workspace:
-        for phase in peaks:
-            peaks[phase] += workspace
-            breakdown[phase]["workspace"] = workspace
-        notes = [*notes, f"cuBLAS workspace {workspace} bytes; blocks rounded to {allocator.MIN_BLOCK} bytes; "
-                 f"reserved (estimated) {allocator.reserved_bytes(tracker.events, [r.nbytes for r in tracker.records]) + workspace} bytes"]
     return Prediction(
         device=target.type,
         precision=precision,
         strategy="single",
         world_size=1,
-        start_bytes=result.start_bytes + workspace,
+        start_bytes=result.start_bytes,
         forward_peak_bytes=peaks["forward"],
         backward_peak_bytes=peaks["backward"],
         optimizer_peak_bytes=peaks["optimizer"],

@@ -117,12 +117,15 @@ def dump_on_oom(
     """
     detach: Callable[[], None] = lambda: None  # noqa: E731
 
-    def observer(device: int, requested: int, device_limit: int, device_free: int) -> None:
+    def observer(device: int, segment: int, device_limit: int, device_free: int) -> None:
         # torch calls observers as (device, alloc_size, device total or the per-process limit, device free);
-        # the allocator's lock is released by then, so its stats could be read, but nothing here allocates
+        # alloc_size is the segment cudaMalloc was asked for (get_allocation_size: a 4 MiB tensor asks for a
+        # 20 MiB segment), not the tensor's bytes. The allocator's lock is released by then, so its stats
+        # could be read, but nothing here allocates
         if once:
             detach()
-        reason = (f"out of memory on cuda:{device}: {format_bytes(requested)} requested, "
+        reason = (f"out of memory on cuda:{device}: a new {format_bytes(segment)} segment (the request rounded up to the "
+                  f"caching allocator's segment size) did not fit, "
                   f"{format_bytes(device_free)} free of {format_bytes(device_limit)} (device total or per-process limit)")
         budget = max_bytes() if callable(max_bytes) else max_bytes
         if room is not None and not room():

@@ -16,10 +16,16 @@ from memcallbacks.snapshot.files import _OP_FILENAME
 
 __all__ = ["NO_STACK", "BEFORE_TRACE", "Allocation", "SiteTotal", "frame_label", "group_by_site"]
 
+# The package roots that make a frame internal, by the real directories, not by any folder's name: a
+# virtual environment inside a folder named ``torch`` (``/work/torch/venv/.../site-packages/x.py``) or
+# a user's ``memcallbacks_demo/`` is user code.
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # memcallbacks/, every wing
-# torch's own files, by absolute path (CUDA snapshots) or trimmed to "torch/nn/..." (the profiler's stacks)
-_INTERNAL_RE = re.compile(r"(?:^|[\\/])torch[\\/]|(?:^|[\\/])memcallbacks[\\/](?:[A-Za-z_]+[\\/])?[A-Za-z_]+\.py$")
+# Frames recorded by another process or machine (a snapshot loaded here): torch or memcallbacks as an
+# installed package (the folder right under site-packages/dist-packages), or a path the profiler
+# trimmed to the package ("torch/nn/modules/linear.py"): relative, starting at the package folder.
+_INSTALLED_RE = re.compile(r"[\\/](?:site|dist)-packages[\\/](?:torch|memcallbacks)[\\/]")
+_TRIMMED_RE = re.compile(r"^(?:torch|memcallbacks)[\\/]")
 
 
 def _is_python_frame(f: dict[str, Any]) -> bool:
@@ -29,7 +35,9 @@ def _is_python_frame(f: dict[str, Any]) -> bool:
 
 def _is_internal(f: dict[str, Any]) -> bool:
     name = str(f.get("filename", ""))
-    return name.startswith(_TORCH_DIR) or name.startswith(_PKG_DIR) or _INTERNAL_RE.search(name) is not None
+    if name.startswith(_TORCH_DIR) or name.startswith(_PKG_DIR) or _INSTALLED_RE.search(name) is not None:
+        return True
+    return not os.path.isabs(name) and _TRIMMED_RE.match(name) is not None
 
 
 def frame_label(f: dict[str, Any]) -> str:
