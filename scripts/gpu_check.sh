@@ -54,7 +54,7 @@ stage() {  # stage NAME SECONDS COMMAND...
   [ $rc -eq 0 ] || status=1
 }
 stage env 15 python3 -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda); print('device', torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'NO CUDA')"
-cuda_tests=$(grep -l "pytest.mark.cuda\|mark.cuda" tests/test_*.py | tr '\n' ' ')
+cuda_tests=$(grep -rl --include="test_*.py" "pytest.mark.cuda\|mark.cuda" tests | tr '\n' ' ')
 # shellcheck disable=SC2086  # one argument per file
 stage pytest_cuda 145 python3 -m pytest -q -m cuda -p no:cacheprovider --continue-on-collection-errors -rfEs --durations=20 -o faulthandler_timeout=60 $cuda_tests
 stage record_snapshot 30 python3 scripts/record_cuda_snapshot.py "$out"

@@ -17,16 +17,16 @@ from pathlib import Path
 import torch
 
 from helpers import free_port
-from memcallbacks._runtime import distributed
+from memcallbacks._base import distributed
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 RANKS = textwrap.dedent('''
     import json, math, os, sys
     import torch
     import torch.distributed as dist
     import torch.multiprocessing as mp
-    from memcallbacks._runtime import distributed
+    from memcallbacks._base import distributed
 
 
     def run(rank, out, port):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 BUDGET_S = 390  # "at most 6.5 minutes" (issue 25), every stage timing out and needing its SIGKILL included
 
@@ -106,3 +106,20 @@ def test_overhead_quick_is_smaller_on_cuda(device: str, expected: tuple[int, int
                  + 4 * len(args.log_every) * (args.skip_steps + args.ab_pairs * 2 * args.block)
                  + args.hook_repeats * len(args.log_every) * (args.skip_steps + args.steps))
         assert (fits, steps) == (17, 2750)
+
+
+def test_the_cuda_stage_finds_the_cuda_tests_in_their_folders():
+    """The script's own file list (its grep line, run as written): tests live in tests/<wing>/, and a
+    pattern that matched nothing would leave the CUDA stage with no test files."""
+    import re
+    import subprocess
+
+    script = (ROOT / "scripts" / "gpu_check.sh").read_text()
+    line = next(l for l in script.splitlines() if l.startswith("cuda_tests="))
+    command = re.match(r"cuda_tests=\$\((.*)\)$", line).group(1)
+    files = subprocess.run(["bash", "-c", command], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    assert files, f"{command!r} found no test file"
+    for name in files:
+        text = (ROOT / name).read_text()
+        assert "mark.cuda" in text, name
+    assert any("snapshot" in name for name in files) and any("devices" in name for name in files), files

@@ -14,7 +14,7 @@ import sys
 from importlib.metadata import entry_points
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ENV_SCRIPT = ROOT / "scripts" / "pytest_plugin_env.sh"
 
 TEST_FILE = '''
