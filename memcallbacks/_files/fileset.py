@@ -60,7 +60,7 @@ def write_temporary(folder: Path, name: str, write: Callable[[Any], None], mode:
             fh.flush()
             os.fsync(fh.fileno())
     except BaseException:
-        _unlink(tmp)
+        unlink_quietly(tmp)
         raise
     return tmp
 
@@ -82,14 +82,14 @@ class FileSet:
 
     def discard(self) -> None:
         for tmp, _ in self.staged.values():
-            _unlink(tmp)
+            unlink_quietly(tmp)
         self.staged = {}
 
     def commit(self, stale: list[str] = ()) -> dict[str, str]:  # type: ignore[assignment]
         """Remove ``stale`` names (this set's files another run left, which this run does not write),
         then rename every staged file into place in the order staged; return ``{kind: path}``."""
         for name in stale:
-            _unlink(self.folder / name)
+            unlink_quietly(self.folder / name)
         written = {}
         for kind, (tmp, final) in self.staged.items():
             os.replace(tmp, final)
@@ -106,7 +106,7 @@ class FileSet:
         return written
 
 
-def _unlink(path: str | os.PathLike[str]) -> None:
+def unlink_quietly(path: str | os.PathLike[str]) -> None:
     try:
         os.unlink(path)
     except FileNotFoundError:

@@ -10,7 +10,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
-from memcallbacks._files.fileset import FileSet, _unlink, write_temporary
+from memcallbacks._files.fileset import FileSet, unlink_quietly, write_temporary
 from memcallbacks._base.units import GiB, MiB
 
 log = logging.getLogger(__name__)
@@ -29,7 +29,7 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[Any], None], mod
     try:
         os.replace(tmp, path)
     except BaseException:
-        _unlink(tmp)
+        unlink_quietly(tmp)
         raise
     return path
 

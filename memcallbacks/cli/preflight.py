@@ -12,7 +12,7 @@ import torch
 
 from memcallbacks.cli.estimate import _load_hf_config, _load_model_class, _one_line, _UsageError
 from memcallbacks.estimate import PRECISIONS, STRATEGIES
-from memcallbacks.estimate.tables import _canonical_precision
+from memcallbacks.estimate.tables import canonical_precision
 from memcallbacks.estimate.tables import canonical_strategy as _canonical_strategy
 
 __all__ = ["parse_batch_spec", "parse_bytes", "register", "run"]
@@ -126,7 +126,7 @@ def _run(args: argparse.Namespace) -> int:
     if not args.world_size.isdigit() or int(args.world_size) < 1:
         raise _UsageError(f"--world-size {args.world_size!r} is not a positive integer")
     try:
-        _canonical_precision(args.precision, "preflight")
+        canonical_precision(args.precision, "preflight")
         _canonical_strategy(args.strategy, "preflight")
     except ValueError as exc:
         raise _UsageError(str(exc).replace("preflight(): ", "--")) from None

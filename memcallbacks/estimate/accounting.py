@@ -2,7 +2,7 @@
 
 Pure arithmetic over element counts, shapes and dtypes; the formulas and their sources are in
 ``docs/theory.md``. ``compute.py`` checks the arguments and turns a model or counts into
-:class:`_Tensor` rows; :func:`_compute` turns those into a :class:`MemoryEstimate`.
+:class:`Tensor` rows; :func:`compute_states` turns those into a :class:`MemoryEstimate`.
 """
 
 from __future__ import annotations
@@ -13,27 +13,27 @@ import math
 import torch
 
 from memcallbacks.estimate.result import MemoryEstimate
-from memcallbacks.estimate.tables import _OptSpec, _Precision
+from memcallbacks.estimate.tables import OptSpec, Precision
 
 __all__: list[str] = []
 
 
 @dataclasses.dataclass
-class _Tensor:
+class Tensor:
     numel: int
     shape: tuple[int, ...] | None  # None: a count, divided evenly by the shard size
     floating: bool
     elem_bytes: int  # used only when not floating
     grad: bool
-    spec: _OptSpec | None
+    spec: OptSpec | None
 
 
 @dataclasses.dataclass(frozen=True)
-class _Setup:
+class Setup:
     """:func:`~memcallbacks.estimate.estimate`'s arguments, checked: canonical names, validated numbers."""
 
     strategy: str
-    prec: _Precision
+    prec: Precision
     world_size: int
     shards: int  # ranks a sharded tensor is split over (1: unsharded)
     rank: int
@@ -63,7 +63,7 @@ class _Setup:
 # sharding arithmetic
 
 
-def _local(t: _Tensor, mode: str, shards: int, rank: int) -> tuple[float, float]:
+def _local(t: Tensor, mode: str, shards: int, rank: int) -> tuple[float, float]:
     """(elements held, elements owned) by ``rank`` of ``shards`` for one tensor.
 
     ``dim0``: FSDP2 chunks dim 0 like ``torch.chunk``; the parameter and gradient storage of every
@@ -85,7 +85,7 @@ def _local(t: _Tensor, mode: str, shards: int, rank: int) -> tuple[float, float]
     return float(part), float(part)
 
 
-def _state_elements(t: _Tensor, spec: _OptSpec, owned: float, mode: str, shards: int, rank: int) -> float:
+def _state_elements(t: Tensor, spec: OptSpec, owned: float, mode: str, shards: int, rank: int) -> float:
     elements = spec.full_states * owned
     if spec.factored:
         if t.shape is None:
@@ -124,14 +124,14 @@ class _StateBytes:
     float_elems: int
 
 
-def _sum_states(tensors: list[_Tensor], setup: _Setup) -> _StateBytes:
+def _sum_states(tensors: list[Tensor], setup: Setup) -> _StateBytes:
     strategy, zero = setup.strategy, setup.zero
     mode = "dim0" if strategy == "fsdp2" else ("flat" if (setup.fsdp or zero) else "replicate")
     shards, shard_rank = setup.shards, setup.rank % setup.shards
     pb, cb = setup.prec.param_bytes, setup.prec.compute_bytes
     scalar_bytes = 8 if torch.get_default_dtype() == torch.float64 else 4
 
-    def elem(t: _Tensor, floating_bytes: int) -> int:
+    def elem(t: Tensor, floating_bytes: int) -> int:
         return floating_bytes if t.floating else t.elem_bytes
 
     params = grads = grads_lp = states = master = scalars_dev = scalars_host = temps = fp32_grad = 0.0
@@ -199,7 +199,7 @@ class _Placement:
     accumulated: int = 0  # grad bytes kept alive between micro-batches
 
 
-def _place_replicated(s: _StateBytes, largest: int, setup: _Setup, notes: list[str]) -> _Placement:
+def _place_replicated(s: _StateBytes, largest: int, setup: Setup, notes: list[str]) -> _Placement:
     """``single`` and ``ddp``: every rank holds everything."""
     pb, cb = setup.prec.param_bytes, setup.prec.compute_bytes
     out = _Placement(dev_params=s.params, dev_grads=s.grads, dev_opt=s.states + s.scalars_dev, host_opt=s.scalars_host)
@@ -222,7 +222,7 @@ def _place_replicated(s: _StateBytes, largest: int, setup: _Setup, notes: list[s
     return out
 
 
-def _place_fsdp(s: _StateBytes, largest: int, root: int, setup: _Setup) -> _Placement:
+def _place_fsdp(s: _StateBytes, largest: int, root: int, setup: Setup) -> _Placement:
     """FSDP1 / FSDP2: sharded states, units gathered one (plus prefetch) at a time."""
     cb, prefetch = setup.prec.compute_bytes, setup.prefetch
     rb = cb  # reduce_dtype defaults to param_dtype
@@ -245,7 +245,7 @@ def _place_fsdp(s: _StateBytes, largest: int, root: int, setup: _Setup) -> _Plac
     return out
 
 
-def _place_zero(s: _StateBytes, largest: int, root: int, setup: _Setup) -> _Placement:
+def _place_zero(s: _StateBytes, largest: int, root: int, setup: Setup) -> _Placement:
     """DeepSpeed ZeRO 1/2/3: fp32 master and optimizer partitions, low-precision module weights."""
     strategy, cb, prefetch = setup.strategy, setup.prec.compute_bytes, setup.prefetch
     out = _Placement(buffers=setup.reduce_bucket * cb, dev_params=s.params, grads_persist_dev=not setup.set_to_none)
@@ -287,7 +287,7 @@ class _DevicePhases:
     step: int
 
 
-def _device_phases(p: _Placement, setup: _Setup, notes: list[str]) -> _DevicePhases:
+def _device_phases(p: _Placement, setup: Setup, notes: list[str]) -> _DevicePhases:
     steady = p.dev_params + p.dev_opt + p.buffers + (p.dev_grads if p.grads_persist_dev else 0)
     grads_extra = 0 if p.grads_persist_dev else p.dev_grads
     if setup.accumulation > 1 and (not p.grads_persist_dev or (setup.fsdp and setup.no_sync)):
@@ -305,15 +305,15 @@ def _device_phases(p: _Placement, setup: _Setup, notes: list[str]) -> _DevicePha
     return _DevicePhases(steady=steady, forward=forward, backward=backward, step=steady + grads_extra + p.step_dev)
 
 
-def _host_init(s: _StateBytes, largest: int, setup: _Setup) -> int:
+def _host_init(s: _StateBytes, largest: int, setup: Setup) -> int:
     ib = setup.prec.param_bytes  # the model is built in its parameter dtype (fp32 for mixed precision)
     if (setup.strategy == "zero3" or setup.fsdp) and setup.zero_init:
         return largest * ib if setup.strategy == "zero3" else 0
     return round(s.all_elems * ib)
 
 
-def _compute(
-    tensors: list[_Tensor], largest: int, root: int, setup: _Setup, default_spec: _OptSpec, notes: list[str]
+def compute_states(
+    tensors: list[Tensor], largest: int, root: int, setup: Setup, default_spec: OptSpec, notes: list[str]
 ) -> MemoryEstimate:
     """The estimate for ``tensors`` under ``setup``; appends the assumptions that applied to ``notes``."""
     s = _sum_states(tensors, setup)

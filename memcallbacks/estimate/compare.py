@@ -9,7 +9,7 @@ from torch import nn
 
 from memcallbacks.estimate.compute import estimate
 from memcallbacks.estimate.result import MemoryEstimate
-from memcallbacks.estimate.tables import _unit_scale, canonical_strategy
+from memcallbacks.estimate.tables import unit_scale, canonical_strategy
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
@@ -45,7 +45,7 @@ def compare(estimates: Iterable[MemoryEstimate] | Mapping[str, MemoryEstimate], 
     """
     import pandas as pd
 
-    scale = _unit_scale(unit, "compare")
+    scale = unit_scale(unit, "compare")
     items = list(estimates.items()) if isinstance(estimates, Mapping) else [(e.label, e) for e in estimates]
     columns: dict[str, list[float]] = {}
     for label, est in items:

@@ -25,18 +25,18 @@ from typing import NamedTuple
 
 from torch import nn
 
-from memcallbacks.estimate.accounting import _compute, _Setup, _Tensor
-from memcallbacks.estimate.layers import _units, _unwrap, find_layers
+from memcallbacks.estimate.accounting import compute_states, Setup, Tensor
+from memcallbacks.estimate.layers import wrap_units, unwrap, find_layers
 from memcallbacks.estimate.result import MemoryEstimate
 from memcallbacks.estimate.tables import (
     OptimizerArg,
-    _canonical_precision,
-    _canonical_sharding,
-    _count,
-    _fail,
-    _OptSpec,
-    _param_specs,
-    _positive_int,
+    canonical_precision,
+    canonical_sharding,
+    count_of,
+    fail,
+    OptSpec,
+    param_specs,
+    positive_int,
     canonical_strategy,
 )
 
@@ -123,13 +123,13 @@ def estimate(
         prefetch_layers=prefetch_layers, zero_init=zero_init, conservative=conservative,
     )
     notes: list[str] = []
-    default_spec, per_param = _param_specs(optimizer, func)
+    default_spec, per_param = param_specs(optimizer, func)
     sizes = _Sizes(num_params, trainable_params, largest_layer_params, root_params)
     if model is None:
         rows = _from_counts(setup, sizes, default_spec, notes)
     else:
         rows = _from_model(model, setup, sizes, layer_cls, layer_names, default_spec, per_param, notes)
-    return _compute(*rows, setup, default_spec, notes)
+    return compute_states(*rows, setup, default_spec, notes)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -156,29 +156,29 @@ def _resolve(
     prefetch_layers: int | None,
     zero_init: bool,
     conservative: bool,
-) -> _Setup:
-    """Check :func:`estimate`'s arguments, in the order the errors are reported, into a :class:`_Setup`."""
+) -> Setup:
+    """Check :func:`estimate`'s arguments, in the order the errors are reported, into a :class:`Setup`."""
     strategy = canonical_strategy(strategy, func)
-    prec = _canonical_precision(precision, func)
-    world_size = _positive_int(world_size, "world_size", func)
-    accumulation = _positive_int(gradient_accumulation_steps, "gradient_accumulation_steps", func)
+    prec = canonical_precision(precision, func)
+    world_size = positive_int(world_size, "world_size", func)
+    accumulation = positive_int(gradient_accumulation_steps, "gradient_accumulation_steps", func)
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise _fail(func, "rank", rank, f"is outside 0..{world_size - 1}; pass a rank below world_size={world_size}.")
+        raise fail(func, "rank", rank, f"is outside 0..{world_size - 1}; pass a rank below world_size={world_size}.")
     if ranks_per_node is None:
         ranks_per_node = min(world_size, 8)
-    ranks_per_node = _positive_int(ranks_per_node, "ranks_per_node", func)
+    ranks_per_node = positive_int(ranks_per_node, "ranks_per_node", func)
     if strategy == "single" and world_size != 1:
-        raise _fail(func, "world_size", world_size, "does not apply to strategy='single'; pass world_size=1 or strategy='ddp'.")
+        raise fail(func, "world_size", world_size, "does not apply to strategy='single'; pass world_size=1 or strategy='ddp'.")
     fsdp = strategy in ("fsdp", "fsdp2")
     sharding_name, shards = _resolve_sharding(func, strategy, world_size, sharding, shard_group_size)
     _check_offload(func, strategy, offload_optimizer, offload_param)
     if strategy.startswith("zero") and prec.param_bytes > 4:
-        raise _fail(func, "precision", precision, "is not supported by DeepSpeed ZeRO; pass 'fp32', 'bf16-mixed' or '16-mixed'.")
+        raise fail(func, "precision", precision, "is not supported by DeepSpeed ZeRO; pass 'fp32', 'bf16-mixed' or '16-mixed'.")
     if prefetch_layers is None:
         prefetch_layers = 1 if fsdp else 0
     if isinstance(prefetch_layers, bool) or not isinstance(prefetch_layers, int) or prefetch_layers < 0:
-        raise _fail(func, "prefetch_layers", prefetch_layers, "must be an int >= 0; pass 0, 1, ...")
-    return _Setup(
+        raise fail(func, "prefetch_layers", prefetch_layers, "must be an int >= 0; pass 0, 1, ...")
+    return Setup(
         strategy=strategy,
         prec=prec,
         world_size=world_size,
@@ -192,7 +192,7 @@ def _resolve(
         no_sync=bool(no_sync),
         set_to_none=bool(set_to_none),
         bucket_view=bool(gradient_as_bucket_view),
-        reduce_bucket=_count(reduce_bucket_size, "reduce_bucket_size", func),
+        reduce_bucket=count_of(reduce_bucket_size, "reduce_bucket_size", func),
         prefetch=prefetch_layers,
         zero_init=bool(zero_init),
         conservative=bool(conservative),
@@ -202,21 +202,21 @@ def _resolve(
 def _resolve_sharding(func: str, strategy: str, world_size: int, sharding: str, shard_group_size: int | None) -> tuple[str, int]:
     """The canonical FSDP sharding and the ranks a sharded tensor is split over."""
     fsdp = strategy in ("fsdp", "fsdp2")
-    sharding_name = _canonical_sharding(sharding, func)
+    sharding_name = canonical_sharding(sharding, func)
     if not fsdp and sharding_name != "full":
-        raise _fail(func, "sharding", sharding, f"applies to strategy='fsdp'/'fsdp2' only, not {strategy!r}; leave it at 'full'.")
+        raise fail(func, "sharding", sharding, f"applies to strategy='fsdp'/'fsdp2' only, not {strategy!r}; leave it at 'full'.")
     shards = 1
     if fsdp or strategy.startswith("zero"):
         shards = world_size
     if sharding_name == "hybrid":
         if shard_group_size is None:
-            raise _fail(func, "shard_group_size", None, "is required with sharding='hybrid'; pass the ranks one replica is sharded over (e.g. 8).")
-        shard_group_size = _positive_int(shard_group_size, "shard_group_size", func)
+            raise fail(func, "shard_group_size", None, "is required with sharding='hybrid'; pass the ranks one replica is sharded over (e.g. 8).")
+        shard_group_size = positive_int(shard_group_size, "shard_group_size", func)
         if world_size % shard_group_size:
-            raise _fail(func, "shard_group_size", shard_group_size, f"does not divide world_size={world_size}; pass a divisor of it.")
+            raise fail(func, "shard_group_size", shard_group_size, f"does not divide world_size={world_size}; pass a divisor of it.")
         shards = shard_group_size
     elif shard_group_size is not None and shard_group_size != world_size:
-        raise _fail(func, "shard_group_size", shard_group_size, "needs sharding='hybrid'; pass sharding='hybrid' or drop it.")
+        raise fail(func, "shard_group_size", shard_group_size, "needs sharding='hybrid'; pass sharding='hybrid' or drop it.")
     return sharding_name, shards
 
 
@@ -224,9 +224,9 @@ def _check_offload(func: str, strategy: str, offload_optimizer: bool, offload_pa
     fsdp = strategy in ("fsdp", "fsdp2")
     if offload_optimizer and not strategy.startswith("zero"):
         fix = "for FSDP pass offload_param=True (CPUOffload moves params, grads and optimizer state)" if fsdp else "use a zero* strategy"
-        raise _fail(func, "offload_optimizer", offload_optimizer, f"applies to DeepSpeed ZeRO only, not strategy={strategy!r}; {fix}.")
+        raise fail(func, "offload_optimizer", offload_optimizer, f"applies to DeepSpeed ZeRO only, not strategy={strategy!r}; {fix}.")
     if offload_param and not (fsdp or strategy == "zero3"):
-        raise _fail(func, "offload_param", offload_param, f"applies to 'zero3', 'fsdp' and 'fsdp2' only, not {strategy!r}; use one of those.")
+        raise fail(func, "offload_param", offload_param, f"applies to 'zero3', 'fsdp' and 'fsdp2' only, not {strategy!r}; use one of those.")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -244,42 +244,42 @@ class _Sizes(NamedTuple):
 
 def _from_model(
     model: nn.Module,
-    setup: _Setup,
+    setup: Setup,
     sizes: _Sizes,
     layer_cls: type | str | Sequence[type | str] | None,
     layer_names: Sequence[str] | None,
-    default_spec: _OptSpec,
-    per_param: dict[int, _OptSpec] | None,
+    default_spec: OptSpec,
+    per_param: dict[int, OptSpec] | None,
     notes: list[str],
-) -> tuple[list[_Tensor], int, int]:
+) -> tuple[list[Tensor], int, int]:
     """One row per parameter (tied ones once), the largest unit and the root unit, in elements."""
     func = "estimate"
     for name in ("num_params", "trainable_params"):
         value = getattr(sizes, name)
         if value is not None:
-            raise _fail(func, name, value, "cannot be combined with a model (it is counted from the model); drop it.")
+            raise fail(func, name, value, "cannot be combined with a model (it is counted from the model); drop it.")
     largest_layer_params, root_params = sizes.largest_layer_params, sizes.root_params
-    inner = _unwrap(model)
+    inner = unwrap(model)
     if setup.strategy == "zero3" and layer_cls is None and layer_names is None:
-        unit_sizes, root, _ = _units(inner, None)
+        unit_sizes, root, _ = wrap_units(inner, None)
         notes.append("ZeRO-3 units: each module's own parameters (DeepSpeed's estimator's largest layer)")
     else:
         names = find_layers(inner, layer_cls=layer_cls, layer_names=layer_names)
-        unit_sizes, root, _ = _units(inner, names)
+        unit_sizes, root, _ = wrap_units(inner, names)
         log.debug("estimate(): %d units, largest %d, root %d", len(unit_sizes), max(unit_sizes, default=0), root)
     largest = max(unit_sizes, default=0)
     if largest_layer_params is not None:
-        largest = _count(largest_layer_params, "largest_layer_params", func)
+        largest = count_of(largest_layer_params, "largest_layer_params", func)
     if root_params is not None:
-        root = _count(root_params, "root_params", func)
-    tensors: list[_Tensor] = []
+        root = count_of(root_params, "root_params", func)
+    tensors: list[Tensor] = []
     for p in inner.parameters():
         floating = p.is_floating_point() or p.is_complex()
         spec = None
         if p.requires_grad:
             spec = per_param.get(id(p)) if per_param is not None else default_spec
         tensors.append(
-            _Tensor(
+            Tensor(
                 numel=p.numel(),
                 shape=tuple(p.shape),
                 floating=floating,
@@ -291,19 +291,19 @@ def _from_model(
     return tensors, largest, root
 
 
-def _from_counts(setup: _Setup, sizes: _Sizes, default_spec: _OptSpec, notes: list[str]) -> tuple[list[_Tensor], int, int]:
+def _from_counts(setup: Setup, sizes: _Sizes, default_spec: OptSpec, notes: list[str]) -> tuple[list[Tensor], int, int]:
     """Rows for ``num_params`` elements (trainable and frozen), the largest unit and the root unit."""
     func = "estimate"
     num_params, trainable_params, largest_layer_params, root_params = sizes
     if num_params is None:
-        raise _fail(func, "num_params", None, "is required without a model; pass the parameter count (e.g. 7e9) or a model.")
-    total = _count(num_params, "num_params", func, allow_zero=False)
-    trainable = total if trainable_params is None else _count(trainable_params, "trainable_params", func)
+        raise fail(func, "num_params", None, "is required without a model; pass the parameter count (e.g. 7e9) or a model.")
+    total = count_of(num_params, "num_params", func, allow_zero=False)
+    trainable = total if trainable_params is None else count_of(trainable_params, "trainable_params", func)
     if trainable > total:
-        raise _fail(func, "trainable_params", trainable_params, f"exceeds num_params={total}; pass at most num_params.")
+        raise fail(func, "trainable_params", trainable_params, f"exceeds num_params={total}; pass at most num_params.")
     if largest_layer_params is None:
         if setup.fsdp or setup.strategy == "zero3":
-            raise _fail(
+            raise fail(
                 func,
                 "largest_layer_params",
                 None,
@@ -312,15 +312,15 @@ def _from_counts(setup: _Setup, sizes: _Sizes, default_spec: _OptSpec, notes: li
             )
         largest = 0
     else:
-        largest = _count(largest_layer_params, "largest_layer_params", func)
+        largest = count_of(largest_layer_params, "largest_layer_params", func)
     if largest > total:
-        raise _fail(func, "largest_layer_params", largest_layer_params, f"exceeds num_params={total}; pass at most num_params.")
-    root = _count(root_params, "root_params", func)
-    tensors: list[_Tensor] = []
+        raise fail(func, "largest_layer_params", largest_layer_params, f"exceeds num_params={total}; pass at most num_params.")
+    root = count_of(root_params, "root_params", func)
+    tensors: list[Tensor] = []
     if trainable:
-        tensors.append(_Tensor(trainable, None, True, 4, True, default_spec))
+        tensors.append(Tensor(trainable, None, True, 4, True, default_spec))
     if total - trainable:
-        tensors.append(_Tensor(total - trainable, None, True, 4, False, None))
+        tensors.append(Tensor(total - trainable, None, True, 4, False, None))
     if default_spec.factored:
         notes.append("Adafactor from counts: factored row/column moments are sub-linear and not counted")
     if default_spec.step_scalar:

@@ -6,12 +6,12 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from memcallbacks.estimate.tables import _fail, canonical_strategy
+from memcallbacks.estimate.tables import fail, canonical_strategy
 
 __all__ = ["find_layers"]
 
 
-def _unwrap(model: nn.Module) -> nn.Module:
+def unwrap(model: nn.Module) -> nn.Module:
     inner = getattr(model, "module", None)
     if isinstance(inner, nn.Module) and type(model).__name__ in ("DistributedDataParallel", "DataParallel"):
         return inner
@@ -39,22 +39,22 @@ def find_layers(
     Parameters outside every unit form the root unit.
     """
     func = "find_layers"
-    model = _unwrap(model)
+    model = unwrap(model)
     named = dict(model.named_modules())
     if layer_names is not None:
         missing = [n for n in layer_names if n not in named]
         if missing:
             sample = ", ".join(repr(n) for n in list(named)[1:6])
-            raise _fail(func, "layer_names", missing, f"are not modules of the model; pass names from model.named_modules() (e.g. {sample}).")
+            raise fail(func, "layer_names", missing, f"are not modules of the model; pass names from model.named_modules() (e.g. {sample}).")
         return list(layer_names)
     if layer_cls is not None:
         wanted = [layer_cls] if isinstance(layer_cls, (type, str)) else list(layer_cls)
         found = [n for n, m in named.items() if n and _class_matches(m, wanted)]
         if not found:
-            raise _fail(func, "layer_cls", layer_cls, "matches no submodule of the model; pass a class (or class name) the model contains.")
+            raise fail(func, "layer_cls", layer_cls, "matches no submodule of the model; pass a class (or class name) the model contains.")
         return found
     # by class name: importing torch.distributed.fsdp costs seconds and this must stay cheap
-    sharded = [n for n, m in named.items() if n and _is_fsdp2(m)]
+    sharded = [n for n, m in named.items() if n and is_fsdp2(m)]
     if sharded:
         return sharded
     no_split = getattr(model, "_no_split_modules", None)
@@ -74,7 +74,7 @@ def find_layers(
     return [n for n, m in model.named_children() if any(True for _ in m.parameters())]
 
 
-def _units(model: nn.Module, names: Sequence[str] | None) -> tuple[list[int], int, dict[int, int]]:
+def wrap_units(model: nn.Module, names: Sequence[str] | None) -> tuple[list[int], int, dict[int, int]]:
     """Unit sizes, root size and param-id -> unit index. ``names=None``: ZeRO-3's per-module units."""
     unit_of: dict[int, int] = {}
     sizes: list[int] = []
@@ -105,17 +105,17 @@ def _units(model: nn.Module, names: Sequence[str] | None) -> tuple[list[int], in
 # strategy detection
 
 
-def _detect_strategy(model: nn.Module) -> str:
+def detect_strategy(model: nn.Module) -> str:
     """The strategy of torch's wrapper around ``model``: DDP wraps the model, FSDP1/FSDP2 wrap submodules."""
     if type(model).__name__ == "DistributedDataParallel":
         return canonical_strategy("DistributedDataParallel")
     for module in model.modules():
         if type(module).__name__ == "FullyShardedDataParallel":
             return canonical_strategy("FullyShardedDataParallel")
-        if _is_fsdp2(module):
+        if is_fsdp2(module):
             return canonical_strategy("FSDPModule")
     return "single"
 
 
-def _is_fsdp2(module: nn.Module) -> bool:
+def is_fsdp2(module: nn.Module) -> bool:
     return any(c.__name__ == "FSDPModule" for c in type(module).__mro__)

@@ -16,9 +16,9 @@ from torch import nn
 
 from memcallbacks._base.storage import distinct_bytes, local_tensor
 from memcallbacks.estimate.compute import estimate
-from memcallbacks.estimate.layers import _detect_strategy, _is_fsdp2, _unwrap
+from memcallbacks.estimate.layers import detect_strategy, is_fsdp2, unwrap
 from memcallbacks.estimate.result import MemoryEstimate
-from memcallbacks.estimate.tables import _precision_from_dtype
+from memcallbacks.estimate.tables import precision_from_dtype
 
 __all__ = ["estimate_for", "measure_model_states", "hidden_state_bytes"]
 
@@ -42,14 +42,14 @@ def estimate_for(
     ``world_size``/``rank`` from ``torch.distributed`` when initialised. ``optimizer=None`` counts
     no optimizer state. Other keyword arguments go to :func:`estimate`.
     """
-    inner = _unwrap(model)
+    inner = unwrap(model)
     if precision is None:
         dtypes = [p.dtype for p in inner.parameters() if p.is_floating_point()]
-        precision = _precision_from_dtype(max(set(dtypes), key=dtypes.count)) if dtypes else "fp32"
+        precision = precision_from_dtype(max(set(dtypes), key=dtypes.count)) if dtypes else "fp32"
         if precision == "fp32":
             precision = _fsdp2_mixed_precision(model) or precision
     if strategy is None:
-        strategy = _detect_strategy(model)
+        strategy = detect_strategy(model)
     dist = torch.distributed
     initialised = dist.is_available() and dist.is_initialized()
     if world_size is None:
@@ -95,7 +95,7 @@ def measure_model_states(model: nn.Module, optimizer: torch.optim.Optimizer | No
             for value in tensor:
                 add(value, kind)
 
-    parameters = list(_unwrap(model).parameters())
+    parameters = list(unwrap(model).parameters())
     for p in parameters:
         add(p, "params")
     for p in parameters:
@@ -131,6 +131,6 @@ def _fsdp2_mixed_precision(model: nn.Module) -> str | None:
     from memcallbacks._base.torch_private import fsdp2_param_dtype
 
     for module in model.modules():
-        if _is_fsdp2(module):
+        if is_fsdp2(module):
             return {torch.bfloat16: "bf16-mixed", torch.float16: "16-mixed"}.get(fsdp2_param_dtype(module))  # type: ignore[arg-type]
     return None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-from memcallbacks.estimate.tables import _unit_scale
+from memcallbacks.estimate.tables import unit_scale
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
@@ -136,7 +136,7 @@ class MemoryEstimate:
         """One row per component or phase, columns ``device`` and ``host`` in ``unit`` (bytes, GB, GiB, MB, MiB)."""
         import pandas as pd
 
-        scale = _unit_scale(unit, "MemoryEstimate.to_frame")
+        scale = unit_scale(unit, "MemoryEstimate.to_frame")
         rows = {
             "params": (self.device_params, self.host_params),
             "grads": (self.device_grads, self.host_grads),

@@ -58,7 +58,7 @@ _OPTIMIZER_FLAGS = {
 
 
 @dataclasses.dataclass(frozen=True)
-class _Precision:
+class Precision:
     name: str
     param_bytes: int  # the parameters the optimizer updates (fp32 master under mixed precision)
     compute_bytes: int  # the weights forward/backward run with
@@ -66,12 +66,12 @@ class _Precision:
 
 
 _PRECISIONS = {
-    "fp32": _Precision("fp32", 4, 4, False),
-    "bf16-mixed": _Precision("bf16-mixed", 4, 2, True),
-    "16-mixed": _Precision("16-mixed", 4, 2, True),
-    "bf16-true": _Precision("bf16-true", 2, 2, False),
-    "16-true": _Precision("16-true", 2, 2, False),
-    "64-true": _Precision("64-true", 8, 8, False),
+    "fp32": Precision("fp32", 4, 4, False),
+    "bf16-mixed": Precision("bf16-mixed", 4, 2, True),
+    "16-mixed": Precision("16-mixed", 4, 2, True),
+    "bf16-true": Precision("bf16-true", 2, 2, False),
+    "16-true": Precision("16-true", 2, 2, False),
+    "64-true": Precision("64-true", 8, 8, False),
 }
 # Lightning's precision strings and its legacy short forms ("16" -> "16-mixed", "bf16" -> "bf16-mixed")
 _PRECISION_ALIASES = {
@@ -88,7 +88,7 @@ _PRECISION_ALIASES = {
 
 
 @dataclasses.dataclass(frozen=True)
-class _OptSpec:
+class OptSpec:
     label: str
     full_states: int = 0  # state tensors shaped like the parameter
     factored: bool = False  # Adafactor: row + column second moment for >=2-D params
@@ -102,7 +102,7 @@ class _OptSpec:
 # names
 
 
-def _fail(func: str, name: str, value: Any, fix: str) -> ValueError:
+def fail(func: str, name: str, value: Any, fix: str) -> ValueError:
     return ValueError(f"{func}(): {name}={value!r} {fix}")
 
 
@@ -116,11 +116,11 @@ def canonical_strategy(strategy: str, func: str = "estimate") -> str:
     return _canonical(strategy, _STRATEGY_ALIASES, STRATEGIES, func, "strategy")
 
 
-def _canonical_sharding(sharding: str, func: str) -> str:
+def canonical_sharding(sharding: str, func: str) -> str:
     return _canonical(sharding, _SHARDING_ALIASES, SHARDINGS, func, "sharding")
 
 
-def _canonical_precision(precision: str, func: str) -> _Precision:
+def canonical_precision(precision: str, func: str) -> Precision:
     also = " (or Lightning's '32-true', '16', 'bf16')"
     return _PRECISIONS[_canonical(precision, _PRECISION_ALIASES, PRECISIONS, func, "precision", also)]
 
@@ -131,11 +131,11 @@ def _canonical(value: str, aliases: Mapping[str, str], names: tuple[str, ...], f
     key = aliases.get(key, key)
     if key not in names:
         options = ", ".join(repr(n) for n in names)
-        raise _fail(func, arg, value, f"is not one of {options}{also}; pass one of those.")
+        raise fail(func, arg, value, f"is not one of {options}{also}; pass one of those.")
     return key
 
 
-def _precision_from_dtype(dtype: torch.dtype) -> str:
+def precision_from_dtype(dtype: torch.dtype) -> str:
     return {torch.bfloat16: "bf16-true", torch.float16: "16-true", torch.float64: "64-true"}.get(dtype, "fp32")
 
 
@@ -143,11 +143,11 @@ def _precision_from_dtype(dtype: torch.dtype) -> str:
 # optimizer specs
 
 
-def _spec_from_name(name: str, func: str) -> _OptSpec:
+def _spec_from_name(name: str, func: str) -> OptSpec:
     tokens = [t.strip() for t in str(name).strip().lower().split("+")]
     base, flags = tokens[0], set(tokens[1:])
     if base not in _OPTIMIZER_FLAGS:
-        raise _fail(
+        raise fail(
             func,
             "optimizer",
             name,
@@ -157,7 +157,7 @@ def _spec_from_name(name: str, func: str) -> _OptSpec:
     unknown = flags - set(_OPTIMIZER_FLAGS[base])
     if unknown:
         allowed = ", ".join(repr(f) for f in _OPTIMIZER_FLAGS[base]) or "none"
-        raise _fail(func, "optimizer", name, f"has unknown flag(s) {sorted(unknown)} for {base!r}; allowed: {allowed}.")
+        raise fail(func, "optimizer", name, f"has unknown flag(s) {sorted(unknown)} for {base!r}; allowed: {allowed}.")
     return _make_spec(
         base,
         momentum="momentum" in flags or "nesterov" in flags,
@@ -170,27 +170,27 @@ def _spec_from_name(name: str, func: str) -> _OptSpec:
 
 def _make_spec(
     base: str, *, momentum: bool = False, amsgrad: bool = False, centered: bool = False, fused: bool = False, capturable: bool = False
-) -> _OptSpec:
+) -> OptSpec:
     flags = [f for f, on in (("momentum", momentum), ("amsgrad", amsgrad), ("centered", centered), ("fused", fused), ("capturable", capturable)) if on]
     label = "+".join([base, *flags])
     # foreach steps materialise one param-sized temporary (e.g. Adam's sqrt(exp_avg_sq)); fused kernels none
     temporaries = 0 if fused else 1
     if base == "sgd":
-        return _OptSpec(label, full_states=int(momentum))
+        return OptSpec(label, full_states=int(momentum))
     if base in ("adam", "adamw"):
-        return _OptSpec(label, full_states=2 + int(amsgrad), step_scalar=True, step_on_device=fused or capturable, temporaries=temporaries)
+        return OptSpec(label, full_states=2 + int(amsgrad), step_scalar=True, step_on_device=fused or capturable, temporaries=temporaries)
     if base == "adagrad":
-        return _OptSpec(label, full_states=1, step_scalar=True, step_on_device=fused, temporaries=temporaries)
+        return OptSpec(label, full_states=1, step_scalar=True, step_on_device=fused, temporaries=temporaries)
     if base == "rmsprop":
-        return _OptSpec(
+        return OptSpec(
             label, full_states=1 + int(momentum) + int(centered), step_scalar=True, step_on_device=capturable, temporaries=temporaries
         )
     if base == "adafactor":
-        return _OptSpec(label, factored=True, step_scalar=True, temporaries=1)
+        return OptSpec(label, factored=True, step_scalar=True, temporaries=1)
     raise AssertionError(base)  # pragma: no cover
 
 
-def _spec_from_group(optimizer: torch.optim.Optimizer, group: Mapping[str, Any], func: str) -> _OptSpec:
+def _spec_from_group(optimizer: torch.optim.Optimizer, group: Mapping[str, Any], func: str) -> OptSpec:
     optim = torch.optim
     adafactor = getattr(optim, "Adafactor", None)
     fused, capturable = bool(group.get("fused") or False), bool(group.get("capturable") or False)
@@ -206,7 +206,7 @@ def _spec_from_group(optimizer: torch.optim.Optimizer, group: Mapping[str, Any],
         return _make_spec("rmsprop", momentum=bool(group.get("momentum", 0)), centered=bool(group.get("centered")), capturable=capturable)
     if adafactor is not None and isinstance(optimizer, adafactor):
         return _make_spec("adafactor")
-    raise _fail(
+    raise fail(
         func,
         "optimizer",
         type(optimizer).__name__,
@@ -215,19 +215,19 @@ def _spec_from_group(optimizer: torch.optim.Optimizer, group: Mapping[str, Any],
     )
 
 
-def _number_spec(value: float, func: str) -> _OptSpec:
+def _number_spec(value: float, func: str) -> OptSpec:
     if isinstance(value, bool) or not math.isfinite(float(value)) or float(value) < 0:
-        raise _fail(func, "optimizer", value, "is not a valid number of bytes per parameter; pass a finite number >= 0.")
-    return _OptSpec(f"{float(value):g} B/param", bytes_per_param=float(value))
+        raise fail(func, "optimizer", value, "is not a valid number of bytes per parameter; pass a finite number >= 0.")
+    return OptSpec(f"{float(value):g} B/param", bytes_per_param=float(value))
 
 
 OptimizerArg = Union[str, float, int, torch.optim.Optimizer]
 
 
-def _param_specs(optimizer: OptimizerArg, func: str) -> tuple[_OptSpec, dict[int, _OptSpec] | None]:
+def param_specs(optimizer: OptimizerArg, func: str) -> tuple[OptSpec, dict[int, OptSpec] | None]:
     """The default spec and, for an optimizer instance, the spec of every parameter it holds (by id)."""
     if isinstance(optimizer, torch.optim.Optimizer):
-        per_param: dict[int, _OptSpec] = {}
+        per_param: dict[int, OptSpec] = {}
         for group in optimizer.param_groups:
             spec = _spec_from_group(optimizer, group, func)
             for p in group["params"]:
@@ -237,14 +237,14 @@ def _param_specs(optimizer: OptimizerArg, func: str) -> tuple[_OptSpec, dict[int
         return _spec_from_name(optimizer, func), None
     if isinstance(optimizer, (int, float)):
         return _number_spec(optimizer, func), None
-    raise _fail(func, "optimizer", optimizer, "is not a name, a torch.optim.Optimizer or a number; pass one of those.")
+    raise fail(func, "optimizer", optimizer, "is not a name, a torch.optim.Optimizer or a number; pass one of those.")
 
 
 # ----------------------------------------------------------------------------------------------
 # numbers
 
 
-def _count(value: float | int | None, name: str, func: str, *, allow_zero: bool = True) -> int:
+def count_of(value: float | int | None, name: str, func: str, *, allow_zero: bool = True) -> int:
     if value is None:
         return 0
     try:
@@ -253,16 +253,16 @@ def _count(value: float | int | None, name: str, func: str, *, allow_zero: bool 
         number = float("nan")
     if isinstance(value, bool) or not math.isfinite(number) or number < 0 or (number == 0 and not allow_zero):
         need = "> 0" if not allow_zero else ">= 0"
-        raise _fail(func, name, value, f"is not a valid parameter count; pass a number {need} (e.g. 7e9).")
+        raise fail(func, name, value, f"is not a valid parameter count; pass a number {need} (e.g. 7e9).")
     return int(round(number))
 
 
-def _positive_int(value: Any, name: str, func: str) -> int:
+def positive_int(value: Any, name: str, func: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise _fail(func, name, value, "must be an integer >= 1; pass a positive int.")
+        raise fail(func, name, value, "must be an integer >= 1; pass a positive int.")
     return value
 
-def _unit_scale(unit: str, func: str) -> int:
+def unit_scale(unit: str, func: str) -> int:
     if unit not in _UNITS:
-        raise _fail(func, "unit", unit, f"is not one of {', '.join(repr(u) for u in _UNITS)}; pass one of those.")
+        raise fail(func, "unit", unit, f"is not one of {', '.join(repr(u) for u in _UNITS)}; pass one of those.")
     return _UNITS[unit]

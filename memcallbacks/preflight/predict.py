@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memcallbacks.estimate.tables import _canonical_precision
+from memcallbacks.estimate.tables import canonical_precision
 from memcallbacks.estimate.tables import canonical_strategy as _canonical_strategy
 from memcallbacks.preflight import allocator, workspaces
 from memcallbacks.preflight._analysis import StepResult, analyse
@@ -88,7 +88,7 @@ def predict(
             op with no fake kernel); the message names the op.
         ValueError: a bad argument, named.
     """
-    precision_name = _canonical_precision(precision, "predict").name
+    precision_name = canonical_precision(precision, "predict").name
     strategy = _canonical_strategy(strategy, "predict")
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"predict(): world_size={world_size!r} must be a positive int; pass the number of ranks.")

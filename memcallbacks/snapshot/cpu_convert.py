@@ -9,7 +9,7 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from memcallbacks._base import torch_private as _tp
-from memcallbacks.snapshot.files import _OP_FILENAME, DEFAULT_MAX_ENTRIES, META_KEY, _plain
+from memcallbacks.snapshot.files import OP_FILENAME, DEFAULT_MAX_ENTRIES, META_KEY, plain_data
 
 __all__ = ["cpu_events_to_snapshot"]
 
@@ -80,7 +80,7 @@ def cpu_events_to_snapshot(
         "notes": _capture_notes(dropped, max_entries, notes),
     }
     meta.update(metadata or {})
-    return {"segments": segments, "device_traces": [trace], META_KEY: _plain(meta)}
+    return {"segments": segments, "device_traces": [trace], META_KEY: plain_data(meta)}
 
 
 def _newest_entries(cpu: list[_tp.ProfilerAllocation], max_entries: int) -> tuple[list[_tp.ProfilerAllocation], int]:
@@ -104,7 +104,7 @@ class _StackTable:
         key = (e.op, e.frames)
         frames = self._stacks.get(key)
         if frames is None:
-            raw = (((_OP_FILENAME, 0, e.op),) if e.op else ()) + e.frames
+            raw = (((OP_FILENAME, 0, e.op),) if e.op else ()) + e.frames
             frames = []
             for f in raw:
                 d = self._frames.get(f)

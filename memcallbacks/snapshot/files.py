@@ -48,7 +48,7 @@ OOM_SNAPSHOT_FILE = "memory_snapshot_oom_step{step}{tag}.pickle"
 DEFAULT_MAX_ENTRIES = 100_000
 """Trace entries kept by default (CUDA ring buffer and CPU capture alike): a few hundred MB at most."""
 
-_OP_FILENAME = "<torch op>"
+OP_FILENAME = "<torch op>"
 """Filename of the pseudo-frame naming the torch op in CPU captures (memory_viz shows it as a frame)."""
 
 
@@ -70,7 +70,7 @@ class SnapshotTooLarge(RuntimeError):
     """Writing a snapshot would exceed the byte budget; nothing was written."""
 
 
-def _plain(value: Any) -> Any:
+def plain_data(value: Any) -> Any:
     """Only types memory_viz's unpickler reads: dict, list, tuple, str, int, float, bool, None."""
     if value is None or type(value) in (bool, str, int, float):
         return value
@@ -83,9 +83,9 @@ def _plain(value: Any) -> Any:
     if isinstance(value, float):
         return float(value)
     if isinstance(value, dict):
-        return {(k if isinstance(k, (int, str)) else str(k)): _plain(v) for k, v in value.items()}
+        return {(k if isinstance(k, (int, str)) else str(k)): plain_data(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
+        return [plain_data(v) for v in value]
     if isinstance(value, Path):
         return str(value)
     try:  # numpy / torch scalars
@@ -135,7 +135,7 @@ class _PlainUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"it holds a Python object ({module}.{name}), and snapshots hold plain data only")
 
 
-_NOT_A_SNAPSHOT = "is not a memory snapshot (expected a dict with 'segments' and 'device_traces', as written by torch.cuda.memory._dump_snapshot() or memcallbacks"
+NOT_A_SNAPSHOT = "is not a memory snapshot (expected a dict with 'segments' and 'device_traces', as written by torch.cuda.memory._dump_snapshot() or memcallbacks"
 
 
 def load_snapshot(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -153,7 +153,7 @@ def load_snapshot(path: str | os.PathLike[str]) -> dict[str, Any]:
             data = _PlainUnpickler(fh).load()
     except Exception as exc:  # any unpickling failure means the same thing to the user
         reason = str(exc) or type(exc).__name__
-        raise SnapshotError(f"{path} {_NOT_A_SNAPSHOT}; it could not be read as a plain pickle: {reason})") from None
+        raise SnapshotError(f"{path} {NOT_A_SNAPSHOT}; it could not be read as a plain pickle: {reason})") from None
     return validate_snapshot(data, source=str(path))
 
 
@@ -166,17 +166,17 @@ def validate_snapshot(data: Any, source: str = "snapshot") -> dict[str, Any]:
         data = {"segments": data, "device_traces": []}
     if not isinstance(data, dict) or not ({"segments", "device_traces"} & set(data)):
         got = f"a dict with keys {sorted(map(str, data))[:6]}" if isinstance(data, dict) else f"a {type(data).__name__}"
-        raise SnapshotError(f"{source} {_NOT_A_SNAPSHOT}; got {got})")
+        raise SnapshotError(f"{source} {NOT_A_SNAPSHOT}; got {got})")
     data.setdefault("segments", [])
     data.setdefault("device_traces", [])
     segments, traces = data["segments"], data["device_traces"]
     if not isinstance(segments, list) or not all(isinstance(s, dict) and isinstance(s.get("blocks", []), list) for s in segments):
-        raise SnapshotError(f"{source} {_NOT_A_SNAPSHOT}; its 'segments' is not a list of segment dicts)")
+        raise SnapshotError(f"{source} {NOT_A_SNAPSHOT}; its 'segments' is not a list of segment dicts)")
     if not isinstance(traces, list) or not all(isinstance(t, list) for t in traces):
-        raise SnapshotError(f"{source} {_NOT_A_SNAPSHOT}; its 'device_traces' is not a list of per-device lists)")
+        raise SnapshotError(f"{source} {NOT_A_SNAPSHOT}; its 'device_traces' is not a list of per-device lists)")
     for trace in traces:
         if trace and not (isinstance(trace[0], dict) and "action" in trace[0]):
-            raise SnapshotError(f"{source} {_NOT_A_SNAPSHOT}; its trace entries have no 'action')")
+            raise SnapshotError(f"{source} {NOT_A_SNAPSHOT}; its trace entries have no 'action')")
     if not segments and not any(traces):
         raise EmptySnapshotError(
             f"{source} is an empty memory snapshot: no segments and no trace entries, so nothing was recorded. "

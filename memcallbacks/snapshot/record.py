@@ -15,7 +15,7 @@ import torch
 
 from memcallbacks._base import torch_private as _tp
 from memcallbacks._base.units import format_bytes
-from memcallbacks.snapshot.files import DEFAULT_MAX_ENTRIES, META_KEY, _plain, write_snapshot
+from memcallbacks.snapshot.files import DEFAULT_MAX_ENTRIES, META_KEY, plain_data, write_snapshot
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ def dump_snapshot(
         "trigger": _trigger_dict(trigger),
     }
     meta.update(metadata or {})
-    snapshot[META_KEY] = _plain(meta)
+    snapshot[META_KEY] = plain_data(meta)
     return write_snapshot(snapshot, path, max_bytes=max_bytes)
 
 

@@ -12,7 +12,7 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from memcallbacks.snapshot.files import _OP_FILENAME
+from memcallbacks.snapshot.files import OP_FILENAME
 
 __all__ = ["NO_STACK", "BEFORE_TRACE", "Allocation", "SiteTotal", "frame_label", "group_by_site"]
 
@@ -85,7 +85,7 @@ class Allocation:
         if i is None:
             return BEFORE_TRACE if self.index is None and not self.freed_only else NO_STACK
         f = self.frames[i]
-        if f.get("filename") == _OP_FILENAME:
+        if f.get("filename") == OP_FILENAME:
             return f"{f.get('name', '?')} (no Python stack)"
         return frame_label(f)
 
@@ -106,7 +106,7 @@ class Allocation:
     @property
     def op(self) -> str:
         for f in self.frames:
-            if f.get("filename") == _OP_FILENAME:
+            if f.get("filename") == OP_FILENAME:
                 return str(f.get("name", ""))
         return ""
 

@@ -7,7 +7,7 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
-from memcallbacks.snapshot.files import _NOT_A_SNAPSHOT, META_KEY, SnapshotError, validate_snapshot
+from memcallbacks.snapshot.files import NOT_A_SNAPSHOT, META_KEY, SnapshotError, validate_snapshot
 from memcallbacks.snapshot.sites import Allocation, SiteTotal, group_by_site
 
 __all__ = ["DeviceSummary", "SnapshotSummary", "summarize_snapshot"]
@@ -88,7 +88,7 @@ def summarize_snapshot(
     try:
         summaries = [_summarize_device(snapshot, d, meta, window, trigger, top) for d in devices]
     except (KeyError, TypeError, AttributeError) as exc:  # a hand-made or damaged file
-        raise SnapshotError(f"{source or 'snapshot'} {_NOT_A_SNAPSHOT}; an entry is malformed: "
+        raise SnapshotError(f"{source or 'snapshot'} {NOT_A_SNAPSHOT}; an entry is malformed: "
                             f"{type(exc).__name__}: {exc})") from exc
     return SnapshotSummary(source=source, kind=kind, devices=summaries, metadata=meta, notes=notes)
 

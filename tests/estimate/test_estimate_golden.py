@@ -1,6 +1,6 @@
 """estimate() over a fixed grid of configurations gives the numbers recorded in tests/data/estimate_golden.json.
 
-The grid was recorded before ``estimate()`` and ``_compute()`` were split into helpers (issue 10): a
+The grid was recorded before ``estimate()`` and ``compute_states()`` were split into helpers (issue 10): a
 change in how the arithmetic is organised must keep every field, note and error message bit-for-bit.
 It mixes valid and invalid configurations, models and counts, optimizer names and live optimizers.
 Regenerate only for an intended change of a formula or message, and say why in the commit:

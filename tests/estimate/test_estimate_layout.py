@@ -12,7 +12,7 @@ from torch import nn
 
 import memcallbacks.estimate as wing
 from memcallbacks.estimate import STRATEGIES, estimate
-from memcallbacks.estimate.layers import _detect_strategy
+from memcallbacks.estimate.layers import detect_strategy
 from memcallbacks.estimate.tables import canonical_strategy
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -53,7 +53,7 @@ def test_one_strategy_mapping_for_arguments_and_detection() -> None:
         "fsdp",
         "fsdp2",
     ]
-    assert _detect_strategy(nn.Linear(2, 2)) == "single"
+    assert detect_strategy(nn.Linear(2, 2)) == "single"
     with pytest.raises(ValueError, match=r"^estimate_grid\(\): strategy='fsdp3' is not one of 'single'"):
         canonical_strategy("fsdp3", "estimate_grid")
     ddp = estimate(num_params=1e6, strategy="DistributedDataParallel", world_size=2)

@@ -23,7 +23,7 @@ from memcallbacks import MonitorConfig
 from memcallbacks._runtime import preflight_check
 from memcallbacks._runtime.adapter_support import OptimizerHooks, lightning_strategy, precision_name, rank_zero_trackers
 from memcallbacks._runtime.session import Session
-from memcallbacks.estimate.tables import PRECISIONS, _canonical_precision
+from memcallbacks.estimate.tables import PRECISIONS, canonical_precision
 from memcallbacks.trackers import Trackers
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -92,7 +92,7 @@ def test_precision_name_for_every_spelling(setting, name):
 @pytest.mark.parametrize("setting", ["fp16", "bf16", "16", 16, "16-mixed", "bf16-mixed", "32-true", "bf16-true", "16-true",
                                      "64-true", "32", 32, "64"])
 def test_every_precision_name_is_one_the_estimate_accepts(setting):
-    assert _canonical_precision(precision_name(setting), "test").name in PRECISIONS
+    assert canonical_precision(precision_name(setting), "test").name in PRECISIONS
 
 
 def test_precision_name_of_real_lightning_trainers():
