@@ -98,7 +98,7 @@ def _scan(objs: list[Any], deadline: float, min_len: int, keep: dict[int, Any] |
             entry[1] += nbytes
         for obj in itertools.compress(chunk, map(is_container, types)):
             n = len(obj)
-            if n >= min_len:
+            if n >= min_len and obj is not objs:  # the census's own list of the heap
                 containers[id(obj)] = (_type_name(type(obj)), n)
                 if keep is not None:
                     keep[id(obj)] = obj
@@ -118,15 +118,14 @@ def _census(max_objects: int, time_budget_s: float, min_container_len: int, keep
     t0 = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        objs = gc.get_objects()
-        truncated = len(objs) > max_objects
-        del objs[max_objects:]
         # containers gc does not track (a dict of floats, a list of ints) are found where users keep them
         roots = Roots()
-        for value in itertools.chain(roots.phases[0], roots.phases[1]):
-            if type(value) in _CONTAINERS and not gc.is_tracked(value):
-                objs.append(value)
+        objs = [v for v in itertools.chain(roots.phases[0], roots.phases[1]) if type(v) in _CONTAINER_SET and not gc.is_tracked(v)]
         roots.release()
+        del roots  # its id sets must not be counted as the heap's containers
+        objs += gc.get_objects()
+        truncated = len(objs) > max_objects
+        del objs[max_objects:]
         by_type, containers, done, cut = _scan(objs, t0 + time_budget_s, min_container_len, keep)
         del objs
     return HostCensus(
@@ -307,37 +306,44 @@ def explain_host_growth(
     keep: dict[int, Any] = {}
     min_len = min(min_entries, min(before.containers.values(), key=lambda v: v[1])[1]) if before.containers else min_entries
     after = _census(5_000_000, time_budget_s, max(1, min_len), keep, step)
+    own = {id(before.by_type), id(before.containers)}
     grown = []
     for i, (name, n) in after.containers.items():
-        n0 = before.containers.get(i, (name, 0))
-        if n0[0] != name:
-            n0 = (name, 0)
-        if n - n0[1] >= min_entries:
-            grown.append((n - n0[1], i))
+        n0 = before.containers.get(i)
+        known = n0 is not None and n0[0] == name
+        if n - (n0[1] if known else 0) >= min_entries and i not in own:
+            # containers listed at the first census and grown since come first: a container made
+            # in between (or under min_container_len then) has all its entries counted as growth
+            grown.append((known, n - (n0[1] if known else 0), i))
     grown.sort(reverse=True)
-    targets = [keep[i] for _, i in grown[:top]]
+    grown = grown[: 3 * top]
+    targets = [keep[i] for _, _, i in grown]
     keep.clear()
-    holders: list[HolderGrowth] = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         paths = _holder_paths(targets, ignore, time.perf_counter() + time_budget_s)
-    for (n, i), obj in zip(grown[:top], targets):
+    # a container no stable root reaches (the census's own, a framework's internals) says nothing
+    picked = [(g, t) for g, t in zip(grown, targets) if g[2] in paths] or list(zip(grown, targets))
+    holders: list[HolderGrowth] = []
+    for (known, n, i), obj in picked[:top]:
         new = _new_entries(obj, n)
         kinds = collections.Counter(map(type, new))
         tp, count = kinds.most_common(1)[0] if kinds else (object, 0)
         sample = new[-256:]
         per_entry = _deep_size(sample) / max(1, len(sample))
-        own = sys.getsizeof(obj, 0) * n / max(1, len(obj))
+        own_bytes = sys.getsizeof(obj, 0) * n / max(1, len(obj))
         holders.append(HolderGrowth(
             path=paths.get(i, f"(no root: a {type(obj).__name__} held outside Python's roots)"),
             container=_type_name(type(obj)),
             grown_by=n,
             value_type=_type_name(tp),
             value_count=int(count * n / max(1, len(new))),
-            nbytes=int(per_entry * n + own),
-            was_small=i not in before.containers,
+            nbytes=int(per_entry * n + own_bytes),
+            was_small=not known,
         ))
-    del targets, obj
+    holders.sort(key=lambda h: (h.was_small, -h.nbytes))
+    obj = None
+    del targets, picked, obj
     return HostExplanation(
         before=before,
         after=after,
