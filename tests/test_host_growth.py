@@ -52,8 +52,17 @@ def test_warm_up_then_flat_caches_leave_no_open_finding():
     assert out["reads"] == 320
 
 
+def test_a_cache_that_fills_then_stops_is_found_then_settled():
+    out = run("fill", 260)  # a bounded lru_cache filling at ~250 KiB/step from step 10 to 70
+    assert out["found"] is not None and out["found"] < 70, out  # while it fills it is growth
+    assert out["open"] == [], out  # once full and flat, the finding is settled
+    settled = [e for e in out["events"] if e["open"] is False]
+    assert settled and 150 <= settled[0]["step"] <= 260, out["events"]
+    assert out["findings"]["host_growth"]["details"]["settled_at_step"] == settled[0]["step"]
+
+
 def test_a_climb_that_stops_is_settled_and_a_new_climb_reopens_it():
-    # real reads of this process, with a synthetic private series on top: 4 MiB/step for 40 steps, flat, then again
+    # the rule's arithmetic on a synthetic series (no process memory involved): 4 MiB/step for 40 steps, flat, then again
     growth = HostGrowth(settle_steps=32)
     seen = []
     for step in range(260):

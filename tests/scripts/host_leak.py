@@ -6,7 +6,8 @@ watched by the host channel's reader and growth test; prints one JSON line.
 SCENARIO: ``spec:N`` (N dataclass objects a step into a module-level dict), ``floats:N`` (a dict
 of N per-parameter floats a step appended to a list), ``warm`` (a bounded ``lru_cache``, a
 ``deque(maxlen=...)`` and a log history trimmed to a bounded size, filling for ~60 steps, then
-flat), ``none``. A process of its own: in a long-lived process (a test session) freed heap is
+flat), ``fill`` (a bounded ``lru_cache`` filling at ~250 KiB/step from step 10 to 70, then full),
+``none``. A process of its own: in a long-lived process (a test session) freed heap is
 refilled by a leak before the resident set moves, which would make latencies depend on the tests
 that ran before.
 """
@@ -57,6 +58,17 @@ def leak_floats(n: int):
     return leak
 
 
+@functools.lru_cache(maxsize=512 * 60)
+def describe(key: tuple) -> Spec:
+    return Spec(f"p{key[0]}.{key[1]}", key, (1,) + key, list(key), key[0])
+
+
+def fill(step: int) -> None:
+    """A bounded memo cache that fills at ~250 KiB/step for 60 steps after warm-up, then stops."""
+    for i in range(512 if 10 <= step < 70 else 0):
+        describe((step, i))
+
+
 def warm(step: int) -> None:
     for i in range(50):
         tokenize(f"word-{step}-{i}-" + "x" * 40)  # 3000 entries: full after 60 steps
@@ -70,7 +82,7 @@ def warm(step: int) -> None:
 def main() -> None:
     scenario, steps = sys.argv[1], int(sys.argv[2])
     name, _, arg = scenario.partition(":")
-    work = {"spec": lambda: leak_specs(int(arg)), "floats": lambda: leak_floats(int(arg)), "warm": lambda: warm,
+    work = {"spec": lambda: leak_specs(int(arg)), "floats": lambda: leak_floats(int(arg)), "warm": lambda: warm, "fill": lambda: fill,
             "none": lambda: (lambda step: None)}[name]()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 1))
@@ -92,7 +104,7 @@ def main() -> None:
         work(step)
     print(json.dumps({
         "found": found,
-        "events": events[:20],
+        "events": events[:5] + [e for e in events if e["open"] is False],  # the first confirmations, and settlements
         "open": [f.key for f in growth.open_findings],
         "findings": {k: f.to_dict() for k, f in growth.findings.items()},
         "read_seconds": reader.seconds,
