@@ -24,6 +24,7 @@ from memcallbacks._runtime.preflight_check import fake_step_running
 from memcallbacks._runtime.results import SessionResults
 from memcallbacks._runtime.session import LogFn, Session
 from memcallbacks._runtime.sampling import BACKWARD, FORWARD, OPTIMIZER, OTHER, PHASES
+from memcallbacks.host.channel import HostChannel
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +132,8 @@ class Monitor(SessionResults):
         self._cleanup.add("stop the session", self._session.stop)
         forward_handles = self._forward_handles
         self._cleanup.add("remove its forward hooks", lambda: _remove_all(forward_handles))
+        # issue 23 demo: the host channel on the watch's steps, for the plain loop (adapters that start their own session: not yet)
+        self._host = HostChannel(device_is_host=device.type == "cpu") if type(self)._start is Monitor._start else None
         self._start(device)
         self._finalizer = weakref.finalize(self, self._cleanup.abandoned)
         self._session.set_training_objects(model, optimizer)
@@ -269,6 +272,9 @@ class Monitor(SessionResults):
         self._session.begin_step(
             self._step, epoch, self._step if batch_idx is None else batch_idx, batch=batch, defer_lingering=defer_lingering
         )
+        if self._host is not None and not self._session.quiet_step and self._session.engine.enabled:  # a step the watch reads
+            for finding in self._host.on_read(self._step):
+                self._session.add_finding(finding)
 
     def _end(self) -> None:
         batch, output, outputs = self._batch, self._output, self._outputs
@@ -408,6 +414,10 @@ class Monitor(SessionResults):
             self._handles = []
             self._set_forward_hooks(False)
             self._hooked_models = []
+            if self._host is not None:
+                for finding in self._host.finish():
+                    self._session.add_finding(finding)
+                self._host.close()
             self._session.finish(gather=gather)
         finally:
             self._restore()
