@@ -25,6 +25,10 @@ from memcallbacks.host.readers import smaps_rollup
 
 __all__ = ["WorkerInfo", "WorkerWatch", "dataloader_workers"]
 
+_KEEP_DEAD = 64
+"""Exited workers whose memory did not grow that are kept (the ones that grew stay for the finding)."""
+
+
 @dataclass(frozen=True)
 class WorkerInfo:
     pid: int
@@ -130,6 +134,9 @@ class WorkerWatch:
             self.generation += 1  # a fresh set of workers: a new epoch of non-persistent workers
         if pids:
             self._pids = pids
+        dead = [pid for pid, t in self.tracks.items() if pid not in pids and t.growth < self.min_growth_bytes]
+        for pid in dead[: max(0, len(dead) - _KEEP_DEAD)]:  # epochs of non-persistent workers: keep the memory bounded
+            del self.tracks[pid]
         t1, c1 = time.perf_counter(), time.thread_time()  # CPU time (the kernel's walk included): not inflated by preemption
         for w in workers:
             rollup = smaps_rollup(w.pid)
