@@ -11,7 +11,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["Finding", "FindingLog"]
 
-KINDS = ("growth", "lingering", "cycle", "unexplained", "preflight")
+KINDS = ("growth", "lingering", "cycle", "unexplained", "preflight", "host_growth", "worker_growth", "rank_imbalance")
 
 
 @dataclass
@@ -23,7 +23,8 @@ class Finding:
     """
 
     kind: str
-    """``"growth"``, ``"lingering"``, ``"cycle"``, ``"unexplained"`` or ``"preflight"``."""
+    """``"growth"``, ``"lingering"``, ``"cycle"``, ``"unexplained"``, ``"preflight"``, or a host kind:
+    ``"host_growth"``, ``"worker_growth"``, ``"rank_imbalance"`` (docs/findings.md, "Host memory")."""
     step: int
     """Optimizer step at which the finding was (last) confirmed."""
     message: str

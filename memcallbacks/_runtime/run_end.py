@@ -81,6 +81,7 @@ class RunEnd:
             "model_states": dict(self.state.info),
             "preflight": self.preflight.report(),
             "gc": list(self.watch.gc_results) if self.watch is not None else [],
+            "host": self.host.summary() if self.host is not None else None,
             "snapshots": list(self.snap.records) if self.snap is not None else [],
             "files": dict(self.files),
         }
@@ -99,6 +100,9 @@ class RunEnd:
                 self.add_finding(finding)
         except Exception:
             self.log.debug("the leak watch's last census failed", exc_info=True)
+        if self.host is not None:
+            for finding in self.host.finish():  # a host growth still waiting for its second census
+                self.add_finding(finding)
         self.cadence.finding_s += time.perf_counter() - t0
 
     def finish(self, *, gather: bool) -> dict[str, str]:

@@ -29,6 +29,7 @@ from memcallbacks._runtime.auto_snapshot import AutoSnapshot
 from memcallbacks._runtime.state_check import StateCheck
 from memcallbacks.leaks.census import format_top_holders
 from memcallbacks._runtime.leak_watch import LeakWatch
+from memcallbacks.host.channel import HostChannel
 from memcallbacks.trackers import Dashboard, Trackers
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,7 @@ class Session(RunEnd):
         state["log_fn"] = None  # adapters attach it again when they start
         state["watch"] = None  # detectors hold weak references; start() builds new ones
         state["snap"] = None
+        state["host"] = None
         state["trackers"] = None
         state["_observers"] = []
         return state
@@ -72,6 +74,7 @@ class Session(RunEnd):
         self.events: list[dict[str, Any]] = []
         self.sink = FindingSink(owner, self.log, lambda: self.engine.rank)
         self.watch: LeakWatch | None = None
+        self.host: HostChannel | None = None  # the host channel: Python objects, private memory, DataLoader workers
         self.state = StateCheck(config)
         # preflight=True: the first batch's step predicted, then compared
         self.preflight = PreflightCheck(config, self.engine, owner, self.log, self.sink.add, lambda: self.current_step)
@@ -250,6 +253,9 @@ class Session(RunEnd):
         self.plan.arm(self.engine.backend)
         self.watch = LeakWatch(config, self._allocated_now, ignore=[self], charge=self.cadence.charge_other, wake=self.plan.wake)
         self.watch.start()
+        if self.host is not None:
+            self.host.close()
+        self.host = HostChannel(device_is_host=self.device_kind == "cpu")
         if self.snap is not None:
             self.snap.stop()
             self.snap = None
@@ -406,6 +412,7 @@ class Session(RunEnd):
         if self.watch is not None:
             found = self.watch.before_baseline(step, batch, lingering=not defer_lingering)
             found += self._watch(batch)
+        found += self._host_read(step)
         self.engine.begin_step(step, epoch, batch_idx, False)
         self._fast_s = time.perf_counter() - t0 - self.plan.read_s  # charged at step end, with the end's own time
         self._fast_typical = not found
@@ -425,6 +432,7 @@ class Session(RunEnd):
         t1 = time.perf_counter()
         baseline = engine.step_baseline
         found += self._watch(batch, baseline)
+        found += self._host_read(step)
         if check_state and baseline is not None:
             finding = self._state_finding(step, baseline, batch)
             if finding is not None:
@@ -445,6 +453,17 @@ class Session(RunEnd):
                 return []
         self.plan.after_read(count, value)
         return self.watch.after_baseline(count, value, batch)
+
+    def _host_read(self, step: int) -> list[Finding]:
+        """The host channel at a step that is not quiet (docs/host.md): its read is part of the
+        step's own time; a census after suspicion is reported apart, with the other censuses."""
+        host = self.host
+        if host is None:
+            return []
+        census_s = host.census_seconds
+        found = host.on_read(step)
+        self.cadence.finding_s += host.census_seconds - census_s
+        return found
 
     def count_quiet(self, steps: int) -> None:
         """``steps`` quiet steps an adapter skipped without calling :meth:`begin_step` (Lightning)."""
@@ -608,6 +627,11 @@ class Session(RunEnd):
         """Undo everything the session changed in the process; each part on its own, safe to call twice."""
         self.live = False
         release_folder(self.output_dir, self)
+        if self.host is not None:
+            try:
+                self.host.close()
+            except Exception:
+                self.log.exception("%s: could not close its host channel; continuing.", self.owner)
         parts: list[tuple[str, Any]] = [("snapshots", self.snap), ("leak watch", self.watch)]
         for what, part in parts:
             if part is None:

@@ -1,0 +1,40 @@
+"""The host channel's library parts: cheap host reads, host growth, the host census, DataLoader
+workers and per-rank imbalance. Framework-free (torch, psutil, the standard library); see docs/host.md."""
+
+from memcallbacks.host.census import HolderGrowth, HostCensus, HostExplanation, TracemallocWindow, explain_host_growth, take_host_census
+from memcallbacks.host.growth import HostGrowth
+from memcallbacks.host.ranks import find_imbalance, gather_figures
+from memcallbacks.host.readers import (
+    BYTES_PER_BLOCK,
+    HostReader,
+    HostReading,
+    StatmReader,
+    measure_costs,
+    pymalloc_arena_bytes,
+    python_object_blocks,
+    smaps_rollup,
+)
+from memcallbacks.host.workers import WorkerInfo, WorkerWatch, dataloader_workers
+
+__all__ = [
+    "BYTES_PER_BLOCK",
+    "HolderGrowth",
+    "HostCensus",
+    "HostExplanation",
+    "HostGrowth",
+    "HostReader",
+    "HostReading",
+    "StatmReader",
+    "TracemallocWindow",
+    "WorkerInfo",
+    "WorkerWatch",
+    "dataloader_workers",
+    "explain_host_growth",
+    "find_imbalance",
+    "gather_figures",
+    "measure_costs",
+    "pymalloc_arena_bytes",
+    "python_object_blocks",
+    "smaps_rollup",
+    "take_host_census",
+]

@@ -1,0 +1,107 @@
+"""The host channel in one object, for an adapter to call on the steps its watch reads.
+
+``on_read(step)`` at step start: the host read and growth test; on the first open ``host_growth``
+the first host census, and ``census_gap`` steps later (at the first read from then on) the second,
+whose finding names the types and holders and merges into the growth finding (same key); the
+DataLoader workers on their own time budget. ``finish()`` at run end names a growth still waiting
+for its second census. Nothing here may break a run: an error is logged at debug level and turns
+the channel off.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from memcallbacks._base.findings import Finding
+from memcallbacks.host.census import HostCensus, explain_host_growth, take_host_census
+from memcallbacks.host.growth import HostGrowth
+from memcallbacks.host.readers import HostReader
+from memcallbacks.host.workers import WorkerWatch
+
+log = logging.getLogger(__name__)
+
+__all__ = ["HostChannel"]
+
+
+class HostChannel:
+    def __init__(self, *, device_is_host: bool, census_gap: int = 16, census_time_budget_s: float = 2.0) -> None:
+        if census_gap < 1:
+            raise ValueError(f"HostChannel(census_gap={census_gap}) must be at least 1 step, e.g. 16.")
+        self.reader = HostReader()
+        self.growth = HostGrowth(device_is_host=device_is_host)
+        self.workers = WorkerWatch()
+        self.census_gap = census_gap
+        self.census_time_budget_s = census_time_budget_s
+        self.enabled = True
+        self.seconds = 0.0
+        """Time in reads, the growth test and the worker reads (the per-step cost)."""
+        self.census_seconds = 0.0
+        """Time in censuses (after suspicion only)."""
+        self._before: HostCensus | None = None
+        self._due: int | None = None
+        self._named = False
+        self._last_step = 0
+
+    def on_read(self, step: int) -> list[Finding]:
+        if not self.enabled:
+            return []
+        try:
+            return self._on_read(step)
+        except Exception:
+            log.debug("the host channel failed; it is off for the rest of the run", exc_info=True)
+            self.enabled = False
+            return []
+
+    def _on_read(self, step: int) -> list[Finding]:
+        t0 = time.perf_counter()
+        self._last_step = step
+        out: list[Finding] = []
+        finding = self.growth.update(self.reader.read(step))
+        workers = self.workers.update(step)
+        self.seconds += time.perf_counter() - t0
+        if finding is not None:
+            out.append(finding)
+            if finding.key == "host_growth" and finding.details.get("open") and self._before is None and not self._named:
+                t1 = time.perf_counter()
+                self._before = take_host_census(step=step, time_budget_s=self.census_time_budget_s)
+                self.census_seconds += time.perf_counter() - t1
+                self._due = step + self.census_gap
+        if self._due is not None and step >= self._due:
+            out += self._name(step)
+        if workers is not None:
+            out.append(workers)
+        return out
+
+    def _name(self, step: int) -> list[Finding]:
+        before, self._before, self._due = self._before, None, None
+        if before is None:
+            return []
+        self._named = True
+        t0 = time.perf_counter()
+        result = explain_host_growth(before, step=step, time_budget_s=self.census_time_budget_s)
+        self.census_seconds += time.perf_counter() - t0
+        return [result.finding(step)]
+
+    def finish(self) -> list[Finding]:
+        if not self.enabled or self._before is None:
+            return []
+        try:
+            return self._name(self._last_step)
+        except Exception:
+            log.debug("the host channel's last census failed", exc_info=True)
+            return []
+
+    def summary(self) -> dict[str, Any]:
+        """What report.json keeps of the host channel: its reads, its costs and the workers."""
+        return {
+            "enabled": self.enabled,
+            "reads": self.reader.calls,
+            "seconds": self.seconds,
+            "census_seconds": self.census_seconds,
+            "workers": self.workers.summary(),
+        }
+
+    def close(self) -> None:
+        self.reader.close()

@@ -1,0 +1,50 @@
+"""Per-rank host imbalance: 2-rank gloo DDP where only rank 1 leaks Python objects (real processes),
+and the comparison rule on gathered figures."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from memcallbacks._base.units import MiB
+from memcallbacks.host import find_imbalance
+
+SCRIPT = Path(__file__).parents[1] / "scripts" / "host_ranks.py"
+
+
+def test_rank_1_only_host_leak_is_found_and_the_rank_named(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("MASTER_PORT", None)
+    proc = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path), "--steps", "160"], capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    (finding,) = r0["imbalance"]
+    assert finding["kind"] == "rank_imbalance" and finding["key"] == "rank_imbalance:host"
+    assert finding["details"]["rank"] == 1 and finding["message"].startswith("Rank 1 stands apart in host memory")
+    assert "rank-0-only" in finding["message"] and "uneven batches" in finding["message"]
+    assert finding["bytes"] >= 25 * MiB
+    # the leaking rank found its own leak (latency target: 256 KiB/step within 40 steps); rank 0 found nothing
+    assert r1["found"] is not None and r1["found"] <= 40, r1
+    assert [f["key"] for f in r1["findings"]] == ["host_growth"]
+    assert not [f for f in r0["findings"] if f["details"].get("open")], r0["findings"]
+
+
+def test_one_rank_apart_is_named_and_a_spread_is_not():
+    base = {"host_private_bytes": 2000 * MiB, "peak_allocated_bytes": 10_000 * MiB}
+    ranks = [dict(base) for _ in range(8)]
+    ranks[5]["host_private_bytes"] = 3000 * MiB
+    (f,) = find_imbalance(ranks, step=7)
+    assert (f.details["rank"], f.details["figure"], f.step) == (5, "host_private_bytes", 7)
+    assert f.bytes == 1000 * MiB
+    spread = [{"host_private_bytes": (2000 + 300 * r) * MiB} for r in range(8)]  # no single rank apart
+    assert find_imbalance(spread) == []
+    ranks[2]["peak_allocated_bytes"] = 14_000 * MiB
+    assert {g.key for g in find_imbalance(ranks + [None])} == {"rank_imbalance:host", "rank_imbalance:device"}
+    with pytest.raises(ValueError, match=r"find_imbalance\(min_bytes=-1\)"):
+        find_imbalance(ranks, min_bytes=-1)

@@ -1,0 +1,82 @@
+"""2-rank gloo DDP on CPU where only rank 1 leaks Python objects; each rank runs the host reader
+and growth test, the figures are gathered and rank 0 looks for the rank that stands apart.
+
+    python tests/scripts/host_ranks.py OUT_DIR [--steps 160] [--leak-rank 1]
+
+Started with ``torch.multiprocessing.spawn``; results come back through OUT_DIR/rank{r}.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from memcallbacks.host import HostGrowth, HostReader, find_imbalance, gather_figures
+
+
+@dataclass
+class Spec:
+    name: str
+    shape: tuple
+    stride: tuple
+    placement: list
+    step: int
+
+
+KEPT: dict = {}
+
+
+def worker(rank: int, world: int, port: int, out: str, steps: int, leak_rank: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)))
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        reader, growth = HostReader(), HostGrowth()
+        found = None
+        for step in range(steps):
+            f = growth.update(reader.read(step))
+            if f is not None and found is None and f.details.get("open"):
+                found = step
+            loss = model(torch.randn(16, 32)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if rank == leak_rank:
+                for i in range(512):
+                    KEPT[(step, i)] = Spec(f"p{step}.{i}", (step, i, 3), (1, step, i), [step, i], step)
+        figures = gather_figures(growth.figures())
+        result = {"rank": rank, "found": found, "findings": [f.to_dict() for f in growth.findings.values()], "figures": figures}
+        if rank == 0:
+            result["imbalance"] = [f.to_dict() for f in find_imbalance(figures or [], step=steps)]
+        with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
+            json.dump(result, fh)
+    finally:
+        dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--steps", type=int, default=160)
+    parser.add_argument("--leak-rank", type=int, default=1)
+    args = parser.parse_args()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(worker, args=(2, port, args.out, args.steps, args.leak_rank), nprocs=2, join=True)
+    print("done", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
