@@ -92,7 +92,7 @@ class MemoryMonitor(SessionResults, *_callback_bases()):  # type: ignore[misc]
         self._is_quiet = self._session.plan.quiet  # the plan's one quiet test, asked by the step hooks' gate
         self._stepped = False
         self._automatic = True
-        self._optimizer_hooks = OptimizerHooks(self._optimizer_pre_hook, self._optimizer_post_hook)
+        self._optimizer_hooks: OptimizerHooks | None = None  # manual optimization only; made at train start
         self._started_for: int | None = None
         self._trainer: Any = None
         self._loss: Any = None  # this step's loss, held only until the step ends
@@ -190,10 +190,12 @@ class MemoryMonitor(SessionResults, *_callback_bases()):  # type: ignore[misc]
         )
         if not self._automatic and self._session.enabled:
             # manual optimization: the optimizer's own hooks bound the optimizer phase exactly
+            self._optimizer_hooks = self._optimizer_hooks or OptimizerHooks(self._optimizer_pre_hook, self._optimizer_post_hook)
             self._optimizer_hooks.install()
 
     def _remove_optimizer_hooks(self) -> None:
-        self._optimizer_hooks.remove()
+        if self._optimizer_hooks is not None:
+            self._optimizer_hooks.remove()
 
     @entry_point("optimizer pre-hook")
     def _optimizer_pre_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:

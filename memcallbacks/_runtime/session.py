@@ -72,12 +72,12 @@ class Session(RunEnd):
         self.output_dir: Path | None = None
         self.files: dict[str, str] = {}
         self.events: list[dict[str, Any]] = []
-        self.sink = FindingSink(owner, self.log, lambda: self.engine.rank)
+        self.sink = FindingSink(owner, self.log, self._rank)
         self.watch: LeakWatch | None = None
         self.host: HostChannel | None = None  # the host channel: Python objects, private memory, DataLoader workers
         self.state = StateCheck(config)
         # preflight=True: the first batch's step predicted, then compared
-        self.preflight = PreflightCheck(config, self.engine, owner, self.log, self.sink.add, lambda: self.current_step)
+        self.preflight = PreflightCheck(config, self.engine, owner, self.log, self.sink.add, self._current_step)
         self.snap: AutoSnapshot | None = None
         self.trackers: Trackers | None = None  # rank zero's trackers (TensorBoard, W&B, MLflow)
         self._observers: list[Any] = []
@@ -96,6 +96,12 @@ class Session(RunEnd):
         """The open step's number as the adapter gave it: the step of findings, rows and logs."""
         self.current_count = 0
         """Steps before the open one, for the cadence (Lightning: batches that stepped)."""
+
+    def _rank(self) -> int:  # methods, not lambdas: the session pickles (DDP spawn)
+        return self.engine.rank
+
+    def _current_step(self) -> int:
+        return self.current_step
 
     # ------------------------------------------------------------------ configuration
     def attach(
