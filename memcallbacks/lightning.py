@@ -237,8 +237,8 @@ class MemoryMonitor(SessionResults, *_callback_bases()):  # type: ignore[misc]
         log_now = session.will_log(count)
         if session.enabled and session.wants_sample(count, log_now):
             session.begin_step(trainer.global_step, trainer.current_epoch, batch_idx, log=log_now, count=count, batch=batch, sample=True)
-        else:  # unsampled: skip reading Lightning's (comparatively slow) step/epoch properties
-            session.begin_step(count, 0, batch_idx, log=log_now, count=count, batch=batch, sample=False)
+        else:  # unsampled: the step number only (one meaning of "step" in rows and findings: global_step)
+            session.begin_step(trainer.global_step, 0, batch_idx, log=log_now, count=count, batch=batch, sample=False)
 
     @quiet_gate("on_before_backward")
     def on_before_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: torch.Tensor) -> None:
