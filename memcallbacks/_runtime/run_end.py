@@ -14,6 +14,7 @@ import torch
 from memcallbacks._base import distributed as _distributed
 from memcallbacks._runtime.guard import safe_str
 from memcallbacks._files.outputs import REPORT_VERSION, write_outputs
+from memcallbacks.host.ranks import find_imbalance
 from memcallbacks.trackers import RunOutputs
 from memcallbacks.trackers.ranks import receive_snapshots, snapshot_payload
 
@@ -75,7 +76,7 @@ class RunEnd:
             "memcallbacks_version": __version__,
             "framework": self.framework,
             "config": self.config.to_dict(),
-            "summary": dict(self.engine.summary(), cadence=self.cadence.summary()),
+            "summary": dict(self.engine.summary(), cadence=self.cadence.summary(), rank_figures=self.rank_figures()),
             "findings": self.sink.to_list(),
             "events": list(self.events),
             "model_states": dict(self.state.info),
@@ -139,6 +140,9 @@ class RunEnd:
             payload = snapshot_payload(report["snapshots"], engine.rank) if self.config.log_to_trackers and engine.rank > 0 else None
             gathered = _distributed.gather_objects((report["summary"], payload), engine.device) if gather and distributed else None
             summaries = [g[0] for g in gathered] if gathered is not None else None
+            if summaries is not None and engine.rank == 0:  # one rank's host or device memory standing apart
+                self._rank_imbalance(summaries)
+                report["findings"] = self.sink.to_list()
             if not (self.config.write_files and self.output_dir is not None):
                 self._to_trackers(report, gathered)
                 return {}
@@ -169,6 +173,24 @@ class RunEnd:
         except Exception as exc:
             engine.fail(exc, "writing outputs")
         return self.files
+
+    def rank_figures(self) -> dict[str, float]:
+        """This rank's figures for the per-rank comparison (host: docs/host.md; device: the run's peak)."""
+        figures: dict[str, float] = {}
+        if self.device_kind != "cpu":  # on CPU the device is the host: one figure, one finding
+            figures["device_peak_allocated_bytes"] = float(self.engine.max_allocated)
+        if self.host is not None:
+            figures.update(self.host.growth.figures())
+            figures.update(self.host.workers.figures())
+        return figures
+
+    def _rank_imbalance(self, summaries: list[Any]) -> None:
+        try:
+            figures = [s.get("rank_figures") if isinstance(s, dict) else None for s in summaries]
+            for finding in find_imbalance(figures, step=self.current_step):
+                self.add_finding(finding)
+        except Exception:
+            self.log.debug("the per-rank comparison failed", exc_info=True)
 
     def _to_trackers(self, report: dict[str, Any], gathered: list[Any] | None) -> None:
         """Rank zero, after the files are written: the report, plot and every rank's snapshots to the trackers."""
