@@ -48,3 +48,22 @@ def test_one_rank_apart_is_named_and_a_spread_is_not():
     assert {g.key for g in find_imbalance(ranks + [None])} == {"rank_imbalance:host", "rank_imbalance:device"}
     with pytest.raises(ValueError, match=r"find_imbalance\(min_bytes=-1\)"):
         find_imbalance(ranks, min_bytes=-1)
+
+
+def test_a_plain_monitor_at_defaults_names_the_rank_whose_host_memory_grew(tmp_path):
+    """The same 2-rank run watched by ``Monitor`` at defaults: the leaking rank finds its own
+    host growth (with the holder), and rank zero's run-end gather names rank 1 in report.json."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("MASTER_PORT", None)
+    proc = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path), "--steps", "160", "--monitor"], capture_output=True,
+                          text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    (grew,) = [f for f in r1["findings"] if f["kind"] == "host_growth"]
+    assert grew["first_step"] <= 40 and any("grew by" in h and "Spec objects" in h for h in grew["holders"]), grew
+    assert not [f for f in r0["findings"] if f["kind"] == "host_growth"], r0["findings"]
+    (apart,) = [f for f in r0["findings"] if f["kind"] == "rank_imbalance"]
+    assert apart["details"]["rank"] == 1 and apart["key"] == "rank_imbalance:host", apart
+    report = json.loads((tmp_path / "report.rank0.json").read_text()) if (tmp_path / "report.rank0.json").exists() else \
+        json.loads((tmp_path / "report.json").read_text())
+    assert any(f["kind"] == "rank_imbalance" and f["details"]["rank"] == 1 for f in report["findings"]), report["findings"]

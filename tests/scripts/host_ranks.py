@@ -1,7 +1,10 @@
 """2-rank gloo DDP on CPU where only rank 1 leaks Python objects; each rank runs the host reader
 and growth test, the figures are gathered and rank 0 looks for the rank that stands apart.
 
-    python tests/scripts/host_ranks.py OUT_DIR [--steps 160] [--leak-rank 1]
+    python tests/scripts/host_ranks.py OUT_DIR [--steps 160] [--leak-rank 1] [--monitor]
+
+``--monitor``: the same loop watched by a plain ``memcallbacks.Monitor`` at defaults instead of the
+host parts by hand: each rank's findings and rank zero's report.json come back.
 
 Started with ``torch.multiprocessing.spawn``; results come back through OUT_DIR/rank{r}.json.
 """
@@ -65,16 +68,43 @@ def worker(rank: int, world: int, port: int, out: str, steps: int, leak_rank: in
         dist.destroy_process_group()
 
 
+def monitored(rank: int, world: int, port: int, out: str, steps: int, leak_rank: int) -> None:
+    from memcallbacks import Monitor
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)))
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        monitor = Monitor(model, opt, output_dir=out)
+        for step in monitor.track(range(steps)):
+            loss = model(torch.randn(16, 32)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if rank == leak_rank:
+                for i in range(512):
+                    KEPT[(step, i)] = Spec(f"p{step}.{i}", (step, i, 3), (1, step, i), [step, i], step)
+        monitor.close()
+        with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
+            json.dump({"rank": rank, "findings": [f.to_dict() for f in monitor.findings]}, fh)
+    finally:
+        dist.destroy_process_group()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument("--steps", type=int, default=160)
     parser.add_argument("--leak-rank", type=int, default=1)
+    parser.add_argument("--monitor", action="store_true")
     args = parser.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(worker, args=(2, port, args.out, args.steps, args.leak_rank), nprocs=2, join=True)
+    mp.spawn(monitored if args.monitor else worker, args=(2, port, args.out, args.steps, args.leak_rank), nprocs=2, join=True)
     print("done", file=sys.stderr)
 
 
