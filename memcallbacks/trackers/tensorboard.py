@@ -19,6 +19,7 @@ CATEGORY = "memcallbacks"
 PHASE_KEYS = ("peak_forward_GiB", "peak_backward_GiB", "peak_optimizer_GiB", "allocated_GiB")
 RESERVED_KEYS = ("allocated_GiB", "reserved_GiB", "peak_step_GiB", "peak_reserved_GiB")
 LEAK_KEYS = ("findings", "gc_freed_GiB", "unexplained_GiB")
+HOST_KEYS = ("host_rss_GiB", "host_private_GiB", "host_python_GiB", "host_workers_GiB")
 
 
 def layout(dashboard: Dashboard, key_prefix: str = "") -> dict[str, dict[str, list[Any]]]:
@@ -39,6 +40,7 @@ def layout(dashboard: Dashboard, key_prefix: str = "") -> dict[str, dict[str, li
             "memory per phase": ["Multiline", phase],
             "reserved vs allocated": ["Multiline", tags(RESERVED_KEYS)],
             "leaks": ["Multiline", tags(LEAK_KEYS)],
+            "host": ["Multiline", tags(HOST_KEYS)],
         }
     }
 
