@@ -110,6 +110,7 @@ def format_report(report: dict[str, Any], history: Any = None) -> str:
                      f"{format_bytes(exp.get('params'))}, grads {format_bytes(exp.get('grads'))}, optimizer {format_bytes(exp.get('optimizer'))}); "
                      f"unexplained {format_bytes(states.get('unexplained_bytes'))}")
     lines += _preflight_lines(report.get("preflight"))
+    lines += _host_lines(report.get("host"), s.get("rank_figures"))
     snaps = report.get("snapshots") or []
     if snaps:
         lines.append(f"  snapshots                  {len(snaps)}: " + "; ".join(f"step {r.get('step')} ({r.get('trigger')})" for r in snaps[:3]))
@@ -144,6 +145,25 @@ def format_report(report: dict[str, Any], history: Any = None) -> str:
         for kind, path in files.items():
             lines.append(f"    {kind:<14} {path}")
     return "\n".join(lines)
+
+
+def _host_lines(host: dict[str, Any] | None, figures: dict[str, Any] | None) -> list[str]:
+    """The host channel (docs/host.md): Python objects, private memory, DataLoader workers, its cost."""
+    if not host:
+        return []
+    figures = figures or {}
+    parts = [f"{what} {format_bytes(figures[key])}" for key, what in (
+        ("host_private_bytes", "private"), ("host_python_bytes", "Python objects ~"), ("host_worker_uss_bytes", "DataLoader workers"))
+        if figures.get(key) is not None]
+    growth = figures.get("host_private_growth_bytes")
+    if growth is not None:
+        parts.append(f"private change {format_delta(growth)}")
+    reads, seconds = host.get("reads") or 0, host.get("seconds") or 0.0
+    cost = f"{reads} reads, {1e6 * seconds / reads:.0f} µs each" if reads else "no reads"
+    census = host.get("census_seconds") or 0.0
+    if census:
+        cost += f"; censuses after suspicion {census:.2f} s"
+    return [f"  host                       {', '.join(parts) or 'no reading'} ({cost})"]
 
 
 def _preflight_lines(pre: dict[str, Any] | None) -> list[str]:
