@@ -29,6 +29,7 @@ sampled and takes no read is *quiet*: the monitor only counts it (``Session.begi
 from __future__ import annotations
 
 import collections
+import logging
 import math
 import time
 from typing import Any, Callable
@@ -36,7 +37,7 @@ from typing import Any, Callable
 from memcallbacks._config import MonitorConfig
 from memcallbacks._runtime.devices import HwmReader, _StatmReader, heap_in_use_bytes, host_rss_reader
 
-__all__ = ["Cadence", "watch_reader", "rss_tripwire", "TRIP_MASK", "LINGERING_EVERY_STEP_UNTIL", "MARK_EVERY_SAMPLES", "DENSE_READ_STEPS", "QUIET_FROM"]
+__all__ = ["Cadence", "Ledger", "watch_reader", "rss_tripwire", "TRIP_MASK", "LINGERING_EVERY_STEP_UNTIL", "MARK_EVERY_SAMPLES", "DENSE_READ_STEPS", "QUIET_FROM"]
 
 # Lingering references are checked after every one of the first steps, then after every
 # MARK_EVERY_SAMPLES-th sampled step (a loop that keeps the previous step's batch or graph keeps
@@ -76,6 +77,52 @@ READ_SHARE = 0.5
 # with benchmarks/overhead.py on a ~1.4 ms CPU step (docs/benchmarks.md), a read or sampled step
 # slowed the fit by 2-3x what the monitor timed in itself; the budget counts twice the measured time.
 COLD_FACTOR = 2.0
+# The share of the budget the lingering check may take (its checks come after every
+# ``mark_every``-th sampled step: the budget widens that interval when a check is costly).
+LINGERING_SHARE = 0.25
+# The budget's guard: the monitor's measured own time over windows of at least this many steps
+# (after the first QUIET_FROM, whose every-step reads are taken whatever they cost). A window over
+# the budget doubles the interval of its most expensive part (the lingering check, sampling or the
+# reads), whichever it is: the intervals chosen from medians miss a cost that only some steps pay.
+CONTROL_STEPS = 64
+MAX_BACKOFF = 1024
+# what each part of the monitor's own time is called in report.json (summary.cadence.own_time_by_part_s)
+PARTS = ("read", "sample", "watch", "lingering", "tripwire", "gc", "findings")
+
+
+_PART_NAMES = {"lingering": "the lingering check", "read": "the memory reads", "sample": "sampled steps"}
+
+
+class Ledger:
+    """What the leak watch spends apart from the step's other work, for :class:`Cadence` to split a
+    step's own time by part: its lingering checks (each check's cost, for the interval between them)
+    and the censuses and holder searches that name a finding's holders. Picklable."""
+
+    __slots__ = ("lingering_s", "finding_s", "checks", "heap_scans", "check_costs")
+
+    def __init__(self) -> None:
+        self.lingering_s = 0.0
+        self.finding_s = 0.0
+        self.checks = 0
+        self.heap_scans = 0  # lingering checks that scanned the heap for a graph's root
+        self.check_costs: collections.deque[float] = collections.deque(maxlen=16)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__slots__}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for k in self.__slots__:
+            setattr(self, k, state[k])
+
+    def lingering(self, seconds: float) -> None:
+        """One lingering check that found something alive, its holder searches excepted."""
+        self.lingering_s += seconds
+        self.checks += 1
+        self.check_costs.append(seconds)
+
+    def finding(self, seconds: float) -> None:
+        """A census or a holder search for a finding."""
+        self.finding_s += seconds
 
 
 def watch_reader(backend: Any) -> Callable[[], int | None]:
@@ -201,9 +248,17 @@ class Cadence:
         self._read_costs: collections.deque[float] = collections.deque(maxlen=32)
         self._sample_costs: collections.deque[float] = collections.deque(maxlen=32)
         self.own_s = 0.0
-        self.finding_s = 0.0  # censuses and holder searches after a finding: reported apart, not budgeted
+        self.finding_s = 0.0  # censuses and holder searches for findings: part of own_s, not of the medians
         self.step_s = 0.0
         self.steps = 0
+        self.ledger = Ledger()  # the leak watch's lingering checks and finding work
+        self._ledger_seen = (0.0, 0.0)  # (lingering_s, finding_s) already split off a charge
+        self.parts: dict[str, float] = dict.fromkeys(PARTS, 0.0)
+        self.mark_every = MARK_EVERY_SAMPLES  # sampled steps between two lingering marks
+        self.backoff = {"read": 1, "sample": 1, "lingering": 1}  # the guard's multipliers
+        self.backoffs: list[dict[str, Any]] = []  # each time the guard widened an interval
+        self.announce: tuple[logging.Logger, str] | None = None  # (logger, owner): where the back-off is said, once
+        self._window: tuple[int, float, float, dict[str, float]] = (QUIET_FROM, 0.0, 0.0, {})
 
     def configure(self, *, log_every: int, logs: bool, log_first_step: bool) -> None:
         self.log_every = log_every
@@ -289,6 +344,7 @@ class Cadence:
                 checks = (count - 1) // TRIP_EVERY - anchor[0] // TRIP_EVERY
                 self.trip_checks += checks
                 self.own_s += checks * self.trip_cost_s
+                self.parts["tripwire"] += checks * self.trip_cost_s
         self._anchor = (count, now)
         if count >= self._next_choice:
             self._next_choice = count + CHOOSE_EVERY
@@ -298,24 +354,51 @@ class Cadence:
         """Evaluation or a checkpoint between steps: the next start-to-start gap is not a step."""
         self._anchor = None
 
+    def _split(self, seconds: float) -> tuple[float, float, float]:
+        """``seconds`` of own time as (lingering checks, finding work, the rest), from the ledger."""
+        led = self.ledger
+        seen_l, seen_f = self._ledger_seen
+        lingering = max(0.0, led.lingering_s - seen_l)
+        finding = max(0.0, led.finding_s - seen_f)
+        self._ledger_seen = (led.lingering_s, led.finding_s)
+        lingering = min(lingering, seconds)
+        finding = min(finding, seconds - lingering)
+        self.parts["lingering"] += lingering
+        self.parts["findings"] += finding
+        self.finding_s += finding
+        return lingering, finding, seconds - lingering - finding
+
     def charge(self, seconds: float, sampled: bool, typical: bool = True) -> None:
         """Add the monitor's own time for one step, its watch read excepted (:meth:`charge_read`).
-        ``typical=False`` (a step that found something: censuses, holder searches) is counted apart,
-        as ``finding_s``, and not in the costs that choose the intervals."""
-        if not typical:
-            self.finding_s += seconds
-            return
+        Every second counts in ``own_s``. The lingering check's time and the finding work (censuses,
+        holder searches) are split off by the ledger; the rest is the step's sampling or watch cost.
+        ``typical=False`` (a step that found something) keeps the step out of the costs that choose
+        the intervals."""
         self.own_s += seconds
-        (self._sample_costs if sampled else self._watch_costs).append(seconds)
+        _, _, rest = self._split(seconds)
+        self.parts["sample" if sampled else "watch"] += rest
+        if typical:
+            (self._sample_costs if sampled else self._watch_costs).append(rest)
 
     def charge_read(self, seconds: float) -> None:
         """One memory read of the watch on an unsampled step."""
         self.own_s += seconds
+        self.parts["read"] += seconds
         self._read_costs.append(seconds)
 
-    def charge_other(self, seconds: float) -> None:
-        """Own time outside the steps' hooks (the garbage-collection callback's reads)."""
+    def charge_other(self, seconds: float, part: str = "gc") -> None:
+        """Own time outside the timed part of a step: the garbage-collection callback's reads
+        (``"gc"``), a lingering check deferred into the step (``"lingering"``: plain loops under
+        ``track()``), the leak watch's work when the run ends (``"findings"``). The last two are split
+        by the ledger (their holder searches and censuses are finding work)."""
         self.own_s += seconds
+        if part == "gc":
+            self.parts[part] += seconds  # no split: a collection may run in the middle of a step
+            return
+        _, _, rest = self._split(seconds)
+        self.parts[part] += rest
+        if part == "findings":
+            self.finding_s += rest
 
     def choose(self) -> None:
         """Pick the read and sample intervals that keep the monitor within the budget.
@@ -327,11 +410,22 @@ class Cadence:
         step = _median(self._step_times)
         if not step > 0:
             return
+        self._guard()
         allowed = self.budget * step
+        costs = self.ledger.check_costs
+        if costs:
+            # a lingering check every mark_every sampled steps: its mean cost (a check is costly at every
+            # check, or only at some: the mean, not the median) within its share of the budget
+            check = COLD_FACTOR * sum(costs) / len(costs)
+            steps = check / (allowed * LINGERING_SHARE)
+            every = max(MARK_EVERY_SAMPLES, math.ceil(steps / max(1, self.sample_every)))
+            self.mark_every = min(MAX_INTERVAL, every * self.backoff["lingering"])
+            allowed -= check / (self.mark_every * max(1, self.sample_every))
         watch = _median(self._watch_costs) if self._watch_costs else 0.0
         if self._read_costs:
             read = COLD_FACTOR * (_median(self._read_costs) + watch)
             every = max(1, min(MAX_READ_INTERVAL, math.ceil(read / (allowed * READ_SHARE))))
+            every = min(MAX_INTERVAL, every * self.backoff["read"])
             if self.logs:
                 # logged steps are sampled, and a sampled step's baseline is a read: reads in phase
                 # with them, at an interval that divides the logging interval, cost nothing on them
@@ -346,11 +440,50 @@ class Cadence:
         if self.logs:
             allowed -= sample / self.log_every
         every = max(1, min(MAX_INTERVAL, MAX_INTERVAL if allowed <= 0 else math.ceil(sample / allowed)))
+        every = min(MAX_INTERVAL, every * self.backoff["sample"])
         if self.logs:
             # a sample a few steps from a logged one adds a busy step and little history: the budget
             # is a ceiling, and its samples go in phase with the logged steps (as the reads do)
             every = _aligned_samples(every, self.log_every)
         self.sample_every = every
+
+    def _guard(self) -> None:
+        """The budget's guard: over a window of at least :data:`CONTROL_STEPS` steps after the first
+        :data:`QUIET_FROM`, the own time measured (finding work excepted: it is once per cause and
+        bounded by ``census_time_budget_s``) against the budget; over it, the most expensive part
+        that has an interval (the lingering check, sampling, the reads) backs off: its interval
+        doubles. Said once in the log; every back-off is in report.json."""
+        start, own0, step0, parts0 = self._window
+        steps = self.steps
+        if steps < start + CONTROL_STEPS:
+            return
+        own = self.own_s - self.finding_s
+        elapsed = self.step_s - step0
+        spent = {k: self.parts[k] - parts0.get(k, 0.0) for k in self.parts}
+        self._window = (steps, own, self.step_s, dict(self.parts))
+        if not parts0 or elapsed <= 0:
+            return  # the first window starts here
+        rate = (own - own0) / elapsed
+        if rate <= self.budget:
+            return
+        controllable = {"lingering": spent["lingering"], "read": spent["read"]}
+        if not self.explicit:
+            controllable["sample"] = spent["sample"]
+        part = max(controllable, key=lambda k: controllable[k])
+        if controllable[part] <= 0 or self.backoff[part] >= MAX_BACKOFF:
+            return
+        self.backoff[part] *= 2
+        self.backoffs.append({"step": steps, "part": part, "own_time": round(rate, 5), "factor": self.backoff[part]})
+        if len(self.backoffs) > 64:
+            del self.backoffs[:32]
+        if self.announce is not None and len(self.backoffs) == 1:
+            logger, owner = self.announce
+            logger.info(
+                "%s: its own time was %.2f%% of step time over the last %d steps, above overhead_budget=%g; "
+                "the costliest part (%s: %.3g s of %.3g s) now runs half as often. Later back-offs are listed "
+                "in report.json (summary.cadence.backoffs).",
+                owner, 100 * rate, steps - start, self.budget, _PART_NAMES[part], spent[part], own - own0,
+            )
 
     # ------------------------------------------------------------------ what it says about itself
     @property
@@ -381,4 +514,10 @@ class Cadence:
             "watch_cost_median_us": us(self._watch_costs),
             "read_cost_median_us": us(self._read_costs),
             "sample_cost_median_us": us(self._sample_costs),
+            "lingering_every_n_samples": self.mark_every,
+            "lingering_checks": self.ledger.checks,
+            "lingering_heap_scans": self.ledger.heap_scans,
+            "own_time_s": round(self.own_s, 4),
+            "own_time_by_part_s": {k: round(v, 4) for k, v in self.parts.items()},
+            "backoffs": list(self.backoffs),
         }

@@ -99,7 +99,7 @@ class RunEnd:
                 self.add_finding(finding)
         except Exception:
             self.log.debug("the leak watch's last census failed", exc_info=True)
-        self.cadence.finding_s += time.perf_counter() - t0
+        self.cadence.charge_other(time.perf_counter() - t0, "findings")
 
     def finish(self, *, gather: bool) -> dict[str, str]:
         """Close any open step and write this rank's files. ``gather`` (a collective: every rank must

@@ -18,7 +18,6 @@ from memcallbacks._config import MonitorConfig
 from memcallbacks._runtime.cadence import (
     COLD_FACTOR,
     LINGERING_EVERY_STEP_UNTIL,
-    MARK_EVERY_SAMPLES,
     QUIET_FROM,
     TRIP_MASK,
     Cadence,
@@ -145,11 +144,13 @@ class Session(RunEnd):
             return
         self._lingering_due = False
         if self.watch is not None and self.engine.enabled:
+            t0 = time.perf_counter()
             try:
                 for finding in self.watch.check_lingering(self.current_step, batch):
                     self.add_finding(finding)
             except Exception as exc:
                 self.engine.fail(exc, "lingering check")
+            self.cadence.charge_other(time.perf_counter() - t0, "lingering")  # outside the step's timed parts
 
     def set_training_objects(
         self, model: Any, optimizer: Any, *, precision: str | None = None, strategy: str | None = None, world_size: int | None = None
@@ -211,7 +212,8 @@ class Session(RunEnd):
                 check_writable(os.path.join(folder, "snapshots"), "auto_snapshot")
         self.live = True
         # the cadence first: even a monitor whose start fails below must agree with the other ranks on logged steps
-        self.cadence = Cadence(config)
+        if self.engine._seen_steps == 0:  # a later stage of the same run (fit, then test) keeps the training cadence
+            self.cadence = Cadence(config)
         self.quiet_until = 0
         log_every = config.log_every_n_steps or max(int(framework_log_every or 50), 1)
         self.cadence.configure(log_every=log_every, logs=logs, log_first_step=log_first_step)
@@ -235,7 +237,9 @@ class Session(RunEnd):
             for _ in range(4):
                 self._trip()
             self.cadence.trip_cost_s = COLD_FACTOR * (time.perf_counter() - t0) / 4
-        self.watch = LeakWatch(config, self._allocated_now, ignore=[self], charge=self.cadence.charge_other, wake=self.wake)
+        self.cadence.announce = (self.log, self.owner) if self.engine.rank == 0 else None  # the budget's back-off, said once
+        self.watch = LeakWatch(config, self._allocated_now, ignore=[self], charge=self.cadence.charge_other, wake=self.wake,
+                               ledger=self.cadence.ledger)
         self.watch.start()
         if self.snap is not None:
             self.snap.stop()
@@ -267,7 +271,7 @@ class Session(RunEnd):
     def detailed_step(self) -> bool:
         """True when the open step is sampled or lingering references are checked after it:
         adapters skip their per-step extras (output hooks, loss capture) otherwise."""
-        return self.engine.sampling or self._marks
+        return self.engine.sampling or self._marks or self.lingering_wants_mark
 
     @property
     def lingering_due(self) -> bool:
@@ -281,6 +285,12 @@ class Session(RunEnd):
         plus the first step where the framework logs it; never when the run has nowhere to log.
         Decided from counts only, so every rank agrees (logged steps join a collective)."""
         return self.cadence.will_log(count)
+
+    @property
+    def lingering_wants_mark(self) -> bool:
+        """The last lingering check could not tell yet: the open step leaves marks for the next one."""
+        lingering = self.watch.lingering if self.watch is not None else None
+        return lingering is not None and lingering.wants_mark
 
     @property
     def lingering_pending(self) -> bool:
@@ -372,7 +382,7 @@ class Session(RunEnd):
                     self.add_finding(finding)
                 return
             self._fast_s = None
-            self._marks = self._marks or self._samples_unmarked + 1 >= MARK_EVERY_SAMPLES
+            self._marks = self._marks or self._samples_unmarked + 1 >= self.cadence.mark_every
             t0 = time.perf_counter()
             found = watch.before_baseline(step, batch, lingering=not defer_lingering) if watch is not None else []
             check_state = self.state.wanted and engine.optimizer_steps_total > 0
@@ -478,17 +488,17 @@ class Session(RunEnd):
             return None
         engine = self.engine
         row = None
-        t_end = time.perf_counter()
         if self._lingering_due:
-            self.check_lingering(batch)
+            self.check_lingering(batch)  # charged on its own (charge_other), so timed before t_end
+        t_end = time.perf_counter()
         if engine.enabled:
             try:
                 sampled = engine.sampling
                 row = engine.end_step(closing)
                 # lingering references: every step at first (leaky loops leak from step 1), then after
-                # every MARK_EVERY_SAMPLES-th sampled step (weak references and graph marks, ~2-45 µs,
+                # every cadence.mark_every-th sampled step (weak references and graph marks, ~2-45 µs,
                 # and a check at the next step start, which then is not quiet)
-                if self.watch is not None and self._marks:
+                if self.watch is not None and (self._marks or self.lingering_wants_mark):
                     t0 = time.perf_counter()
                     self.watch.end_step(self.current_step, batch, loss, outputs)
                     if row is not None:
