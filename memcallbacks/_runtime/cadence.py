@@ -84,7 +84,7 @@ LINGERING_SHARE = 0.25
 # (after the first QUIET_FROM, whose every-step reads are taken whatever they cost). A window over
 # the budget doubles the interval of its most expensive part (the lingering check, sampling or the
 # reads), whichever it is: the intervals chosen from medians miss a cost that only some steps pay.
-CONTROL_STEPS = 64
+CONTROL_STEPS = 32
 MAX_BACKOFF = 1024
 # what each part of the monitor's own time is called in report.json (summary.cadence.own_time_by_part_s)
 PARTS = ("read", "sample", "watch", "lingering", "tripwire", "gc", "findings")
@@ -98,9 +98,11 @@ class Ledger:
     step's own time by part: its lingering checks (each check's cost, for the interval between them)
     and the censuses and holder searches that name a finding's holders. Picklable."""
 
-    __slots__ = ("lingering_s", "finding_s", "checks", "heap_scans", "check_costs")
+    __slots__ = ("lingering_s", "finding_s", "checks", "heap_scans", "check_costs", "budget", "step_s")
 
-    def __init__(self) -> None:
+    def __init__(self, budget: float = 0.01) -> None:
+        self.budget = budget
+        self.step_s = 0.0  # the median step time, once the cadence has measured it
         self.lingering_s = 0.0
         self.finding_s = 0.0
         self.checks = 0
@@ -123,6 +125,11 @@ class Ledger:
     def finding(self, seconds: float) -> None:
         """A census or a holder search for a finding."""
         self.finding_s += seconds
+
+    def affords(self, seconds: float, steps: int) -> bool:
+        """Whether ``seconds`` of work spread over ``steps`` steps fits the lingering check's share of
+        the budget (False while the step time is not measured yet)."""
+        return self.step_s > 0 and seconds <= steps * self.step_s * self.budget * LINGERING_SHARE
 
 
 def watch_reader(backend: Any) -> Callable[[], int | None]:
@@ -251,14 +258,17 @@ class Cadence:
         self.finding_s = 0.0  # censuses and holder searches for findings: part of own_s, not of the medians
         self.step_s = 0.0
         self.steps = 0
-        self.ledger = Ledger()  # the leak watch's lingering checks and finding work
+        self.ledger = Ledger(self.budget)  # the leak watch's lingering checks and finding work
         self._ledger_seen = (0.0, 0.0)  # (lingering_s, finding_s) already split off a charge
         self.parts: dict[str, float] = dict.fromkeys(PARTS, 0.0)
         self.mark_every = MARK_EVERY_SAMPLES  # sampled steps between two lingering marks
         self.backoff = {"read": 1, "sample": 1, "lingering": 1}  # the guard's multipliers
         self.backoffs: list[dict[str, Any]] = []  # each time the guard widened an interval
+        self.over_budget_windows = 0  # the guard's windows whose own time was above the budget
+        self._said: set[str] = set()  # what the guard has said in the log (each once)
         self.announce: tuple[logging.Logger, str] | None = None  # (logger, owner): where the back-off is said, once
         self._window: tuple[int, float, float, dict[str, float]] = (QUIET_FROM, 0.0, 0.0, {})
+        self._started: tuple[float, float] | None = None  # (own_s, step_s) once QUIET_FROM steps are done
 
     def configure(self, *, log_every: int, logs: bool, log_first_step: bool) -> None:
         self.log_every = log_every
@@ -346,6 +356,9 @@ class Cadence:
                 self.own_s += checks * self.trip_cost_s
                 self.parts["tripwire"] += checks * self.trip_cost_s
         self._anchor = (count, now)
+        if self._started is None and self.steps >= QUIET_FROM:
+            self._started = (self.own_s - self.finding_s, self.step_s)
+            self._window = (self.steps, self.own_s - self.finding_s, self.step_s, dict(self.parts))  # the guard's first window
         if count >= self._next_choice:
             self._next_choice = count + CHOOSE_EVERY
             self.choose()  # first as soon as the measured steps are over, then every CHOOSE_EVERY
@@ -358,11 +371,10 @@ class Cadence:
         """``seconds`` of own time as (lingering checks, finding work, the rest), from the ledger."""
         led = self.ledger
         seen_l, seen_f = self._ledger_seen
-        lingering = max(0.0, led.lingering_s - seen_l)
-        finding = max(0.0, led.finding_s - seen_f)
-        self._ledger_seen = (led.lingering_s, led.finding_s)
-        lingering = min(lingering, seconds)
-        finding = min(finding, seconds - lingering)
+        # what the ledger holds beyond ``seconds`` was spent in a step charged later: it stays pending
+        lingering = min(max(0.0, led.lingering_s - seen_l), seconds)
+        finding = min(max(0.0, led.finding_s - seen_f), seconds - lingering)
+        self._ledger_seen = (seen_l + lingering, seen_f + finding)
         self.parts["lingering"] += lingering
         self.parts["findings"] += finding
         self.finding_s += finding
@@ -410,6 +422,7 @@ class Cadence:
         step = _median(self._step_times)
         if not step > 0:
             return
+        self.ledger.step_s = step
         self._guard()
         allowed = self.budget * step
         costs = self.ledger.check_costs
@@ -455,29 +468,42 @@ class Cadence:
         doubles. Said once in the log; every back-off is in report.json."""
         start, own0, step0, parts0 = self._window
         steps = self.steps
-        if steps < start + CONTROL_STEPS:
+        if self._started is None or steps < start + CONTROL_STEPS:
             return
         own = self.own_s - self.finding_s
         elapsed = self.step_s - step0
         spent = {k: self.parts[k] - parts0.get(k, 0.0) for k in self.parts}
         self._window = (steps, own, self.step_s, dict(self.parts))
-        if not parts0 or elapsed <= 0:
-            return  # the first window starts here
+        if elapsed <= 0:
+            return
         rate = (own - own0) / elapsed
         if rate <= self.budget:
             return
-        controllable = {"lingering": spent["lingering"], "read": spent["read"]}
-        if not self.explicit:
+        # the parts whose interval the guard can widen (sampled steps beyond the logged ones, which are
+        # sampled whatever the interval; the reads between sampled steps; the lingering checks)
+        controllable = {"lingering": spent["lingering"]}
+        if self.read_every < MAX_INTERVAL:
+            controllable["read"] = spent["read"]
+        if not self.explicit and (not self.logs or self.sample_every < self.log_every):
             controllable["sample"] = spent["sample"]
         part = max(controllable, key=lambda k: controllable[k])
+        self.over_budget_windows += 1
         if controllable[part] <= 0 or self.backoff[part] >= MAX_BACKOFF:
+            # what is left is the logged steps (sampled whatever the budget) and the tripwire
+            if self._say("floor"):
+                logger, owner = self.announce  # type: ignore[misc]
+                logger.info(
+                    "%s: its own time was %.2f%% of step time over the last %d steps, above overhead_budget=%g, "
+                    "and nothing it can sample less often is left: the rest is the logged steps (every %s), which "
+                    "log_every_n_steps sets.", owner, 100 * rate, steps - start, self.budget, self.log_every if self.logs else "-",
+                )
             return
         self.backoff[part] *= 2
         self.backoffs.append({"step": steps, "part": part, "own_time": round(rate, 5), "factor": self.backoff[part]})
         if len(self.backoffs) > 64:
             del self.backoffs[:32]
-        if self.announce is not None and len(self.backoffs) == 1:
-            logger, owner = self.announce
+        if self._say("backoff"):
+            logger, owner = self.announce  # type: ignore[misc]
             logger.info(
                 "%s: its own time was %.2f%% of step time over the last %d steps, above overhead_budget=%g; "
                 "the costliest part (%s: %.3g s of %.3g s) now runs half as often. Later back-offs are listed "
@@ -485,14 +511,33 @@ class Cadence:
                 owner, 100 * rate, steps - start, self.budget, _PART_NAMES[part], spent[part], own - own0,
             )
 
+    def _say(self, what: str) -> bool:
+        """Whether to say ``what`` now: once per run, on rank zero (where :attr:`announce` is set)."""
+        if self.announce is None or what in self._said:
+            return False
+        self._said.add(what)
+        return True
+
     # ------------------------------------------------------------------ what it says about itself
     @property
     def overhead(self) -> float:
         """The monitor's measured own time as a fraction of the step time (NaN before two steps)."""
         return self.own_s / self.step_s if self.step_s > 0 else math.nan
 
+    @property
+    def overhead_after_start(self) -> float:
+        """Own time over step time after the first :data:`QUIET_FROM` steps (which watch every step
+        whatever it costs), finding work excepted: what the budget's intervals and guard hold (NaN
+        before then)."""
+        if self._started is None:
+            return math.nan
+        own0, step0 = self._started
+        step = self.step_s - step0
+        return (self.own_s - self.finding_s - own0) / step if step > 0 else math.nan
+
     def summary(self) -> dict[str, Any]:
         step = _median(self._step_times)
+        after = self.overhead_after_start
 
         def us(values: Any) -> float | None:
             return round(_median(values) * 1e6, 2) if values else None
@@ -500,6 +545,7 @@ class Cadence:
         return {
             "overhead_budget": self.budget,
             "overhead": None if math.isnan(self.overhead) else round(self.overhead, 5),
+            "overhead_after_start": None if math.isnan(after) else round(after, 5),
             "finding_time_s": round(self.finding_s, 4),
             "read_every_n_steps": self.read_every,
             "dense_read_steps": DENSE_READ_STEPS,
@@ -520,4 +566,5 @@ class Cadence:
             "own_time_s": round(self.own_s, 4),
             "own_time_by_part_s": {k: round(v, 4) for k, v in self.parts.items()},
             "backoffs": list(self.backoffs),
+            "over_budget_windows": self.over_budget_windows,
         }

@@ -15,7 +15,7 @@ from memcallbacks._units import MiB, format_bytes
 from memcallbacks.leaks.chains import GraphChains
 from memcallbacks.leaks.marks import METADATA_KEY, find_graph_root
 from memcallbacks.leaks.kept import OutputRef, alive_outputs, output_refs, storage_tensor
-from memcallbacks.leaks.tensors import graph_tensors, is_parameter, iter_tensors
+from memcallbacks.leaks.tensors import graph_freed, graph_tensors, is_parameter, iter_tensors
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +97,9 @@ class LingeringDetector:
         self._next_measure: dict[str, int] = {}
         self._backoff: dict[str, int] = {}
         self.heap_scans = 0  # checks whose graph root was only found by scanning the heap
+        self.heap_scans_skipped = 0  # checks that needed a heap scan the budget had not paid for yet
+        self.heap_allowed = True  # set by the caller before each check (LeakWatch: the budget)
+        self._root_unknown = False
         self.wants_mark = False
         """A check could not tell yet (outputs alive, no outputs of two steps before to compare): the
         step that follows should leave marks too, so that the next check can tell."""
@@ -253,6 +256,13 @@ class LingeringDetector:
             output_keys.add((st.device, st.data_ptr()))
             held[(st.device, st.data_ptr())] = int(st.nbytes())
         self._root_ref = None
+        self._root_unknown = False
+        if too_early and graph and not self._graph_root_cheap(sentinel):
+            # what the graph holds is measured at the next check, which can tell: a heap scan for its
+            # root now would be spent on a check that cannot conclude
+            self.wants_mark = True
+            self.occurrences["too_early"] = self.occurrences.get("too_early", 0) + 1
+            return None
         graph_seen = graph
         if graph:
             # After backward a kept loss's graph holds only parameters: alive, but not a cause.
@@ -274,6 +284,8 @@ class LingeringDetector:
         output_bytes = sum(n for k, n in held.items() if k in output_keys and k not in batch_keys)
         total = sum(held.values())
         if total < self.min_bytes or total == 0:
+            if self._root_unknown:
+                return None  # the graph was not measured (no heap scan yet): neither harmless nor a finding
             if too_early:
                 # measure again at the next check, once the outputs of two steps ago are known: the
                 # step that follows leaves marks too (after the first steps, marks are sparse and the
@@ -303,7 +315,8 @@ class LingeringDetector:
             if not is_parameter(root):
                 _add_storages(root, added, targets)
                 root_keys = {k for k in added if k not in outputs}
-            for t, _how in graph_tensors([root]):
+            # after backward() every saved tensor is released (each read would raise): leaves only
+            for t, _how in graph_tensors([root], saved=not graph_freed(root)):
                 if is_parameter(t):
                     continue
                 _add_storages(t, added, targets)
@@ -401,9 +414,18 @@ class LingeringDetector:
         # (`loss = loss / k`): the variables first, the heap only when they do not reach the mark.
         root = find_graph_root(sentinel, heap=False)
         if root is None:
+            if not self.heap_allowed:
+                self.heap_scans_skipped += 1
+                self._root_unknown = True
+                return None
             self.heap_scans += 1
             root = find_graph_root(sentinel)
         return root
+
+    def _graph_root_cheap(self, sentinel: _Sentinel) -> bool:
+        """Whether the marked graph's root is at hand without a heap scan."""
+        loss = self._loss_ref() if self._loss_ref is not None else None
+        return loss is not None or find_graph_root(sentinel, heap=False) is not None
 
     def graph_root(self) -> torch.Tensor | None:
         """The live tensor through which the last finding's graph is held (e.g. the user's loss), if any."""

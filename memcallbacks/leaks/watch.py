@@ -88,6 +88,7 @@ class LeakWatch:
         self._growth_census: Census | None = None
         self._growth_census_due: int | None = None  # the step from which census B is taken
         self._growth_finding: Finding | None = None
+        self._last_scan: tuple[int, float] | None = None  # (step, seconds) of the last check that scanned the heap
         self._census_s = 0.0  # the last census's time
         self._growth_census_cost = 0.0  # census A's time
         self.model: Any = None
@@ -114,11 +115,17 @@ class LeakWatch:
             return self._check_lingering(step, batch)
         t0, f0 = time.perf_counter(), ledger.finding_s
         scans = self.lingering.heap_scans
+        # a heap scan (a graph root no variable reaches) is taken when the budget has paid for the last one
+        last = self._last_scan
+        self.lingering.heap_allowed = last is None or ledger.affords(last[1], step - last[0])
         try:
             return self._check_lingering(step, batch)
         finally:
-            ledger.heap_scans += self.lingering.heap_scans - scans
-            ledger.lingering(time.perf_counter() - t0 - (ledger.finding_s - f0))
+            spent = time.perf_counter() - t0 - (ledger.finding_s - f0)
+            if self.lingering.heap_scans > scans:
+                ledger.heap_scans += self.lingering.heap_scans - scans
+                self._last_scan = (step, spent)
+            ledger.lingering(spent)
 
     def _check_lingering(self, step: int, batch: Any) -> list[Finding]:
         assert self.lingering is not None
