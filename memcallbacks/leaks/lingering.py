@@ -273,6 +273,7 @@ class LingeringDetector:
             graph = graph_held or (root_held and not batch and not outputs)
             if not graph:
                 self._root_ref = None  # the holders then name what lingers, not the graph
+                del targets[:]  # nor the graph's tensors (the loop's current `loss`): noise under the right holder
         key = "lingering:" + "+".join(k for k, v in (("batch", batch), ("graph", graph), ("outputs", outputs)) if v)
         if key in self._reported or not (batch or graph_seen or outputs):
             return None
@@ -317,7 +318,7 @@ class LingeringDetector:
                 root_keys = {k for k in added if k not in outputs}
             # after backward() every saved tensor is released (each read would raise): leaves only
             for t, _how in graph_tensors([root], saved=not graph_freed(root)):
-                if is_parameter(t):
+                if is_parameter(t) or is_parameter(t._base):  # a parameter, or a view of one a node saved (weight.t())
                     continue
                 _add_storages(t, added, targets)
                 try:

@@ -23,7 +23,7 @@ from memcallbacks.leaks.cycles import GarbageCollector
 from memcallbacks.leaks.garbage import cyclic_garbage_note
 from memcallbacks.leaks.gc_watch import CollectionWatch
 from memcallbacks.leaks.growth import GrowthDetector
-from memcallbacks.leaks.holders import find_holders
+from memcallbacks.leaks.holders import find_holders, group_paths
 from memcallbacks.leaks.lingering import LingeringDetector, find_graph_root
 from memcallbacks.leaks.tensors import describe_tensor, graph_bytes
 
@@ -314,7 +314,11 @@ class LeakWatch:
         if not tensors:
             return []
         search = self._find_holders(tensors)
-        return [str(p) for p in search.paths[:5]]
+        paths = search.paths
+        total = sum(p.nbytes for p in paths)
+        # a holder of under 1/256 of what was found (a kept output's 4-byte loss next to its logits) is noise
+        paths = [p for p in paths if p.nbytes * 256 >= total] or paths[:1]
+        return group_paths(paths)[:5]
 
     def _census(self, batch: Any) -> Census | None:
         """:meth:`census` for the detectors' own use: a failure only costs the holders."""
