@@ -116,6 +116,7 @@ def train(
 
         monitor = Monitor(model, optimizer, output_dir=output_dir, **(monitor_kwargs or {}))
     X, Y = get_batch(data, batch_size, block_size, g)
+    c0 = time.process_time()
     t0 = time.perf_counter()
     for _ in range(steps):
         for _micro in range(accumulation):
@@ -128,7 +129,8 @@ def train(
         optimizer.zero_grad(set_to_none=True)
         lossf = loss.item() * accumulation  # noqa: F841 (nanoGPT logs it)
     wall = time.perf_counter() - t0
-    result: dict[str, Any] = {"wall_s": wall, "steps": steps}
+    cpu = time.process_time() - c0
+    result: dict[str, Any] = {"wall_s": wall, "cpu_s": cpu, "steps": steps}
     if monitor is not None:
         monitor.close()
         report = monitor.report()
@@ -165,23 +167,31 @@ def main(argv: list[str] | None = None) -> int:
                 r["monitored"] = monitored
                 runs.append(r)
                 own = r.get("cadence", {}).get("overhead")
-                print(f"pair {pair}: {'monitored' if monitored else 'bare     '} {r['wall_s']:.3f} s"
+                print(f"pair {pair}: {'monitored' if monitored else 'bare     '} {r['wall_s']:.3f} s wall, {r['cpu_s']:.3f} s CPU"
                       + (f"  own time {100 * own:.2f}%" if own is not None else ""), flush=True)
-    bare = min(r["wall_s"] for r in runs if not r["monitored"])
     mon = [r for r in runs if r["monitored"]]
-    best = min(mon, key=lambda r: r["wall_s"])
-    ratio = best["wall_s"] / bare
+    ratios = {}
+    for clock in ("wall_s", "cpu_s"):  # CPU time: what a busy shared machine's preemption does not inflate
+        bare = min(r[clock] for r in runs if not r["monitored"])
+        best = min(r[clock] for r in mon)
+        ratios[clock] = best / bare
+        print(f"\n{clock[:-2]:>4}: bare {bare:.3f} s, monitored {best:.3f} s: ratio {ratios[clock]:.4f} (minima of {args.pairs} pairs of {args.steps} steps)", end="")
+    print()
     owns = [r["cadence"]["overhead"] for r in mon if r["cadence"].get("overhead") is not None]
-    c = best["cadence"]
-    print(f"\nbare {bare:.3f} s, monitored {best['wall_s']:.3f} s: ratio {ratio:.4f} (minima of {args.pairs} pairs of {args.steps} steps)")
-    print(f"own time reported: {', '.join(f'{100 * o:.2f}%' for o in owns)} (budget {100 * c['overhead_budget']:g}%)")
-    print(f"cadence of the fastest monitored run: read every {c['read_every_n_steps']}, sample every {c['sample_every_n_steps']}, "
-          f"lingering check every {c.get('lingering_every_n_steps')}, back-offs {c.get('backoffs')}, own time by part {c.get('own_time_by_part_s')}")
-    ok = ratio - 1 <= max(2 * c["overhead_budget"], max(owns) + c["overhead_budget"]) if owns else False
-    print(f"agreement: wall-time excess {100 * (ratio - 1):.2f}% vs own time {100 * max(owns):.2f}% -> {'ok' if ok else 'NOT ok'}")
+    afters = [r["cadence"]["overhead_after_start"] for r in mon if r["cadence"].get("overhead_after_start") is not None]
+    c = min(mon, key=lambda r: r["cpu_s"])["cadence"]
+    print(f"own time reported: {', '.join(f'{100 * o:.2f}%' for o in owns)}; from step 48 on: "
+          f"{', '.join(f'{100 * o:.2f}%' for o in afters)} (budget {100 * c['overhead_budget']:g}%)")
+    print(f"cadence of the cheapest monitored run: read every {c['read_every_n_steps']}, sample every {c['sample_every_n_steps']}, "
+          f"lingering marks every {c.get('lingering_every_n_samples')} samples ({c.get('lingering_checks')} checks, "
+          f"{c.get('lingering_heap_scans')} heap scans), back-offs {c.get('backoffs')}, own time by part {c.get('own_time_by_part_s')}")
+    ratio = ratios["cpu_s"]
+    ok = bool(owns) and max(owns) <= c["overhead_budget"] and ratio - 1 <= max(owns) + c["overhead_budget"]
+    print(f"agreement: CPU-time excess {100 * (ratio - 1):.2f}% (wall {100 * (ratios['wall_s'] - 1):.2f}%) vs own time "
+          f"{100 * max(owns):.2f}% -> {'ok' if ok else 'NOT ok'}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"runs": runs, "ratio": ratio, "bare_s": bare, "monitored_s": best["wall_s"]}, f, indent=1, default=str)
+            json.dump({"runs": runs, "ratios": ratios}, f, indent=1, default=str)
     return 0 if ok and all(not math.isnan(o) for o in owns) else 1
 
 
