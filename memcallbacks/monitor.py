@@ -79,6 +79,9 @@ class Monitor(SessionResults):
     #: optimizer that does not step is not accumulating). Raise it (on the class or the instance)
     #: when a first accumulation window holds more batches than this.
     max_micro_batches: int = 256
+    #: the name messages use for this monitor (an adapter's private subclass gives its public class's)
+    _public_name: str | None = None
+    _evaluating = False  # inside evaluate(): the hooked model's forwards count its batches
 
     def __init__(
         self,
@@ -97,7 +100,7 @@ class Monitor(SessionResults):
         if log_fn is not None and not callable(log_fn):
             raise TypeError(f"{type(self).__name__}(log_fn={log_fn!r}) must be callable as log_fn(metrics, step) or None.")
         self.config = resolve_config(config, kwargs, type(self).__name__)
-        self._session = Session(self.config, self.framework, type(self).__name__, logging.getLogger(type(self).__module__))
+        self._session = Session(self.config, self.framework, self._public_name or type(self).__name__, logging.getLogger(type(self).__module__))
         self._session.attach(log_fn=log_fn)
         self._model_ref = weakref.ref(model) if model is not None else None
         self._handles: list[Any] = []  # the global optimizer hooks
@@ -127,7 +130,7 @@ class Monitor(SessionResults):
         device = self._device_for(device, model, optimizer)
         # what this monitor changes in the process is undone by close(), or by this finalizer when
         # the monitor is dropped without close() (an exception in the loop body): see lifecycle.py
-        self._cleanup = Cleanup(type(self).__name__)
+        self._cleanup = Cleanup(self._public_name or type(self).__name__)
         self._cleanup.add("stop the session", self._session.stop)
         forward_handles = self._forward_handles
         self._cleanup.add("remove its forward hooks", lambda: _remove_all(forward_handles))
@@ -198,6 +201,9 @@ class Monitor(SessionResults):
     # ------------------------------------------------------------------ hooks (never raise)
     @entry_point("forward pre-hook")
     def _forward_pre(self, module: nn.Module, args: Any) -> None:
+        if self._evaluating:
+            self._session.eval_batch()  # one forward of a hooked model is one evaluation batch
+            return
         if self._session.lingering_due:
             self._session.check_lingering(self._batch)
         # without track()/step(), a training forward after an optimizer step starts the next step
@@ -211,7 +217,7 @@ class Monitor(SessionResults):
     @entry_point("forward hook")
     def _forward_post(self, module: nn.Module, args: Any, output: Any) -> None:
         session = self._session
-        if not session.step_open or not session.enabled or not session.detailed_step or not torch.is_grad_enabled():
+        if self._evaluating or not session.step_open or not session.enabled or not session.detailed_step or not torch.is_grad_enabled():
             return
         try:
             tensors = _first_grad_tensors(output)
@@ -372,9 +378,13 @@ class Monitor(SessionResults):
     def evaluate(self, stage: str = "validate") -> Iterator[None]:
         """``with monitor.evaluate(): ...`` — an evaluation loop, recorded apart from training rows."""
         self._session.begin_eval(stage, self._step)
+        hooks, self._evaluating = self._forward_hooks_on, bool(self._hooked_models)
+        self._set_forward_hooks(True)  # its batches are counted at the model's forwards
         try:
             yield
         finally:
+            self._evaluating = False
+            self._set_forward_hooks(hooks)
             self._session.end_eval(log_step=self._step)
 
     @entry_point("record_exception()", unwinding=True)

@@ -47,6 +47,7 @@ class _TrainerMonitor(Monitor):
     """The plain-loop monitor with the model hooks only: the Trainer's events bound steps and the optimizer phase."""
 
     framework = "transformers"
+    _public_name = "MemoryMonitorCallback"  # users never see this class: messages name the callback
 
     def __init__(self, model: nn.Module | None, *, start: dict[str, Any], config: MonitorConfig) -> None:
         self._start_kwargs = start

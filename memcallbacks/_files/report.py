@@ -128,6 +128,14 @@ def format_report(report: dict[str, Any], history: Any = None) -> str:
                      f"{'?' if overhead is None else f'{100 * overhead:.2f}%'} of step time (budget {100 * cadence['overhead_budget']:g}%)")
         extra = [f"{n} {what}" for n, what in ((cadence.get("read_bursts"), "burst(s) of every-step reads after a risen floor"),
                                                (cadence.get("rss_trips"), "read(s) the RSS tripwire asked for")) if n]
+        after = cadence.get("overhead_after_start")
+        if after is not None:
+            extra.append(f"own time {100 * after:.2f}% from step {cadence['dense_read_steps']} on")
+        if cadence.get("backoffs"):
+            parts = sorted({b["part"] for b in cadence["backoffs"]})
+            extra.append(f"{len(cadence['backoffs'])} back-off(s) to keep the budget ({', '.join(parts)})")
+        if cadence.get("finding_time_s"):
+            extra.append(f"{cadence['finding_time_s']:.2f} s naming holders for findings")
         if extra:
             lines.append(f"                             {'; '.join(extra)}")
     lines.append(f"  findings                   {len(findings) or 'none'}")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import time
 from typing import Any, Callable
 
 from memcallbacks._base.config import MonitorConfig
@@ -22,7 +23,7 @@ from memcallbacks.leaks.cycles import GarbageCollector
 from memcallbacks.leaks.garbage import cyclic_garbage_note
 from memcallbacks.leaks.gc_watch import CollectionWatch
 from memcallbacks.leaks.growth import GrowthDetector
-from memcallbacks.leaks.holders import find_holders
+from memcallbacks.leaks.holders import find_holders, group_paths
 from memcallbacks.leaks.lingering import LingeringDetector, find_graph_root
 from memcallbacks.leaks.tensors import describe_tensor, graph_bytes
 
@@ -46,10 +47,14 @@ class LeakWatch:
         *,
         charge: Callable[[float], None] | None = None,
         wake: Callable[[], None] | None = None,
+        ledger: Any = None,
     ) -> None:
         """``charge``: told the seconds the garbage-collection callback spends reading memory;
-        ``wake``: called when a large automatic collection makes the next step inspect the garbage."""
+        ``wake``: called when a large automatic collection makes the next step inspect the garbage;
+        ``ledger``: told the seconds of each lingering check and of each census and holder search
+        (:class:`memcallbacks._runtime.cadence.Ledger`), so that the budget sees every part."""
         self.config = config
+        self.ledger = ledger
         self._ignore = ignore  # our own objects, never reported as holders
         self.lingering = (
             LingeringDetector(min_bytes=config.lingering_min_bytes) if config.detect_leaks else None
@@ -83,6 +88,9 @@ class LeakWatch:
         self._growth_census: Census | None = None
         self._growth_census_due: int | None = None  # the step from which census B is taken
         self._growth_finding: Finding | None = None
+        self._last_scan: tuple[int, float] | None = None  # (step, seconds) of the last check that scanned the heap
+        self._census_s = 0.0  # the last census's time
+        self._growth_census_cost = 0.0  # census A's time
         self.model: Any = None
         self.optimizer: Any = None
 
@@ -102,6 +110,25 @@ class LeakWatch:
     def check_lingering(self, step: int, batch: Any) -> list[Finding]:
         if self.lingering is None:
             return []
+        ledger = self.ledger
+        if ledger is None or not self.lingering.pending:
+            return self._check_lingering(step, batch)
+        t0, f0 = time.perf_counter(), ledger.finding_s
+        scans = self.lingering.heap_scans
+        # a heap scan (a graph root no variable reaches) is taken when the budget has paid for the last one
+        last = self._last_scan
+        self.lingering.heap_allowed = last is None or ledger.affords(last[1], step - last[0])
+        try:
+            return self._check_lingering(step, batch)
+        finally:
+            spent = time.perf_counter() - t0 - (ledger.finding_s - f0)
+            if self.lingering.heap_scans > scans:
+                ledger.heap_scans += self.lingering.heap_scans - scans
+                self._last_scan = (step, spent)
+            ledger.lingering(spent)
+
+    def _check_lingering(self, step: int, batch: Any) -> list[Finding]:
+        assert self.lingering is not None
         found = []
         finding = self.lingering.check(step, current_batch=batch)
         if finding is not None:
@@ -111,7 +138,12 @@ class LeakWatch:
             found.append(finding)
         chain = self.lingering.chains.check(step)
         if chain is not None:
-            finding = self._chain(step, chain)
+            t0 = time.perf_counter()
+            try:
+                finding = self._chain(step, chain)
+            finally:
+                if self.ledger is not None:
+                    self.ledger.finding(time.perf_counter() - t0)
             if finding is not None:
                 found.append(finding)
         return found
@@ -126,12 +158,21 @@ class LeakWatch:
         nbytes = 0
         if root is not None:
             nbytes = graph_bytes(root)
-            search = find_holders([root], time_budget_s=self.config.census_time_budget_s, ignore=self._ignore)
+            search = self._find_holders([root])
             holders = [f"{p.path} -> autograd graphs of steps {steps[0]}..{steps[-1]} and on" for p in search.paths[:2]]
             if not holders and self._garbage_note([root]) is not None:
                 return None  # graphs waiting in cyclic garbage, not a chain: the collection watch reports cycles
             del root
         return chain_finding(step, steps, nbytes, holders)
+
+    def _find_holders(self, targets: list[Any]) -> Any:
+        """:func:`find_holders` with the monitor's own objects ignored, its time told to the ledger."""
+        t0 = time.perf_counter()
+        try:
+            return find_holders(targets, time_budget_s=self.config.census_time_budget_s, ignore=self._ignore)
+        finally:
+            if self.ledger is not None:
+                self.ledger.finding(time.perf_counter() - t0)
 
     def _garbage_note(self, targets: list[Any]) -> Any:
         if self.collections is not None:
@@ -215,6 +256,7 @@ class LeakWatch:
         if first:
             # census A now; census B some steps later tells what grew, by holder
             self._growth_census = self._census(batch)
+            self._growth_census_cost = self._census_s
             self._growth_census_due = step + GROWTH_CENSUS_GAP
         elif due is not None and step >= due:
             return self._name_growth(step, batch)
@@ -238,7 +280,8 @@ class LeakWatch:
             return [finding]
         deltas = [d for d in after.diff(before) if d.bytes > 0]
         finding.holders = [str(d) for d in deltas[:5]]
-        finding.details["census_cost_s"] = round(before.seconds + after.seconds, 3)
+        # the two censuses' time as the budget counted it (summary.cadence.finding_time_s), not only their scans
+        finding.details["census_cost_s"] = round(self._growth_census_cost + self._census_s, 3)
         if not sighting:
             finding = copy.copy(finding)
             finding.count = 0  # FindingLog.add: merge the holders, leave the count alone
@@ -262,7 +305,7 @@ class LeakWatch:
             tail = ", ".join(f"leaf tensor {describe_tensor(t)}" for t in leaves[:3]) or "its saved tensors"
             if any(t.grad is not None for t in leaves[:3]):
                 tail += " (and its .grad)"
-            search = find_holders([root], time_budget_s=self.config.census_time_budget_s, ignore=self._ignore)
+            search = self._find_holders([root])
             holders += [f"{p.path} -> autograd graph -> {tail}" for p in search.paths[:2]]
             del root
         return holders + self.holders_of(targets)[: max(0, 5 - len(holders))]
@@ -270,16 +313,26 @@ class LeakWatch:
     def holders_of(self, tensors: list[Any]) -> list[str]:
         if not tensors:
             return []
-        search = find_holders(tensors, time_budget_s=self.config.census_time_budget_s, ignore=self._ignore)
-        return [str(p) for p in search.paths[:5]]
+        search = self._find_holders(tensors)
+        paths = search.paths
+        total = sum(p.nbytes for p in paths)
+        # a holder of under 1/256 of what was found (a kept output's 4-byte loss next to its logits) is noise
+        paths = [p for p in paths if p.nbytes * 256 >= total] or paths[:1]
+        return group_paths(paths)[:5]
 
     def _census(self, batch: Any) -> Census | None:
         """:meth:`census` for the detectors' own use: a failure only costs the holders."""
+        t0 = time.perf_counter()
         try:
-            return self.census(batch)
+            census = self.census(batch)
         except Exception:
             log.debug("census failed", exc_info=True)
             return None
+        finally:
+            self._census_s = time.perf_counter() - t0
+            if self.ledger is not None:
+                self.ledger.finding(self._census_s)
+        return census
 
     def census(self, batch: Any = None) -> Census:
         """A census now (for ``explain()``)."""

@@ -110,9 +110,11 @@ class StepPlan:
         return state
 
     # ------------------------------------------------------------------ set-up
-    def configure(self, *, log_every: int, logs: bool, log_first_step: bool) -> None:
-        """A new run: a fresh cadence at the run's logging interval, nothing quiet yet."""
-        self.cadence = Cadence(self.config)
+    def configure(self, *, log_every: int, logs: bool, log_first_step: bool, keep: bool = False) -> None:
+        """A new run: a fresh cadence at the run's logging interval, nothing quiet yet. ``keep``: a
+        later stage of the same run (fit, then test) keeps the training cadence and its measurements."""
+        if not keep:
+            self.cadence = Cadence(self.config)
         self.cadence.configure(log_every=log_every, logs=logs, log_first_step=log_first_step)
         self.quiet_until = 0
 

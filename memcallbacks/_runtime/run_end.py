@@ -104,7 +104,7 @@ class RunEnd:
         if self.host is not None:
             for finding in self.host.finish():  # a host growth still waiting for its second census
                 self.add_finding(finding)
-        self.cadence.finding_s += time.perf_counter() - t0
+        self.cadence.charge_other(time.perf_counter() - t0, "findings")
 
     def finish(self, *, gather: bool) -> dict[str, str]:
         """Close any open step and write this rank's files. ``gather`` (a collective: every rank must

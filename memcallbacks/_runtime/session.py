@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from memcallbacks._base.config import MonitorConfig
-from memcallbacks._runtime.cadence import LINGERING_EVERY_STEP_UNTIL, MARK_EVERY_SAMPLES, Cadence
+from memcallbacks._runtime.cadence import LINGERING_EVERY_STEP_UNTIL, Cadence
 from memcallbacks._base.columns import E_STAGE, MONITOR_TIME_S, OPTIMIZER, PEAK_RESERVED
 from memcallbacks._runtime.extras import extra_metrics
 from memcallbacks._runtime.finding_sink import FindingSink
@@ -179,11 +179,13 @@ class Session(RunEnd):
             return
         self._lingering_due = False
         if self.watch is not None and self.engine.enabled:
+            t0 = time.perf_counter()
             try:
                 for finding in self.watch.check_lingering(self.current_step, batch):
                     self.add_finding(finding)
             except Exception as exc:
                 self.engine.fail(exc, "lingering check")
+            self.cadence.charge_other(time.perf_counter() - t0, "lingering")  # outside the step's timed parts
 
     def set_training_objects(
         self, model: Any, optimizer: Any, *, precision: str | None = None, strategy: str | None = None, world_size: int | None = None
@@ -245,7 +247,8 @@ class Session(RunEnd):
         self.live = True
         # the plan first: even a monitor whose start fails below must agree with the other ranks on logged steps
         log_every = config.log_every_n_steps or max(int(framework_log_every or 50), 1)
-        self.plan.configure(log_every=log_every, logs=logs, log_first_step=log_first_step)
+        # a later stage of the same run (fit, then test) keeps the training cadence
+        self.plan.configure(log_every=log_every, logs=logs, log_first_step=log_first_step, keep=self.engine.seen_steps > 0)
         try:
             self._start_parts(device, rank, world_size)
         except Exception as exc:  # backend selection, the first reads, the leak watch: never fatal
@@ -257,7 +260,9 @@ class Session(RunEnd):
         if self.watch is not None:
             self.watch.stop()
         self.plan.arm(self.engine.backend)
-        self.watch = LeakWatch(config, self._allocated_now, ignore=[self], charge=self.cadence.charge_other, wake=self.plan.wake)
+        self.cadence.announce = (self.log, self.owner) if self.engine.rank == 0 else None  # the budget's back-off, said once
+        self.watch = LeakWatch(config, self._allocated_now, ignore=[self], charge=self.cadence.charge_other, wake=self.plan.wake,
+                               ledger=self.cadence.ledger)
         self.watch.start()
         if self.host is not None:
             self.host.close()
@@ -296,12 +301,18 @@ class Session(RunEnd):
     def detailed_step(self) -> bool:
         """True when the open step is sampled or lingering references are checked after it:
         adapters skip their per-step extras (output hooks, loss capture) otherwise."""
-        return self.engine.sampling or self._marks
+        return self.engine.sampling or self._marks or self.lingering_wants_mark
 
     @property
     def lingering_due(self) -> bool:
         """A step opened with ``defer_lingering=True`` still owes its lingering check."""
         return self._lingering_due
+
+    @property
+    def lingering_wants_mark(self) -> bool:
+        """The last lingering check could not tell yet: the open step leaves marks for the next one."""
+        lingering = self.watch.lingering if self.watch is not None else None
+        return lingering is not None and lingering.wants_mark
 
     @property
     def lingering_pending(self) -> bool:
@@ -429,7 +440,7 @@ class Session(RunEnd):
         """A sampled step: the watch, then the baseline (which is also the watch's read), then the theory check."""
         engine, watch = self.engine, self.watch
         self._fast_s = None
-        self._marks = self._marks or self._samples_unmarked + 1 >= MARK_EVERY_SAMPLES
+        self._marks = self._marks or self._samples_unmarked + 1 >= self.cadence.mark_every
         t0 = time.perf_counter()
         found = watch.before_baseline(step, batch, lingering=not defer_lingering) if watch is not None else []
         check_state = self.state.wanted and engine.optimizer_steps_total > 0
@@ -468,7 +479,7 @@ class Session(RunEnd):
             return []
         census_s = host.census_seconds
         found = host.on_read(step)
-        self.cadence.finding_s += host.census_seconds - census_s
+        self.cadence.ledger.finding(host.census_seconds - census_s)  # split out of the step's charge, as the watch's censuses
         return found
 
     def count_quiet(self, steps: int) -> None:
@@ -514,9 +525,9 @@ class Session(RunEnd):
             return None
         engine = self.engine
         row = None
-        t_end = time.perf_counter()
         if self._lingering_due:
-            self.check_lingering(batch)
+            self.check_lingering(batch)  # charged on its own (charge_other), so timed before t_end
+        t_end = time.perf_counter()
         if engine.enabled:
             try:
                 row = self._close_row(closing, t_end, batch, loss, outputs)
@@ -538,9 +549,9 @@ class Session(RunEnd):
         sampled = engine.sampling
         row = engine.end_step(closing)
         # lingering references: every step at first (leaky loops leak from step 1), then after every
-        # MARK_EVERY_SAMPLES-th sampled step (weak references and graph marks, ~2-45 µs, and a check
+        # cadence.mark_every-th sampled step (weak references and graph marks, ~2-45 µs, and a check
         # at the next step start, which then is not quiet)
-        if self.watch is not None and self._marks:
+        if self.watch is not None and (self._marks or self.lingering_wants_mark):
             t0 = time.perf_counter()
             self.watch.end_step(self.current_step, batch, loss, outputs)
             if row is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 import warnings
 from dataclasses import dataclass
@@ -16,7 +17,11 @@ from memcallbacks.leaks.roots import Roots
 from memcallbacks.leaks.search import ReferenceSearch
 from memcallbacks.leaks.tensors import describe_tensor
 
-__all__ = ["HolderPath", "HolderSearch", "find_holders", "search_paths"]
+__all__ = ["HolderPath", "HolderSearch", "find_holders", "group_paths", "search_paths"]
+
+# a path that ends in sequence indices (``outputs['past_key_values'][1][0]``), before an optional
+# "(file:line)" of a frame local
+_INDEXED = re.compile(r"^(?P<head>.*?)(?P<index>(?:\[\d+\])+)(?P<where> \([^()]*\))?$")
 
 
 @dataclass
@@ -34,6 +39,35 @@ class HolderPath:
 
     def __str__(self) -> str:
         return f"{self.path} ({format_bytes(self.nbytes)})"
+
+
+def group_paths(paths: list[HolderPath]) -> list[str]:
+    """One line per holder: paths into one container that differ only in their trailing sequence
+    indices (a kept output's KV cache, ``outputs['past_key_values'][i][j]``; ``self.cache[17]``) make
+    one line, ``outputs['past_key_values'][...] (4 tensors, 4.0 MiB)``, where the first of them was.
+    Paths through an autograd graph stay as they are."""
+    groups: dict[str, list[HolderPath]] = {}
+    order: list[tuple[str, HolderPath | None]] = []
+    for p in paths:
+        m = None if p.via_graph or " -> " in p.path else _INDEXED.match(p.path)
+        if m is None:
+            order.append(("", p))
+            continue
+        key = m.group("head") + "[...]" + (m.group("where") or "")
+        if key not in groups:
+            groups[key] = []
+            order.append((key, None))
+        groups[key].append(p)
+    lines = []
+    for key, p in order:
+        if p is not None:
+            lines.append(str(p))
+        elif len(groups[key]) == 1:
+            lines.append(str(groups[key][0]))
+        else:
+            members = groups[key]
+            lines.append(f"{key} ({len(members)} tensors, {format_bytes(sum(m.nbytes for m in members))})")
+    return lines
 
 
 @dataclass

@@ -15,7 +15,7 @@ from memcallbacks._base.units import MiB, format_bytes
 from memcallbacks.leaks.chains import GraphChains
 from memcallbacks.leaks.marks import METADATA_KEY, find_graph_root
 from memcallbacks.leaks.kept import OutputRef, alive_outputs, output_refs, storage_tensor
-from memcallbacks.leaks.tensors import graph_tensors, is_parameter, iter_tensors
+from memcallbacks.leaks.tensors import graph_freed, graph_tensors, is_parameter, iter_tensors
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +60,12 @@ class LingeringDetector:
     A finding needs at least ``min_bytes`` and is reported once per cause. A cause below
     ``min_bytes`` (e.g. a loop variable ``loss`` whose graph, after ``backward()``, holds only
     parameters) is re-measured with exponential back-off (2, 4, ... steps) until the back-off passes
-    ``max_backoff_steps``; then that situation is not measured again in the run, which bounds the
-    cost of the heap scan that finding a graph's root may need (~0.1-0.5 s on a big heap).
+    ``max_backoff_steps``; then that situation is not measured again in the run. A check that cannot
+    tell yet (outputs alive, none of two steps ago to compare) asks for marks at the next step
+    (:attr:`wants_mark`) and is not backed off: the next check tells. Finding a graph's root looks at
+    the variables of every frame and ``__main__`` first (a loop's ``loss = loss / k``); only when
+    they do not reach the mark is the heap scanned (~0.1-0.5 s on a big heap, counted in
+    :attr:`heap_scans`; the session's budget widens the interval between checks when they cost).
     """
 
     def __init__(self, *, min_bytes: int = 1 * MiB, max_tensors: int = 256, max_backoff_steps: int = 64) -> None:
@@ -92,6 +96,13 @@ class LingeringDetector:
         self._reported: set[str] = set()
         self._next_measure: dict[str, int] = {}
         self._backoff: dict[str, int] = {}
+        self.heap_scans = 0  # checks whose graph root was only found by scanning the heap
+        self.heap_scans_skipped = 0  # checks that needed a heap scan the budget had not paid for yet
+        self.heap_allowed = True  # set by the caller before each check (LeakWatch: the budget)
+        self._root_unknown = False
+        self.wants_mark = False
+        """A check could not tell yet (outputs alive, no outputs of two steps before to compare): the
+        step that follows should leave marks too, so that the next check can tell."""
         self.occurrences: dict[str, int] = {}
         """How many step starts saw something alive, by situation (``"seen:batch+graph"``,
         ``"seen:graph"``, ...); ``"retained:batch"`` counts measured steps whose previous batch
@@ -102,6 +113,7 @@ class LingeringDetector:
 
         ``outputs``: the step's model outputs (tensors or containers of them); their storages are
         watched (a kept ``logits``) and their graphs marked like the loss's (a running sum of them)."""
+        self.wants_mark = False
         self._batch_refs = self._batch_weakrefs(batch)
         self._from_step = step
         self._loss_ref = None
@@ -244,6 +256,13 @@ class LingeringDetector:
             output_keys.add((st.device, st.data_ptr()))
             held[(st.device, st.data_ptr())] = int(st.nbytes())
         self._root_ref = None
+        self._root_unknown = False
+        if too_early and graph and not self._graph_root_cheap(sentinel):
+            # what the graph holds is measured at the next check, which can tell: a heap scan for its
+            # root now would be spent on a check that cannot conclude
+            self.wants_mark = True
+            self.occurrences["too_early"] = self.occurrences.get("too_early", 0) + 1
+            return None
         graph_seen = graph
         if graph:
             # After backward a kept loss's graph holds only parameters: alive, but not a cause.
@@ -254,6 +273,7 @@ class LingeringDetector:
             graph = graph_held or (root_held and not batch and not outputs)
             if not graph:
                 self._root_ref = None  # the holders then name what lingers, not the graph
+                del targets[:]  # nor the graph's tensors (the loop's current `loss`): noise under the right holder
         key = "lingering:" + "+".join(k for k, v in (("batch", batch), ("graph", graph), ("outputs", outputs)) if v)
         if key in self._reported or not (batch or graph_seen or outputs):
             return None
@@ -265,7 +285,15 @@ class LingeringDetector:
         output_bytes = sum(n for k, n in held.items() if k in output_keys and k not in batch_keys)
         total = sum(held.values())
         if total < self.min_bytes or total == 0:
-            if not too_early:  # measure again next step, when the outputs of two steps ago are known
+            if self._root_unknown:
+                return None  # the graph was not measured (no heap scan yet): neither harmless nor a finding
+            if too_early:
+                # measure again at the next check, once the outputs of two steps ago are known: the
+                # step that follows leaves marks too (after the first steps, marks are sparse and the
+                # check before this one saw none, so without them every check would be too early)
+                self.wants_mark = True
+                self.occurrences["too_early"] = self.occurrences.get("too_early", 0) + 1
+            else:
                 self._back_off(seen_key, step)
             return None
         self._reported.add(key)
@@ -288,8 +316,9 @@ class LingeringDetector:
             if not is_parameter(root):
                 _add_storages(root, added, targets)
                 root_keys = {k for k in added if k not in outputs}
-            for t, _how in graph_tensors([root]):
-                if is_parameter(t):
+            # after backward() every saved tensor is released (each read would raise): leaves only
+            for t, _how in graph_tensors([root], saved=not graph_freed(root)):
+                if is_parameter(t) or is_parameter(t._base):  # a parameter, or a view of one a node saved (weight.t())
                     continue
                 _add_storages(t, added, targets)
                 try:
@@ -382,8 +411,22 @@ class LingeringDetector:
         if loss is not None:
             return loss
         # The user kept another tensor of the graph: the loss before the framework divided it,
-        # or (plain loops, where the monitor marks the model's output) the loss computed from it.
-        return find_graph_root(sentinel)
+        # or (plain loops, where the monitor marks the model's output) the loss computed from it
+        # (`loss = loss / k`): the variables first, the heap only when they do not reach the mark.
+        root = find_graph_root(sentinel, heap=False)
+        if root is None:
+            if not self.heap_allowed:
+                self.heap_scans_skipped += 1
+                self._root_unknown = True
+                return None
+            self.heap_scans += 1
+            root = find_graph_root(sentinel)
+        return root
+
+    def _graph_root_cheap(self, sentinel: _Sentinel) -> bool:
+        """Whether the marked graph's root is at hand without a heap scan."""
+        loss = self._loss_ref() if self._loss_ref is not None else None
+        return loss is not None or find_graph_root(sentinel, heap=False) is not None
 
     def graph_root(self) -> torch.Tensor | None:
         """The live tensor through which the last finding's graph is held (e.g. the user's loss), if any."""

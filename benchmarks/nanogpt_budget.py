@@ -1,0 +1,199 @@
+"""The overhead budget on a nanoGPT-style loop: bare wall time against a monitored run, and what the
+monitor says it cost.
+
+The loop is modelled on nanoGPT's ``train.py`` (not copied): a small GPT-like model whose forward
+returns ``(logits, loss)``, gradient accumulation with ``loss = loss / k`` (which rebinds ``loss``,
+so the model's own loss tensor dies while its graph lives on through the divided one), the next
+batch fetched between forward and backward, and ``logits`` left alive until the next forward.
+A plain :class:`memcallbacks.Monitor` watches it at default settings, wired as a nanoGPT user would
+(two lines: construct with the model and optimizer, ``close()`` at the end).
+
+Usage::
+
+    python benchmarks/nanogpt_budget.py                 # 5 alternating pairs of 300 steps
+    python benchmarks/nanogpt_budget.py --quick         # 2 pairs of 120 steps
+    python benchmarks/nanogpt_budget.py --json out.json
+
+Each pair runs the bare loop and the monitored loop (in alternating order) in this process; the
+ratio is taken on the minima over pairs, and next to it the monitor's own ``overhead`` (own time over
+step time, report.json's ``summary.cadence.overhead``) and its budget. Results: docs/benchmarks.md,
+"nanoGPT-style loop: the budget".
+
+The tests import :func:`train` from here (``tests/test_budget_promise.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+class Block(nn.Module):
+    def __init__(self, n_embd: int, n_head: int, block_size: int) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(n_embd)
+        self.attn = nn.Linear(n_embd, 3 * n_embd)
+        self.proj = nn.Linear(n_embd, n_embd)
+        self.ln_2 = nn.LayerNorm(n_embd)
+        self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.GELU(), nn.Linear(4 * n_embd, n_embd))
+        self.n_head = n_head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.attn(self.ln_1(x)).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).contiguous().view(b, t, c))
+        return x + self.mlp(self.ln_2(x))
+
+
+class TinyGPT(nn.Module):
+    """A GPT-like model (token and position embeddings, pre-norm blocks, tied head) returning ``(logits, loss)``."""
+
+    def __init__(self, vocab_size: int = 65, block_size: int = 32, n_layer: int = 2, n_head: int = 2, n_embd: int = 64) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(vocab_size, n_embd)
+        self.wpe = nn.Embedding(block_size, n_embd)
+        self.blocks = nn.ModuleList(Block(n_embd, n_head, block_size) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(n_embd)
+        self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        t = idx.shape[1]
+        x = self.wte(idx) + self.wpe(torch.arange(t, device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        loss = None if targets is None else F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+        return logits, loss
+
+
+def make_data(n_tokens: int = 20_000, vocab_size: int = 65, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(vocab_size, (n_tokens,), generator=g)
+
+
+def get_batch(data: torch.Tensor, batch_size: int, block_size: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    ix = torch.randint(len(data) - block_size - 1, (batch_size,), generator=g)
+    x = torch.stack([data[i : i + block_size] for i in ix.tolist()])
+    y = torch.stack([data[i + 1 : i + 1 + block_size] for i in ix.tolist()])
+    return x, y
+
+
+def train(
+    steps: int,
+    *,
+    monitored: bool,
+    accumulation: int = 4,
+    batch_size: int = 8,
+    block_size: int = 32,
+    output_dir: str | None = None,
+    monitor_kwargs: dict[str, Any] | None = None,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Run ``steps`` optimizer steps of the nanoGPT-style loop; the wall time of the steps, and the
+    monitor's cadence summary (report.json's ``summary.cadence``) when ``monitored``."""
+    torch.manual_seed(seed)
+    g = torch.Generator().manual_seed(seed)
+    data = make_data(seed=seed)
+    model = TinyGPT(block_size=block_size)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    monitor = None
+    if monitored:
+        from memcallbacks import Monitor
+
+        monitor = Monitor(model, optimizer, output_dir=output_dir, **(monitor_kwargs or {}))
+    X, Y = get_batch(data, batch_size, block_size, g)
+    c0 = time.process_time()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        for _micro in range(accumulation):
+            logits, loss = model(X, Y)
+            loss = loss / accumulation  # rebinds `loss`: the model's own loss tensor dies, its graph lives on
+            X, Y = get_batch(data, batch_size, block_size, g)
+            loss.backward()
+        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        lossf = loss.item() * accumulation  # noqa: F841 (nanoGPT logs it)
+    wall = time.perf_counter() - t0
+    cpu = time.process_time() - c0
+    result: dict[str, Any] = {"wall_s": wall, "cpu_s": cpu, "steps": steps}
+    if monitor is not None:
+        monitor.close()
+        report = monitor.report()
+        result["cadence"] = report["summary"]["cadence"]
+        result["findings"] = [f["kind"] for f in report["findings"]]
+        result["monitor"] = monitor
+    del logits, loss
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--pairs", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--quick", action="store_true", help="2 pairs of 120 steps")
+    parser.add_argument("--heap-objects", type=int, default=300_000,
+                        help="extra small objects kept alive, as a real script's heap (nanoGPT's: imports, data, tokenizer)")
+    parser.add_argument("--json", help="also write every run's numbers here")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.steps, args.pairs = 120, 2
+    torch.set_num_threads(args.threads)
+    heap = [(i, str(i)) for i in range(args.heap_objects)]  # noqa: F841 (kept alive: a big heap makes heap scans cost what they cost in real scripts)
+    runs: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        train(20, monitored=False)  # warm-up
+        for pair in range(args.pairs):
+            order = (False, True) if pair % 2 == 0 else (True, False)
+            for monitored in order:
+                gc.collect()
+                r = train(args.steps, monitored=monitored, output_dir=os.path.join(tmp, f"run{pair}"))
+                r.pop("monitor", None)
+                r["monitored"] = monitored
+                runs.append(r)
+                own = r.get("cadence", {}).get("overhead")
+                print(f"pair {pair}: {'monitored' if monitored else 'bare     '} {r['wall_s']:.3f} s wall, {r['cpu_s']:.3f} s CPU"
+                      + (f"  own time {100 * own:.2f}%" if own is not None else ""), flush=True)
+    mon = [r for r in runs if r["monitored"]]
+    ratios = {}
+    for clock in ("wall_s", "cpu_s"):  # CPU time: what a busy shared machine's preemption does not inflate
+        bare = min(r[clock] for r in runs if not r["monitored"])
+        best = min(r[clock] for r in mon)
+        ratios[clock] = best / bare
+        print(f"\n{clock[:-2]:>4}: bare {bare:.3f} s, monitored {best:.3f} s: ratio {ratios[clock]:.4f} (minima of {args.pairs} pairs of {args.steps} steps)", end="")
+    print()
+    owns = [r["cadence"]["overhead"] for r in mon if r["cadence"].get("overhead") is not None]
+    afters = [r["cadence"]["overhead_after_start"] for r in mon if r["cadence"].get("overhead_after_start") is not None]
+    c = min(mon, key=lambda r: r["cpu_s"])["cadence"]
+    print(f"own time reported: {', '.join(f'{100 * o:.2f}%' for o in owns)}; from step 48 on: "
+          f"{', '.join(f'{100 * o:.2f}%' for o in afters)} (budget {100 * c['overhead_budget']:g}%)")
+    print(f"cadence of the cheapest monitored run: read every {c['read_every_n_steps']}, sample every {c['sample_every_n_steps']}, "
+          f"lingering marks every {c.get('lingering_every_n_samples')} samples ({c.get('lingering_checks')} checks, "
+          f"{c.get('lingering_heap_scans')} heap scans), back-offs {c.get('backoffs')}, own time by part {c.get('own_time_by_part_s')}")
+    ratio = ratios["cpu_s"]
+    ok = bool(owns) and max(owns) <= c["overhead_budget"] and ratio - 1 <= max(owns) + c["overhead_budget"]
+    print(f"agreement: CPU-time excess {100 * (ratio - 1):.2f}% (wall {100 * (ratios['wall_s'] - 1):.2f}%) vs own time "
+          f"{100 * max(owns):.2f}% -> {'ok' if ok else 'NOT ok'}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"runs": runs, "ratios": ratios}, f, indent=1, default=str)
+    return 0 if ok and all(not math.isnan(o) for o in owns) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,32 @@
+"""After Lightning's ``fit()`` then ``test()`` (the pattern of Lightning's own examples), the report keeps
+the training run's cadence: own time, overhead and the sampling interval the budget chose."""
+
+from __future__ import annotations
+
+import json
+
+import lightning.pytorch as L
+
+from helpers import BoringModel, RandomDataModule, trainer_kwargs
+from memcallbacks import MemoryMonitor
+
+
+def test_fit_then_test_keeps_the_cadence_section(tmp_path):
+    monitor = MemoryMonitor(output_dir=str(tmp_path / "mem"), plot=False)
+    model, data = BoringModel(), RandomDataModule()
+    trainer = L.Trainer(callbacks=[monitor], **trainer_kwargs(tmp_path, max_steps=70))
+    trainer.fit(model, datamodule=data)
+    after_fit = json.loads((tmp_path / "mem" / "report.json").read_text())["summary"]["cadence"]
+    assert after_fit["overhead"] is not None and after_fit["step_time_median_s"] is not None
+    trainer.test(model, datamodule=data)
+    report = json.loads((tmp_path / "mem" / "report.json").read_text())
+    cadence = report["summary"]["cadence"]
+    # before the fix: overhead None, sample_every_n_steps 1, "own time ?" (a fresh cadence for test())
+    # the training run's numbers; the monitor's work during test() (the collection watch) adds to its own time
+    assert cadence["overhead"] is not None and cadence["overhead"] >= after_fit["overhead"], (cadence, after_fit)
+    assert cadence["step_time_median_s"] == after_fit["step_time_median_s"]
+    assert cadence["sample_every_n_steps"] == after_fit["sample_every_n_steps"] > 1, (cadence, after_fit)
+    assert cadence["read_every_n_steps"] == after_fit["read_every_n_steps"]
+    text = monitor.format_report()
+    assert "own time ?" not in text and "own time " in text, text
+    assert "test" in set(monitor.eval_history["stage"]), monitor.eval_history
