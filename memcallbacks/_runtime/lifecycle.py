@@ -23,19 +23,87 @@ from memcallbacks._runtime.guard import OutputDirError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["weak_method", "Cleanup", "claim_folder", "release_folder"]
+__all__ = ["weak_method", "WeakHook", "InertHook", "Cleanup", "claim_folder", "release_folder"]
 
 
-def weak_method(method: Any) -> Callable[..., Any]:
-    """A plain function calling ``method`` (a bound method) while its object lives, else doing nothing."""
-    ref = weakref.WeakMethod(method)
+def weak_method(method: Any) -> "WeakHook":
+    """A callable calling ``method`` (a bound method) while its object lives, else doing nothing.
 
-    def call(*args: Any, **kwargs: Any) -> Any:
-        bound = ref()
-        return bound(*args, **kwargs) if bound is not None else None
+    The hooks the monitor registers on the user's objects (the model's forward hooks, output
+    tensors' hooks) are these, so that the objects can still be pickled, ``torch.save``d and
+    deep-copied (``copy.deepcopy``, ``AveragedModel``): a copy gets an inert hook (:class:`InertHook`)
+    that carries no monitor, does nothing, and takes itself off a module at that module's first
+    forward, so the copy is not watched and does not stay on torch's slower hooked call path."""
+    return WeakHook(method)
 
-    call.__name__ = getattr(method, "__name__", "hook")
-    return call
+
+class WeakHook:
+    """A module-level callable (a local function cannot be pickled) holding a bound method weakly."""
+
+    __slots__ = ("_ref", "__name__", "__weakref__")
+
+    def __init__(self, method: Any) -> None:
+        self._ref = weakref.WeakMethod(method)
+        self.__name__ = getattr(method, "__name__", "hook")
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        bound = self._ref()
+        if bound is not None:
+            return bound(*args, **kwargs)
+        _unhook(self, args)  # the monitor is gone: take this hook off the module it was called for
+        return None
+
+    # A copy of the user's object must not carry (nor revive) the monitor: pickling, torch.save and
+    # copy.deepcopy all produce an inert hook. copy.copy shares the hook dicts, so it needs nothing.
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return (InertHook, (self.__name__,))
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "InertHook":
+        return InertHook(self.__name__)
+
+    def __repr__(self) -> str:
+        return f"<memcallbacks hook {self.__name__} ({'live' if self._ref() is not None else 'inert'})>"
+
+
+class InertHook:
+    """What a copied or unpickled monitor hook becomes: does nothing and removes itself when called."""
+
+    __slots__ = ("__name__",)
+
+    def __init__(self, name: str = "hook") -> None:
+        self.__name__ = name
+
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        _unhook(self, args)
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return (InertHook, (self.__name__,))
+
+    def __repr__(self) -> str:
+        return f"<memcallbacks hook {self.__name__} (inert)>"
+
+
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs",
+               "_forward_hooks_always_called")
+
+
+def _unhook(hook: Any, args: tuple[Any, ...]) -> None:
+    """Remove ``hook`` from the module it was called for (a forward hook's first argument). torch
+    iterates over a tuple of the hooks, so removing one while they run is safe."""
+    module = args[0] if args else None
+    hooks = getattr(module, "__dict__", {}).get("_forward_pre_hooks")
+    if hooks is None:
+        return  # not a module hook (a tensor's hook, called once)
+    try:
+        ids = [k for name in ("_forward_pre_hooks", "_forward_hooks") for k, v in list(module.__dict__[name].items())
+               if v is hook]
+        for name in _HOOK_DICTS:
+            table = module.__dict__.get(name)
+            if table is not None:
+                for k in ids:
+                    table.pop(k, None)
+    except Exception:  # pragma: no cover - torch's hook tables changed shape; the hook stays a no-op
+        log.debug("could not remove an inert memcallbacks hook", exc_info=True)
 
 
 class Cleanup:
