@@ -19,6 +19,8 @@ import threading
 import weakref
 from typing import Any, Callable
 
+import torch
+
 from memcallbacks._runtime.guard import OutputDirError
 
 log = logging.getLogger(__name__)
@@ -53,6 +55,10 @@ class WeakHook:
         _unhook(self, args)  # the monitor is gone: take this hook off the module it was called for
         return None
 
+    # torch.compile runs module hooks inside the traced frame: the monitor's must run eagerly (it
+    # reads the clock, allocator counters and autograd graphs), as a graph break around the hook
+    __call__ = torch.compiler.disable(__call__)
+
     # A copy of the user's object must not carry (nor revive) the monitor: pickling, torch.save and
     # copy.deepcopy all produce an inert hook. copy.copy shares the hook dicts, so it needs nothing.
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
@@ -75,6 +81,8 @@ class InertHook:
 
     def __call__(self, *args: Any, **kwargs: Any) -> None:
         _unhook(self, args)
+
+    __call__ = torch.compiler.disable(__call__)
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         return (InertHook, (self.__name__,))
