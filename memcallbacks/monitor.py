@@ -10,6 +10,7 @@ global optimizer-step hooks bound the optimizer step. ``track(iterable)``, ``ste
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import weakref
 from typing import Any, Iterable, Iterator
@@ -18,6 +19,7 @@ import torch
 from torch import nn
 
 from memcallbacks._config import MonitorConfig, resolve_config
+from memcallbacks._runtime.device_check import unusable_device
 from memcallbacks._runtime.guard import entry_point
 from memcallbacks._runtime.lifecycle import Cleanup, weak_method
 from memcallbacks._runtime.preflight_check import fake_step_running
@@ -124,6 +126,8 @@ class Monitor(SessionResults):
         self._weak_backward_start = weak_method(self._backward_start)
         self._explicit = False  # track() or step() marks boundaries; the forward hook then leaves steps alone
         self._warned_closed = False
+        self._tracking: weakref.ref[Any] | None = None  # the running track() generator (nested calls are ignored)
+        self._warned_nested = False
         device = self._device_for(device, model, optimizer)
         # what this monitor changes in the process is undone by close(), or by this finalizer when
         # the monitor is dropped without close() (an exception in the loop body): see lifecycle.py
@@ -141,12 +145,17 @@ class Monitor(SessionResults):
     def _device_for(cls, device: Any, model: nn.Module | None, optimizer: Any) -> torch.device:
         if device is not None:
             try:
-                return torch.device(device)
+                chosen = torch.device(device)
             except (RuntimeError, TypeError, ValueError) as exc:
                 raise ValueError(
                     f"{cls.__name__}(device={device!r}) is not a torch device ({exc}); pass e.g. 'cpu', 'cuda' or "
                     "'cuda:0', or leave it out to use the model's device."
                 ) from None
+            reason = unusable_device(chosen)
+            if reason is not None:
+                raise ValueError(f"{cls.__name__}(device={device!r}) cannot be measured: {reason}. Pass the device your model "
+                                 "is on (e.g. device='cpu'), or leave device out to use the model's device.")
+            return chosen
         tensors: Iterable[torch.Tensor] = ()
         if model is not None:
             tensors = model.parameters()
@@ -294,8 +303,29 @@ class Monitor(SessionResults):
         any optimizer (evaluation-like loops, manual updates) every item is its own row. A window
         that reaches :attr:`max_micro_batches` batches without an optimizer step is closed as its own
         row, and items are rows of their own until an optimizer step is seen again. The last,
-        incomplete window is a row too (at the end of ``iterable``, or at :meth:`close`).
+        incomplete window is a row too (at the end of ``iterable``, or at :meth:`close`). A track()
+        inside a running track() loop is ignored, with one warning: it yields ``iterable`` unchanged.
         """
+        if self._nested_track():
+            return iter(iterable)
+        items = self._track(iterable)
+        self._tracking = weakref.ref(items)
+        return items
+
+    def _nested_track(self) -> bool:
+        """Is a track() loop of this monitor running (started, not finished)? Then a track() inside
+        it is ignored, with one warning: its items belong to the outer loop's step."""
+        tracking = self._tracking() if self._tracking is not None else None
+        if tracking is None or inspect.getgeneratorstate(tracking) != inspect.GEN_SUSPENDED or self._closed:
+            return False
+        if not self._warned_nested:
+            self._warned_nested = True
+            log.warning("%s.track() was called inside a loop over another %s.track(): the inner loop is not tracked (its "
+                        "items are part of the outer loop's step, not rows of their own). Call track() on the one loop whose "
+                        "items are training steps.", type(self).__name__, type(self).__name__)
+        return True
+
+    def _track(self, iterable: Iterable[Any]) -> Iterator[Any]:
         if self._used_after_close("track"):
             yield from iterable
             return

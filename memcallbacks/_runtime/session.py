@@ -36,6 +36,7 @@ from memcallbacks._runtime.run_end import RunEnd, is_oom
 from memcallbacks.snapshot.auto import AutoSnapshot
 from memcallbacks.estimate.check import StateCheck
 from memcallbacks.leaks.census import format_top_holders
+from memcallbacks.leaks.search_failure import search_or_note
 from memcallbacks.leaks.watch import LeakWatch
 from memcallbacks.trackers import Dashboard, Trackers
 
@@ -384,8 +385,8 @@ class Session(RunEnd):
             baseline = engine.step_baseline
             if check_state and baseline is not None:
                 finding = self._check_state(step, baseline, batch)
-                if finding is not None and watch is not None:
-                    census = watch.census(batch)
+                census = search_or_note(finding, lambda: watch.census(batch), None) if finding is not None and watch is not None else None
+                if census is not None:
                     finding.holders = format_top_holders(census, 5)
                     finding.details["census"] = {k: int(v) for k, v in census.bytes_by_category.items()}
                 if finding is not None:
