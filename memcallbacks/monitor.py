@@ -10,7 +10,6 @@ global optimizer-step hooks bound the optimizer step. ``track(iterable)``, ``ste
 from __future__ import annotations
 
 import contextlib
-import inspect
 import logging
 import weakref
 from typing import Any, Iterable, Iterator
@@ -25,6 +24,7 @@ from memcallbacks._runtime.lifecycle import Cleanup, weak_method
 from memcallbacks._runtime.preflight_check import fake_step_running
 from memcallbacks._runtime.results import SessionResults
 from memcallbacks._runtime.session import LogFn, Session
+from memcallbacks._runtime.track_guard import TrackGuard
 from memcallbacks._runtime.sampling import BACKWARD, FORWARD, OPTIMIZER, OTHER, PHASES
 
 log = logging.getLogger(__name__)
@@ -126,8 +126,7 @@ class Monitor(SessionResults):
         self._weak_backward_start = weak_method(self._backward_start)
         self._explicit = False  # track() or step() marks boundaries; the forward hook then leaves steps alone
         self._warned_closed = False
-        self._tracking: weakref.ref[Any] | None = None  # the running track() generator (nested calls are ignored)
-        self._warned_nested = False
+        self._track_guard = TrackGuard(type(self).__name__)  # a track() inside a running track() is ignored
         device = self._device_for(device, model, optimizer)
         # what this monitor changes in the process is undone by close(), or by this finalizer when
         # the monitor is dropped without close() (an exception in the loop body): see lifecycle.py
@@ -306,24 +305,9 @@ class Monitor(SessionResults):
         incomplete window is a row too (at the end of ``iterable``, or at :meth:`close`). A track()
         inside a running track() loop is ignored, with one warning: it yields ``iterable`` unchanged.
         """
-        if self._nested_track():
+        if self._track_guard.nested():
             return iter(iterable)
-        items = self._track(iterable)
-        self._tracking = weakref.ref(items)
-        return items
-
-    def _nested_track(self) -> bool:
-        """Is a track() loop of this monitor running (started, not finished)? Then a track() inside
-        it is ignored, with one warning: its items belong to the outer loop's step."""
-        tracking = self._tracking() if self._tracking is not None else None
-        if tracking is None or inspect.getgeneratorstate(tracking) != inspect.GEN_SUSPENDED or self._closed:
-            return False
-        if not self._warned_nested:
-            self._warned_nested = True
-            log.warning("%s.track() was called inside a loop over another %s.track(): the inner loop is not tracked (its "
-                        "items are part of the outer loop's step, not rows of their own). Call track() on the one loop whose "
-                        "items are training steps.", type(self).__name__, type(self).__name__)
-        return True
+        return self._track_guard.started(self._track(iterable))
 
     def _track(self, iterable: Iterable[Any]) -> Iterator[Any]:
         if self._used_after_close("track"):
