@@ -33,9 +33,10 @@ def weak_method(method: Any) -> "WeakHook":
 
     The hooks the monitor registers on the user's objects (the model's forward hooks, output
     tensors' hooks) are these, so that the objects can still be pickled, ``torch.save``d and
-    deep-copied (``copy.deepcopy``, ``AveragedModel``): a copy gets an inert hook (:class:`InertHook`)
+    deep-copied (``copy.deepcopy``, ``AveragedModel``): a deep copy gets an inert hook (:class:`InertHook`)
     that carries no monitor, does nothing, and takes itself off a module at that module's first
-    forward, so the copy is not watched and does not stay on torch's slower hooked call path."""
+    forward, so the copy is not watched and does not stay on torch's slower hooked call path; a
+    pickled copy gets ``(0).__init__``, a no-op of Python itself, so loading it needs no memcallbacks."""
     return WeakHook(method)
 
 
@@ -57,10 +58,11 @@ class WeakHook:
         _unhook(self, args)  # the monitor is gone: take this hook off the module it was called for
         return None
 
-    # A copy of the user's object must not carry (nor revive) the monitor: pickling, torch.save and
-    # copy.deepcopy all produce an inert hook. copy.copy shares the hook dicts, so it needs nothing.
+    # A copy of the user's object must not carry (nor revive) the monitor. copy.deepcopy gives an
+    # InertHook; pickling (torch.save) gives a no-op of Python itself, so loading the file needs no
+    # memcallbacks. copy.copy shares the hook dicts, so it needs nothing.
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        return (InertHook, (self.__name__,))
+        return _PICKLED_NO_OP
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "InertHook":
         return InertHook(self.__name__)
@@ -84,10 +86,17 @@ class InertHook:
         _unhook(self, args)
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        return (InertHook, (self.__name__,))
+        return _PICKLED_NO_OP
 
     def __repr__(self) -> str:
         return f"<memcallbacks hook {self.__name__} (inert)>"
+
+
+# ``(0).__init__``: int leaves object.__init__ alone and defines __new__, so it takes any arguments
+# and returns None: a hook that does nothing, that pickle rebuilds as getattr(0, "__init__") with
+# nothing but builtins (a model saved while a monitor was attached loads where memcallbacks is not
+# installed). Unlike InertHook it stays on the loaded module: one C call per forward.
+_PICKLED_NO_OP: tuple[Any, tuple[Any, ...]] = (getattr, (0, "__init__"))
 
 
 _is_compiling = torch.compiler.is_compiling
