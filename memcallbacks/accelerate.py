@@ -212,6 +212,8 @@ class AccelerateMemoryMonitor(Monitor):
         first window included.
         """
         self._hook_prepared_models()
+        if self._track_guard.nested():  # before _sync_aware: an inner loop must not end the outer step
+            return iter(iterable)
         return super().track(self._sync_aware(iterable))
 
     def _sync_aware(self, iterable: Iterable[Any]) -> Iterator[Any]:

@@ -20,10 +20,12 @@ from torch import nn
 from memcallbacks._base.config import MonitorConfig, resolve_config
 from memcallbacks._base.columns import BACKWARD, FORWARD, OPTIMIZER, OTHER, PHASES
 from memcallbacks._runtime.adapter_support import OptimizerHooks
+from memcallbacks._runtime.device_check import unusable_device
 from memcallbacks._runtime.guard import entry_point
 from memcallbacks._runtime.lifecycle import Cleanup, weak_method
 from memcallbacks._runtime.results import SessionResults
 from memcallbacks._runtime.session import LogFn, Session
+from memcallbacks._runtime.track_guard import TrackGuard
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +129,7 @@ class Monitor(SessionResults):
         self._weak_backward_start = weak_method(self._backward_start)
         self._explicit = False  # track() or step() marks boundaries; the forward hook then leaves steps alone
         self._warned_closed = False
+        self._track_guard = TrackGuard(type(self).__name__)  # a track() inside a running track() is ignored
         device = self._device_for(device, model, optimizer)
         # what this monitor changes in the process is undone by close(), or by this finalizer when
         # the monitor is dropped without close() (an exception in the loop body): see lifecycle.py
@@ -144,12 +147,17 @@ class Monitor(SessionResults):
     def _device_for(cls, device: Any, model: nn.Module | None, optimizer: Any) -> torch.device:
         if device is not None:
             try:
-                return torch.device(device)
+                chosen = torch.device(device)
             except (RuntimeError, TypeError, ValueError) as exc:
                 raise ValueError(
                     f"{cls.__name__}(device={device!r}) is not a torch device ({exc}); pass e.g. 'cpu', 'cuda' or "
                     "'cuda:0', or leave it out to use the model's device."
                 ) from None
+            reason = unusable_device(chosen)
+            if reason is not None:
+                raise ValueError(f"{cls.__name__}(device={device!r}) cannot be measured: {reason}. Pass the device your model "
+                                 "is on (e.g. device='cpu'), or leave device out to use the model's device.")
+            return chosen
         tensors: Iterable[torch.Tensor] = ()
         if model is not None:
             tensors = model.parameters()
@@ -293,8 +301,14 @@ class Monitor(SessionResults):
         any optimizer (evaluation-like loops, manual updates) every item is its own row. A window
         that reaches :attr:`max_micro_batches` batches without an optimizer step is closed as its own
         row, and items are rows of their own until an optimizer step is seen again. The last,
-        incomplete window is a row too (at the end of ``iterable``, or at :meth:`close`).
+        incomplete window is a row too (at the end of ``iterable``, or at :meth:`close`). A track()
+        inside a running track() loop is ignored, with one warning: it yields ``iterable`` unchanged.
         """
+        if self._track_guard.nested():
+            return iter(iterable)
+        return self._track_guard.started(self._track(iterable))
+
+    def _track(self, iterable: Iterable[Any]) -> Iterator[Any]:
         if self._used_after_close("track"):
             yield from iterable
             return

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 import os
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -181,10 +183,30 @@ class MonitorConfig:
 
     def __post_init__(self) -> None:
         # one ValueError naming the field, the value and the fix, before any training starts
+        self._normalise_numbers()
         self._check_cadence_and_files()
         self._check_leak_detection()
         self._check_snapshots()
         self._check_preflight_and_prefix()
+
+    def _normalise_numbers(self) -> None:
+        """Integer fields take any whole number (``np.int64(10)``, ``10.0``) as a Python int; a
+        fraction is refused here, with its own message. Float fields take any real number."""
+        for name in _INT_FIELDS:
+            value = getattr(self, name)
+            if value is None or isinstance(value, (bool, int)) or isinstance(value, (str, bytes)):
+                continue  # None, plain ints and the types the checks below refuse by name
+            if isinstance(value, numbers.Integral):
+                object.__setattr__(self, name, int(value))
+            elif isinstance(value, numbers.Real):
+                number = float(value)
+                if not (math.isfinite(number) and number.is_integer()):
+                    raise _fail(name, value, f"it must be a whole number; pass an integer such as {max(1, math.floor(number)) if math.isfinite(number) else 10}.")
+                object.__setattr__(self, name, int(number))
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, numbers.Real) and not isinstance(value, (bool, int, float)):
+                object.__setattr__(self, name, float(value))
 
     def _check_cadence_and_files(self) -> None:
         n = self.log_every_n_steps
@@ -281,6 +303,9 @@ class MonitorConfig:
 
 
 _FIELDS = frozenset(f.name for f in dataclasses.fields(MonitorConfig))
+# annotations are strings here (from __future__ import annotations)
+_INT_FIELDS = tuple(f.name for f in dataclasses.fields(MonitorConfig) if f.type in ("int", "int | None"))
+_FLOAT_FIELDS = tuple(f.name for f in dataclasses.fields(MonitorConfig) if f.type in ("float", "float | None"))
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(MonitorConfig)}
 
 
@@ -303,6 +328,14 @@ def resolve_config(config: MonitorConfig | Mapping[str, Any] | None, overrides: 
         return resolve_config(None, {**config, **overrides}, owner)
     if not isinstance(config, MonitorConfig):
         raise TypeError(f"{owner}(config={config!r}) must be a MonitorConfig, a dict of its fields, or None.")
-    # keywords left at their default do not override config: LightningCLI passes every field
-    changed = {k: v for k, v in overrides.items() if v != _DEFAULTS[k]}
+    # every keyword given wins over config=, also one equal to its default. LightningCLI
+    # (jsonargparse) passes every field, the ones not in its YAML at their defaults: only there
+    # do keywords at their default leave config's values alone
+    changed = dict(overrides)
+    if set(overrides) == _FIELDS:
+        changed = {k: v for k, v in overrides.items() if not _same(v, _DEFAULTS[k])}
     return dataclasses.replace(config, **changed) if changed else config
+
+
+def _same(value: Any, default: Any) -> bool:
+    return type(value) is type(default) and value == default

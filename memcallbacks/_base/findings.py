@@ -62,6 +62,12 @@ class Finding:
         return "\n".join(lines)
 
 
+def with_holders_note(message: str, reason: str) -> str:
+    """``message`` saying that its holders are unknown because their search failed with ``reason`` (once)."""
+    note = f" (Holders unknown: the search for them failed with {reason}; the finding rests on the memory numbers alone.)"
+    return message if note in message else message + note
+
+
 def _jsonable(value: Any) -> Any:
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
@@ -110,6 +116,9 @@ class FindingLog:
         old.details.update(finding.details)
         if finding.holders:
             old.holders = list(finding.holders)
+            old.details.pop("holders_unavailable", None)
+        elif old.details.get("holders_unavailable"):
+            old.message = with_holders_note(old.message, old.details["holders_unavailable"])  # an update's text lacks it
         old.count += finding.count
         return False
 

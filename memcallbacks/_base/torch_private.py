@@ -244,7 +244,7 @@ def cuda_memory_fraction(index: int) -> float:
 _NODE_INFO: dict[type, tuple[bool, tuple[str, ...], bool]] = {}
 
 
-def _node_info(tp: type) -> tuple[bool, tuple[str, ...], bool]:
+def node_info(tp: type) -> tuple[bool, tuple[str, ...], bool]:
     """What :func:`saved_tensors_of` needs to know about a node type, worked out once per type.
 
     C++ nodes expose each saved variable twice: ``_raw_saved_x`` (a ``SavedTensor`` handle) and
@@ -267,12 +267,12 @@ def _node_info(tp: type) -> tuple[bool, tuple[str, ...], bool]:
 
 def is_autograd_node_type(tp: type) -> bool:
     """Whether objects of type ``tp`` are autograd graph nodes (``grad_fn`` objects, cached per type)."""
-    return _node_info(tp)[0]
+    return node_info(tp)[0]
 
 
 def is_autograd_node(obj: Any) -> bool:
     """Whether ``obj`` is an autograd graph node (a ``grad_fn``, ``AccumulateGrad``, a Function ctx)."""
-    return _node_info(type(obj))[0]
+    return node_info(type(obj))[0]
 
 
 def saved_tensors_of(node: Any) -> list[torch.Tensor]:
@@ -283,7 +283,7 @@ def saved_tensors_of(node: Any) -> list[torch.Tensor]:
     and tensors stored as attributes on ``ctx`` (``ctx.foo = tensor``).
     """
     out: list[torch.Tensor] = []
-    _, saved, is_python = _node_info(type(node))
+    _, saved, is_python = node_info(type(node))
     for name in saved:
         try:
             value = getattr(node, name)

@@ -36,6 +36,9 @@ def read_state(state: Any, key: str, current_version: int) -> dict[str, Any] | N
     """Validate and migrate ``state``; None for a newer version (skip it). Raises ``ValueError``."""
     if not isinstance(state, Mapping):
         raise _bad(key, f"expected a dict, got {type(state).__name__}")
+    if not any(name in state for name in ("version", "columns", "rows")):
+        raise _bad(key, f"expected the dict a monitor's state_dict() returns (with 'version', 'columns' and 'rows'), got "
+                        f"{'an empty dict' if not state else 'a dict with keys ' + repr(sorted(map(str, state))[:8])}")
     version = state.get("version", 1)
     if not isinstance(version, int) or isinstance(version, bool) or version < 1:
         raise _bad(key, f"version {version!r} is not a positive integer")

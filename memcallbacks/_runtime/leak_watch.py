@@ -25,6 +25,7 @@ from memcallbacks.leaks.gc_watch import CollectionWatch
 from memcallbacks.leaks.growth import GrowthDetector
 from memcallbacks.leaks.holders import find_holders, group_paths
 from memcallbacks.leaks.lingering import LingeringDetector, find_graph_root
+from memcallbacks.leaks.search_failure import holders_unavailable, search_or_note
 from memcallbacks.leaks.tensors import describe_tensor, graph_bytes
 
 log = logging.getLogger(__name__)
@@ -86,6 +87,7 @@ class LeakWatch:
         )
         self.gc_results: list[dict[str, Any]] = []
         self._growth_census: Census | None = None
+        self._census_failure: Exception | None = None  # the last census that raised
         self._growth_census_due: int | None = None  # the step from which census B is taken
         self._growth_finding: Finding | None = None
         self._last_scan: tuple[int, float] | None = None  # (step, seconds) of the last check that scanned the heap
@@ -132,9 +134,9 @@ class LeakWatch:
         found = []
         finding = self.lingering.check(step, current_batch=batch)
         if finding is not None:
-            finding.holders = self.lingering_holders()
-            if not finding.holders:
-                self._blame_garbage(finding)
+            finding.holders = search_or_note(finding, self.lingering_holders, [])
+            if not finding.holders and "holders_unavailable" not in finding.details:
+                search_or_note(finding, lambda: self._blame_garbage(finding), None)
             found.append(finding)
         chain = self.lingering.chains.check(step)
         if chain is not None:
@@ -156,14 +158,19 @@ class LeakWatch:
         root = find_graph_root(oldest)
         holders: list[str] = []
         nbytes = 0
+        failure: Exception | None = None
         if root is not None:
             nbytes = graph_bytes(root)
-            search = self._find_holders([root])
-            holders = [f"{p.path} -> autograd graphs of steps {steps[0]}..{steps[-1]} and on" for p in search.paths[:2]]
-            if not holders and self._garbage_note([root]) is not None:
-                return None  # graphs waiting in cyclic garbage, not a chain: the collection watch reports cycles
+            try:
+                search = self._find_holders([root])
+                holders = [f"{p.path} -> autograd graphs of steps {steps[0]}..{steps[-1]} and on" for p in search.paths[:2]]
+                if not holders and self._garbage_note([root]) is not None:
+                    return None  # graphs waiting in cyclic garbage, not a chain: the collection watch reports cycles
+            except Exception as exc:
+                failure = exc
             del root
-        return chain_finding(step, steps, nbytes, holders)
+        finding = chain_finding(step, steps, nbytes, holders)
+        return holders_unavailable(finding, failure) if failure is not None and finding is not None else finding
 
     def _find_holders(self, targets: list[Any]) -> Any:
         """:func:`find_holders` with the monitor's own objects ignored, its time told to the ledger."""
@@ -273,10 +280,15 @@ class LeakWatch:
         self._growth_census_due = None
         finding, before = self._growth_finding, self._growth_census
         self._growth_census = None
-        if finding is None or before is None:
+        if finding is None:
             return []
-        after = self._census(batch)
-        if after is None:
+        after = self._census(batch) if before is not None else None
+        if before is None or after is None:
+            if self._census_failure is None:
+                return []
+            finding = holders_unavailable(copy.copy(finding) if not sighting else finding, self._census_failure)
+            if not sighting:
+                finding.count = 0
             return [finding]
         deltas = [d for d in after.diff(before) if d.bytes > 0]
         finding.holders = [str(d) for d in deltas[:5]]
@@ -325,8 +337,9 @@ class LeakWatch:
         t0 = time.perf_counter()
         try:
             census = self.census(batch)
-        except Exception:
+        except Exception as exc:
             log.debug("census failed", exc_info=True)
+            self._census_failure = exc  # the growth finding says why it has no holders
             return None
         finally:
             self._census_s = time.perf_counter() - t0

@@ -19,23 +19,124 @@ import threading
 import weakref
 from typing import Any, Callable
 
+import torch
+
 from memcallbacks._base.errors import OutputDirError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["weak_method", "Cleanup", "claim_folder", "release_folder"]
+__all__ = ["weak_method", "WeakHook", "InertHook", "Cleanup", "claim_folder", "release_folder"]
 
 
-def weak_method(method: Any) -> Callable[..., Any]:
-    """A plain function calling ``method`` (a bound method) while its object lives, else doing nothing."""
-    ref = weakref.WeakMethod(method)
+def weak_method(method: Any) -> "WeakHook":
+    """A callable calling ``method`` (a bound method) while its object lives, else doing nothing.
 
-    def call(*args: Any, **kwargs: Any) -> Any:
-        bound = ref()
-        return bound(*args, **kwargs) if bound is not None else None
+    The hooks the monitor registers on the user's objects (the model's forward hooks, output
+    tensors' hooks) are these, so that the objects can still be pickled, ``torch.save``d and
+    deep-copied (``copy.deepcopy``, ``AveragedModel``): a deep copy gets an inert hook (:class:`InertHook`)
+    that carries no monitor, does nothing, and takes itself off a module at that module's first
+    forward, so the copy is not watched and does not stay on torch's slower hooked call path; a
+    pickled copy gets ``(0).__init__``, a no-op of Python itself, so loading it needs no memcallbacks."""
+    return WeakHook(method)
 
-    call.__name__ = getattr(method, "__name__", "hook")
-    return call
+
+class WeakHook:
+    """A module-level callable (a local function cannot be pickled) holding a bound method weakly."""
+
+    __slots__ = ("_ref", "__name__", "__weakref__")
+
+    def __init__(self, method: Any) -> None:
+        self._ref = weakref.WeakMethod(method)
+        self.__name__ = getattr(method, "__name__", "hook")
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if _is_compiling():  # true only while dynamo traces this call: see _run_eagerly
+            return _run_eagerly(self, args, kwargs)
+        bound = self._ref()
+        if bound is not None:
+            return bound(*args, **kwargs)
+        _unhook(self, args)  # the monitor is gone: take this hook off the module it was called for
+        return None
+
+    # A copy of the user's object must not carry (nor revive) the monitor. copy.deepcopy gives an
+    # InertHook; pickling (torch.save) gives a no-op of Python itself, so loading the file needs no
+    # memcallbacks. copy.copy shares the hook dicts, so it needs nothing.
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return _PICKLED_NO_OP
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "InertHook":
+        return InertHook(self.__name__)
+
+    def __repr__(self) -> str:
+        return f"<memcallbacks hook {self.__name__} ({'live' if self._ref() is not None else 'inert'})>"
+
+
+class InertHook:
+    """What a copied or unpickled monitor hook becomes: does nothing and removes itself when called."""
+
+    __slots__ = ("__name__",)
+
+    def __init__(self, name: str = "hook") -> None:
+        self.__name__ = name
+
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        if _is_compiling():
+            _run_eagerly(self, args, kwargs)
+            return
+        _unhook(self, args)
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return _PICKLED_NO_OP
+
+    def __repr__(self) -> str:
+        return f"<memcallbacks hook {self.__name__} (inert)>"
+
+
+# ``(0).__init__``: int leaves object.__init__ alone and defines __new__, so it takes any arguments
+# and returns None: a hook that does nothing, that pickle rebuilds as getattr(0, "__init__") with
+# nothing but builtins (a model saved while a monitor was attached loads where memcallbacks is not
+# installed). Unlike InertHook it stays on the loaded module: one C call per forward.
+_PICKLED_NO_OP: tuple[Any, tuple[Any, ...]] = (getattr, (0, "__init__"))
+
+
+_is_compiling = torch.compiler.is_compiling
+
+
+@torch.compiler.disable
+def _run_eagerly(hook: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """A hook called from a ``torch.compile``d forward runs here, outside the trace (a graph break):
+    the monitor reads the clock, allocator counters and autograd graphs, which dynamo cannot trace
+    (it failed on them). The check costs eager calls one function call, not the ~2 µs of a
+    ``torch.compiler.disable`` wrapper around every call."""
+    if isinstance(hook, WeakHook):
+        bound = hook._ref()
+        if bound is not None:
+            return bound(*args, **kwargs)
+    _unhook(hook, args)
+    return None
+
+
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs",
+               "_forward_hooks_always_called")
+
+
+def _unhook(hook: Any, args: tuple[Any, ...]) -> None:
+    """Remove ``hook`` from the module it was called for (a forward hook's first argument). torch
+    iterates over a tuple of the hooks, so removing one while they run is safe."""
+    module = args[0] if args else None
+    hooks = getattr(module, "__dict__", {}).get("_forward_pre_hooks")
+    if hooks is None:
+        return  # not a module hook (a tensor's hook, called once)
+    try:
+        ids = [k for name in ("_forward_pre_hooks", "_forward_hooks") for k, v in list(module.__dict__[name].items())
+               if v is hook]
+        for name in _HOOK_DICTS:
+            table = module.__dict__.get(name)
+            if table is not None:
+                for k in ids:
+                    table.pop(k, None)
+    except Exception:  # pragma: no cover - torch's hook tables changed shape; the hook stays a no-op
+        log.debug("could not remove an inert memcallbacks hook", exc_info=True)
 
 
 class Cleanup:

@@ -26,6 +26,7 @@ from memcallbacks._base.findings import Finding
 from memcallbacks._base.columns import MICRO_BATCHES, OPTIMIZER_STEPS, PEAK_ALLOCATED, PEAK_BACKWARD, PEAK_FORWARD, PEAK_OPTIMIZER, RESERVED, STEP
 from memcallbacks._runtime.preflight_steps import autocast_precision, batch_size_of, call_step, resize_batch
 from memcallbacks._base.units import GiB, format_bytes
+from memcallbacks._runtime.lifecycle import weak_method
 
 if TYPE_CHECKING:  # pragma: no cover
     from memcallbacks.preflight import BatchFit, Prediction
@@ -117,7 +118,7 @@ class PreflightCheck:
     def watch_first_forward(self, model: torch.nn.Module) -> None:
         """Plain loops: predict at ``model``'s first training forward, from the arguments it is called with."""
         if self.status == "waiting":
-            self._handles.append(model.register_forward_pre_hook(self._first_forward, prepend=True, with_kwargs=True))
+            self._handles.append(model.register_forward_pre_hook(weak_method(self._first_forward), prepend=True, with_kwargs=True))
 
     def _first_forward(self, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
         if not (self.due and module.training and torch.is_grad_enabled()):

@@ -106,4 +106,9 @@ class SessionResults:
         session = self._current_session()
         if session is None:
             raise RuntimeError(f"{type(self).__name__}.explain() needs a model: call it during or after training.")
-        return session.explain(batch)
+        try:
+            return session.explain(batch)
+        except Exception as exc:  # the census walks the whole heap: a user's object can make it raise
+            from memcallbacks.leaks.search_failure import census_error
+
+            raise census_error(type(self).__name__, exc) from exc

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from memcallbacks._base import distributed as _distributed
+from memcallbacks._runtime.end_write import wait_for_every_rank, write_detached
 from memcallbacks._runtime.guard import safe_str
 from memcallbacks._files.outputs import REPORT_VERSION, write_outputs
 from memcallbacks.host.ranks import find_imbalance
@@ -120,10 +121,13 @@ class RunEnd:
         if collections is not None:
             was_own, collections.own = collections.own, True
         try:
-            return self._finish(gather)
+            files = self._finish(gather)
         finally:
             if collections is not None:
                 collections.own = was_own
+        if gather:  # no rank's fit() returns while another rank's files are still being written
+            wait_for_every_rank(self.engine.world_size, self.owner)
+        return files
 
     def _finish(self, gather: bool) -> dict[str, str]:
         engine = self.engine
@@ -153,7 +157,7 @@ class RunEnd:
             title = self.title or f"{self.framework} on {report['summary'].get('device', {}).get('device', '?')}"
             if engine.world_size > 1:
                 title += f", rank {engine.rank}"
-            self.files = write_outputs(
+            self.files = write_detached(lambda: write_outputs(  # a forked writer under distributed: see end_write.py
                 self.output_dir,
                 rank=engine.rank,
                 world_size=engine.world_size,
@@ -163,7 +167,7 @@ class RunEnd:
                 plot=self.config.plot,
                 title=title,
                 ranks=summaries if summaries is not None and engine.rank == 0 else None,
-            )
+            ), detach=distributed, owner=self.owner)
             if summaries is not None and engine.rank == 0:
                 report = dict(report, files=self.files, ranks=summaries)
             self._to_trackers(report, gathered)

@@ -30,6 +30,7 @@ from memcallbacks._runtime.state_check import StateCheck
 from memcallbacks.leaks.census import format_top_holders
 from memcallbacks._runtime.leak_watch import LeakWatch
 from memcallbacks.host.channel import HostChannel
+from memcallbacks.leaks.search_failure import search_or_note
 from memcallbacks.trackers import Dashboard, Trackers
 
 log = logging.getLogger(__name__)
@@ -167,10 +168,11 @@ class Session(RunEnd):
             self.state.done = True
             self.log.info("%s: no model-state estimate for this run (%s: %s); the rest of the monitor goes on.", self.owner, type(exc).__name__, exc)
             return None
-        if finding is not None and self.watch is not None:
-            census = self.watch.census(batch)
-            finding.holders = format_top_holders(census, 5)
-            finding.details["census"] = {k: int(v) for k, v in census.bytes_by_category.items()}
+        watch = self.watch
+        census = search_or_note(finding, lambda: watch.census(batch), None) if finding is not None and watch is not None else None
+        if census is not None:  # a census that fails costs the holders only (the finding says why)
+            finding.holders = format_top_holders(census, 5)  # type: ignore[union-attr]
+            finding.details["census"] = {k: int(v) for k, v in census.bytes_by_category.items()}  # type: ignore[union-attr]
         return finding
 
     def check_lingering(self, batch: Any = None) -> None:

@@ -37,7 +37,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # one line naming them, as for every other bad input (argparse would print the usage first)
+        command = f"memcallbacks {args.command}" if getattr(args, "command", None) else "memcallbacks"
+        print(f"{command}: error: unrecognized arguments: {' '.join(unknown)} (see {command} --help)", file=sys.stderr)
+        return 2
     if getattr(args, "func", None) is None:
         parser.print_help(sys.stderr)
         return 2

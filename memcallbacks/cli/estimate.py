@@ -38,7 +38,7 @@ _EXAMPLES = """examples:
 """
 
 
-class _UsageError(Exception):
+class CliUsageError(Exception):
     """A bad command line: reported as one line on stderr with exit code 2."""
 
 
@@ -64,22 +64,61 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--strategies", default="single,ddp,fsdp2,zero2,zero3", help=f"comma-separated, from {', '.join(STRATEGIES)}")
     parser.add_argument("--world-sizes", default="8", help="comma-separated data-parallel sizes (default: 8)")
     parser.add_argument("--sharding", default="full", help="FSDP sharding: full, grad_op or hybrid (default: full)")
-    parser.add_argument("--shard-group-size", type=int, default=None, help="ranks per shard group with --sharding hybrid")
+    parser.add_argument("--shard-group-size", type=_int_flag("--shard-group-size"), default=None, help="ranks per shard group with --sharding hybrid")
     parser.add_argument("--offload-optimizer", action="store_true", help="ZeRO: optimizer state and master weights on the host")
     parser.add_argument("--offload-param", action="store_true", help="ZeRO-3/FSDP: sharded parameters on the host")
-    parser.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps (default: 1)")
-    parser.add_argument("--ranks-per-node", type=int, default=None, help="ranks sharing a host (default: min(world size, 8))")
+    parser.add_argument("--grad-accum", type=_int_flag("--grad-accum"), default=1, help="gradient accumulation steps (default: 1)")
+    parser.add_argument("--ranks-per-node", type=_int_flag("--ranks-per-node"), default=None, help="ranks sharing a host (default: min(world size, 8))")
     parser.add_argument("--conservative", action="store_true", help="also count the backward-prefetched layer and reduced grad shards")
     parser.add_argument("--unit", default="GiB", choices=("GB", "GiB", "MB", "MiB", "bytes"), help="GB = 1e9 bytes, GiB = 2**30 (default: GiB)")
     parser.add_argument("--format", default="markdown", choices=("markdown", "csv"), help="output format (default: markdown)")
     parser.set_defaults(func=run)
+    parser.error = _one_line_error  # type: ignore[method-assign]  # argparse's own errors: one line too, not usage + error
+
+
+def _one_line_error(message: str) -> None:
+    head, sep, rest = message.partition(": ")
+    if head.startswith("argument --") and rest.startswith(head[len("argument "):]):
+        message = rest  # our flag types name the flag themselves
+    print(f"{_PROG}: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+#: Larger inputs are typos (1e30 for 1e13): the biggest models trained have ~1e12 parameters.
+MAX_PARAMS = 1e15
+MAX_RANKS = 10_000_000
+
+
+def _int_flag(flag: str) -> Any:
+    """An argparse type for a positive integer flag, with a message naming the flag and an example."""
+    def parse(text: str) -> int:
+        return _integer(text, flag)
+
+    parse.__name__ = flag  # argparse names the type in its message when the conversion fails otherwise
+    return parse
+
+
+def _integer(text: str, flag: str, example: str = "8") -> int:
+    stripped = text.strip()
+    try:
+        value = int(stripped)
+    except ValueError:
+        raise _usage(f"{flag} {text!r} is not a whole number; pass e.g. {flag} {example}") from None
+    if not 1 <= value <= MAX_RANKS:
+        raise _usage(f"{flag} {value} is out of range; pass a whole number from 1 to {MAX_RANKS:,}")
+    return value
+
+
+def _usage(message: str) -> Exception:
+    # inside argparse (a flag's type) an ArgumentTypeError is reported as it is; elsewhere CliUsageError
+    return argparse.ArgumentTypeError(message)
 
 
 def run(args: argparse.Namespace) -> int:
     """Print the table; return 0, or 2 with a one-line message on stderr for a bad input."""
     try:
         estimates = _estimates(args)
-    except (_UsageError, ValueError) as exc:
+    except (CliUsageError, ValueError) as exc:
         print(f"{_PROG}: error: {exc}", file=sys.stderr)
         return 2
     table = compare(estimates, unit=args.unit)
@@ -100,12 +139,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _estimates(args: argparse.Namespace) -> list[MemoryEstimate]:
-    strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
-    if not strategies:
-        raise _UsageError("--strategies is empty; pass e.g. --strategies ddp,fsdp2")
-    world_sizes = [_int_list_item(w, "--world-sizes") for w in args.world_sizes.split(",") if w.strip()]
-    if not world_sizes:
-        raise _UsageError("--world-sizes is empty; pass e.g. --world-sizes 8,64")
+    strategies = _list(args.strategies, "--strategies", "ddp,fsdp2")
+    world_sizes = [_int_list_item(w, "--world-sizes") for w in _list(args.world_sizes, "--world-sizes", "8,64")]
     common: dict[str, Any] = dict(
         optimizer=_optimizer_arg(args.optimizer),
         precision=args.precision,
@@ -131,12 +166,12 @@ def _estimates(args: argparse.Namespace) -> list[MemoryEstimate]:
         if args.trainable is not None:
             common["trainable_params"] = _number(args.trainable, "--trainable")
         if args.layer_cls:
-            raise _UsageError("--layer-cls needs a model (--hf-config or --model); with --params pass --largest-layer")
+            raise CliUsageError("--layer-cls needs a model (--hf-config or --model); with --params pass --largest-layer")
         model = None
     else:
         if args.trainable is not None:
-            raise _UsageError("--trainable applies to --params only")
-        model = _load_hf_config(args.hf_config) if args.hf_config else _load_model_class(args.model)
+            raise CliUsageError("--trainable applies to --params only")
+        model = load_hf_config(args.hf_config) if args.hf_config else load_model_class(args.model)
         if args.largest_layer is not None:
             common["largest_layer_params"] = _number(args.largest_layer, "--largest-layer")
         if args.layer_cls:
@@ -145,7 +180,7 @@ def _estimates(args: argparse.Namespace) -> list[MemoryEstimate]:
         return estimate_grid(model, strategies=strategies, world_sizes=world_sizes, **common)
     except ValueError as exc:
         # the library names its own arguments; the CLI user knows the flags
-        raise _UsageError(_flag_names(str(exc))) from None
+        raise CliUsageError(_flag_names(str(exc))) from None
 
 
 _FLAG_NAMES = {
@@ -176,24 +211,34 @@ def _flag_names(message: str) -> str:
     return message.replace(" None is required", " is required")
 
 
+def _list(text: str, flag: str, example: str) -> list[str]:
+    """A comma-separated flag's items; an empty list or an empty item (``8,,16``) is a usage error."""
+    items = [item.strip() for item in text.split(",")]
+    if not any(items):
+        raise CliUsageError(f"{flag} is empty; pass e.g. {flag} {example}")
+    if not all(items):
+        raise CliUsageError(f"{flag} {text!r} has an empty item (two commas, or one at an end); pass e.g. {flag} {example}")
+    return items
+
+
 def _number(text: str, flag: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise _UsageError(f"{flag} {text!r} is not a number; pass e.g. 7e9") from None
-    if not value > 0:
-        raise _UsageError(f"{flag} {text!r} must be > 0")
+        raise CliUsageError(f"{flag} {text!r} is not a number; pass e.g. 7e9") from None
+    if not value > 0 or value != value:
+        raise CliUsageError(f"{flag} {text!r} must be > 0")
+    if not value <= MAX_PARAMS:
+        raise CliUsageError(f"{flag} {text!r} is more parameters than any model has (at most {MAX_PARAMS:.0e} is accepted); "
+                          "pass e.g. 7e9 for 7 billion")
     return value
 
 
 def _int_list_item(text: str, flag: str) -> int:
     try:
-        value = int(text.strip())
-    except ValueError:
-        raise _UsageError(f"{flag}: {text.strip()!r} is not an integer; pass e.g. {flag} 8,64") from None
-    if value < 1:
-        raise _UsageError(f"{flag}: {value} must be >= 1")
-    return value
+        return _integer(text, flag, example="8,64")
+    except argparse.ArgumentTypeError as exc:
+        raise CliUsageError(str(exc)) from None
 
 
 def _optimizer_arg(text: str) -> str | float:
@@ -203,20 +248,20 @@ def _optimizer_arg(text: str) -> str | float:
         return text
 
 
-def _load_hf_config(path_text: str) -> nn.Module:
+def load_hf_config(path_text: str) -> nn.Module:
     path = Path(path_text).expanduser()
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():
-        raise _UsageError(f"--hf-config {path_text!r}: no such file (expected a config.json or a directory holding one)")
+        raise CliUsageError(f"--hf-config {path_text!r}: no such file (expected a config.json or a directory holding one)")
     try:
         import transformers
     except ImportError:
-        raise _UsageError("--hf-config needs the 'transformers' package; pip install transformers") from None
+        raise CliUsageError("--hf-config needs the 'transformers' package; pip install transformers") from None
     try:
         config = transformers.AutoConfig.from_pretrained(str(path))
     except Exception as exc:  # transformers raises many types for a bad file
-        raise _UsageError(f"--hf-config {path_text!r} is not a Transformers config: {_one_line(exc)}") from None
+        raise CliUsageError(f"--hf-config {path_text!r} is not a Transformers config: {one_line(exc)}") from None
     with torch.device("meta"):
         try:
             return transformers.AutoModelForCausalLM.from_config(config)
@@ -225,33 +270,33 @@ def _load_hf_config(path_text: str) -> nn.Module:
             try:
                 return transformers.AutoModel.from_config(config)
             except Exception as exc:
-                raise _UsageError(f"--hf-config {path_text!r}: cannot build a model from it: {_one_line(exc)}") from None
+                raise CliUsageError(f"--hf-config {path_text!r}: cannot build a model from it: {one_line(exc)}") from None
 
 
-def _load_model_class(spec: str) -> nn.Module:
+def load_model_class(spec: str) -> nn.Module:
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
-        raise _UsageError(f"--model {spec!r} is not MODULE:CLASS; pass e.g. --model mypkg.models:Net")
+        raise CliUsageError(f"--model {spec!r} is not MODULE:CLASS; pass e.g. --model mypkg.models:Net")
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise _UsageError(f"--model {spec!r}: cannot import {module_name!r}: {_one_line(exc)}") from None
+        raise CliUsageError(f"--model {spec!r}: cannot import {module_name!r}: {one_line(exc)}") from None
     target: Any = module
     for part in attr.split("."):
         target = getattr(target, part, None)
         if target is None:
-            raise _UsageError(f"--model {spec!r}: {module_name!r} has no attribute {attr!r}")
+            raise CliUsageError(f"--model {spec!r}: {module_name!r} has no attribute {attr!r}")
     with torch.device("meta"):
         try:
             model = target()
         except Exception as exc:
-            raise _UsageError(f"--model {spec!r}: calling it with no arguments failed: {_one_line(exc)}") from None
+            raise CliUsageError(f"--model {spec!r}: calling it with no arguments failed: {one_line(exc)}") from None
     if not isinstance(model, nn.Module):
-        raise _UsageError(f"--model {spec!r} built a {type(model).__name__}, not an nn.Module")
+        raise CliUsageError(f"--model {spec!r} built a {type(model).__name__}, not an nn.Module")
     return model
 
 
-def _one_line(exc: BaseException) -> str:
+def one_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return text[0] if text else type(exc).__name__
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from memcallbacks.cli.estimate import _load_hf_config, _load_model_class, _one_line, _UsageError
+from memcallbacks.cli.estimate import load_hf_config, load_model_class, one_line, CliUsageError
 from memcallbacks.estimate import PRECISIONS, STRATEGIES
 from memcallbacks.estimate.tables import canonical_precision
 from memcallbacks.estimate.tables import canonical_strategy as _canonical_strategy
@@ -62,7 +62,7 @@ def parse_bytes(text: str, field: str = "--capacity") -> int:
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
     unit = match.group(2).lower() if match else ""
     if not match or (unit and unit not in _UNITS) or float(match.group(1)) <= 0:
-        raise _UsageError(f"{field} {text!r} is not a size; pass e.g. 80GB, 80GiB or a number of bytes")
+        raise CliUsageError(f"{field} {text!r} is not a size; pass e.g. 80GB, 80GiB or a number of bytes")
     return int(float(match.group(1)) * _UNITS[unit or "b"])
 
 
@@ -74,19 +74,19 @@ def parse_batch_spec(specs: list[str]) -> tuple[dict[str, tuple[torch.dtype, lis
         for spec in filter(None, (s.strip() for s in raw.split(";"))):
             match = _SPEC.match(spec)
             if match is None:
-                raise _UsageError(f"--batch {spec!r} is not NAME:DTYPE[D0,D1,...]; pass e.g. 'input_ids:int64[8,2048]'")
+                raise CliUsageError(f"--batch {spec!r} is not NAME:DTYPE[D0,D1,...]; pass e.g. 'input_ids:int64[8,2048]'")
             dtype = getattr(torch, match.group("dtype"), None)
             if not isinstance(dtype, torch.dtype):
-                raise _UsageError(f"--batch {spec!r}: {match.group('dtype')!r} is not a torch dtype; pass e.g. int64, float32, bfloat16")
+                raise CliUsageError(f"--batch {spec!r}: {match.group('dtype')!r} is not a torch dtype; pass e.g. int64, float32, bfloat16")
             shape = [int(d) for d in match.group("shape").replace(" ", "").split(",") if d]
             if not shape or min(shape) < 1:
-                raise _UsageError(f"--batch {spec!r}: the shape needs at least one dimension, all positive")
+                raise CliUsageError(f"--batch {spec!r}: the shape needs at least one dimension, all positive")
             if match.group("name"):
                 named[match.group("name")] = (dtype, shape)
             else:
                 positional.append((dtype, shape))
     if named and positional:
-        raise _UsageError("--batch mixes named and positional tensors; name all of them (a dict batch) or none")
+        raise CliUsageError("--batch mixes named and positional tensors; name all of them (a dict batch) or none")
     return named, positional
 
 
@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
     """Print the prediction (and the batch that fits); 0, or 2 with one line on stderr for a bad input."""
     try:
         return _run(args)
-    except _UsageError as exc:
+    except CliUsageError as exc:
         print(f"{_PROG}: error: {exc}", file=sys.stderr)
         return 2
 
@@ -122,21 +122,21 @@ def _run(args: argparse.Namespace) -> int:
     named, positional = parse_batch_spec(args.batch)
     capacity = parse_bytes(args.capacity) if args.capacity is not None else None
     if args.find_max_batch and capacity is None:
-        raise _UsageError("--find-max-batch needs --capacity; pass e.g. --capacity 80GB")
+        raise CliUsageError("--find-max-batch needs --capacity; pass e.g. --capacity 80GB")
     if not args.world_size.isdigit() or int(args.world_size) < 1:
-        raise _UsageError(f"--world-size {args.world_size!r} is not a positive integer")
+        raise CliUsageError(f"--world-size {args.world_size!r} is not a positive integer")
     try:
         canonical_precision(args.precision, "preflight")
         _canonical_strategy(args.strategy, "preflight")
     except ValueError as exc:
-        raise _UsageError(str(exc).replace("preflight(): ", "--")) from None
+        raise CliUsageError(str(exc).replace("preflight(): ", "--")) from None
     loss_fn = None
     if args.loss is not None:
         loss_fn = getattr(torch.nn.functional, args.loss, None)
         if not callable(loss_fn):
-            raise _UsageError(f"--loss {args.loss!r} is not a torch.nn.functional loss; pass e.g. cross_entropy or mse_loss")
+            raise CliUsageError(f"--loss {args.loss!r} is not a torch.nn.functional loss; pass e.g. cross_entropy or mse_loss")
     optimizer = None if args.optimizer.lower() == "none" else args.optimizer
-    model = _load_hf_config(args.hf_config) if args.hf_config else _load_model_class(args.model)
+    model = load_hf_config(args.hf_config) if args.hf_config else load_model_class(args.model)
     make = _make_batch_fn(named, positional, bool(args.hf_config))
     size = (next(iter(named.values())) if named else positional[0])[1][0]
     kwargs = dict(loss_fn=loss_fn, precision=args.precision, device=args.device, strategy=args.strategy,
@@ -145,7 +145,7 @@ def _run(args: argparse.Namespace) -> int:
         prediction = predict(model, make(size), optimizer, **kwargs)
         fit = max_batch_size(model, make, capacity, optimizer, **kwargs) if args.find_max_batch else None
     except ValueError as exc:
-        raise _UsageError(_one_line(exc)) from None
+        raise CliUsageError(one_line(exc)) from None
     except PreflightError as exc:
         print(f"{_PROG}: {exc}", file=sys.stderr)
         return 1

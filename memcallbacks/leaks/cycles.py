@@ -247,7 +247,7 @@ def _describe_garbage(garbage: list[Any]) -> tuple[int, int, dict[str, int], lis
     cycles: list[str] = []
     seen_sigs: set[str] = set()
     for t in sorted(tensors, key=lambda x: -sum(n for _, n in storage_keys(x)))[:20]:
-        desc = _cycle_for(t, children, parents)
+        desc = cycle_for(t, children, parents)
         if desc is None:
             continue
         sig = desc.split(" holds ")[0]
@@ -260,7 +260,7 @@ def _describe_garbage(garbage: list[Any]) -> tuple[int, int, dict[str, int], lis
     return len(tensors), tensor_bytes, top, cycles
 
 
-def _cycle_for(t: Any, children: dict[int, list[Any]], parents: dict[int, list[Any]]) -> str | None:
+def cycle_for(t: Any, children: dict[int, list[Any]], parents: dict[int, list[Any]]) -> str | None:
     """``"A -> B -> A holds A.x.buf (Tensor 4x4 float32)"`` for the nearest cycle above ``t``."""
     # Walk up from the tensor (BFS over referrers inside the garbage) to the nearest object on a cycle.
     prev: dict[int, Any] = {id(t): None}

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from memcallbacks.leaks.cycles import _cycle_for
+from memcallbacks.leaks.cycles import cycle_for
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ def _note(garbage: list[Any], wanted: dict[int, torch.Tensor]) -> GarbageNote | 
                 held[id(c)] = c
     holders = []
     for t in list(held.values())[:3]:
-        desc = _cycle_for(t, children, parents)
+        desc = cycle_for(t, children, parents)
         if desc is not None and f"cyclic garbage: {desc}" not in holders:
             holders.append(f"cyclic garbage: {desc}")
     return GarbageNote(holders) if holders else None

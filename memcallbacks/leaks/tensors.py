@@ -144,7 +144,7 @@ def graph_freed(root: Any, probe_nodes: int = 8) -> bool:
     """Whether ``backward()`` has freed the graph under ``root`` (a tensor): the first node among
     the first ``probe_nodes`` that declares saved tensors has them released. A graph backward ran
     through without ``retain_graph`` has every saved tensor of its nodes released."""
-    from memcallbacks._base.torch_private import _node_info
+    from memcallbacks._base.torch_private import node_info
 
     stack = [getattr(root, "grad_fn", None)]
     seen = 0
@@ -154,7 +154,7 @@ def graph_freed(root: Any, probe_nodes: int = 8) -> bool:
             continue
         seen += 1
         try:
-            names = _node_info(type(node))[1]
+            names = node_info(type(node))[1]
         except Exception:
             return False
         for name in names:

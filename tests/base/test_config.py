@@ -15,11 +15,12 @@ from memcallbacks import MemoryMonitor, MonitorConfig
 
 FIELDS = [f.name for f in dataclasses.fields(MonitorConfig)]
 
+# whole numbers of any numeric type (10.0, numpy.int64(10)) are valid for integer fields: tests/test_bad_input_refused.py
 INVALID = {
     "log_every_n_steps": [0, -1, 1.5, True, "2"],
-    "sample_every_n_steps": [0, -3, 2.0, False, "1"],
+    "sample_every_n_steps": [0, -3, 2.5, False, "1"],
     "overhead_budget": [0, -0.1, 1.5, True, "0.01", float("nan")],
-    "cpu_mmap_threshold": [4095, 2**30 + 1, 0, -1, True, 65536.0],
+    "cpu_mmap_threshold": [4095, 2**30 + 1, 0, -1, True, 65536.5],
     "output_dir": [3, ["runs"], b"runs"],
     "write_files": [1, "yes", None],
     "plot": [0, None],
@@ -27,11 +28,11 @@ INVALID = {
     "log_validation": ["true", 1],
     "reduce_across_ranks": [1, None],
     "strict": [None, "False"],
-    "max_history_rows": [99, 0, -5, True, 1000.0],
+    "max_history_rows": [99, 0, -5, True, 1000.5],
     "prefix": ["", "/", "/memory", "memory/", " memory", "memory ", 3, None],
     "detect_leaks": [1, None, "yes"],
     "growth_warmup_steps": [-1, 2.5, True],
-    "growth_min_bytes_per_step": [0, -1, 1.0, False],
+    "growth_min_bytes_per_step": [0, -1, 1.5, False],
     "growth_min_total_bytes": [0, "4MiB"],
     "lingering_min_bytes": [-1, 0.5, None],
     "census_time_budget_s": [0, -1.0, 601, True, "2"],
@@ -46,12 +47,12 @@ INVALID = {
     "snapshot_on_alloc_retries": [None, 1],
     "snapshot_on_findings": [0, "no"],
     "snapshot_every_n_steps": [0, 2.5, False],
-    "snapshot_steps": [0, None, 1.0],
+    "snapshot_steps": [0, None, 1.5],
     "max_snapshots": [0, None, -1],
-    "max_snapshot_bytes": [1000, None, 2.0**31],
+    "max_snapshot_bytes": [1000, None, 2.0**31 + 0.5],
     "snapshot_max_entries": [10, None],
     "preflight": [1, "yes", None],
-    "capacity_bytes": [0, -1, 1000, 2.0**31, True, "80GB"],
+    "capacity_bytes": [0, -1, 1000, 2.0**31 + 0.5, True, "80GB"],
     "preflight_tolerance": [-0.1, 11, True, "0.25", None, float("nan")],
 }
 INVALID_CASES = [(field, value) for field, values in INVALID.items() for value in values]
