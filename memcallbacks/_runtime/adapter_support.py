@@ -12,6 +12,7 @@ import logging
 from typing import Any, Callable
 
 from memcallbacks._base.errors import SetupError
+from memcallbacks.estimate.tables import canonical_precision
 from memcallbacks._runtime.lifecycle import weak_method
 from memcallbacks._runtime.preflight_check import fake_step_running
 from memcallbacks.trackers import Trackers
@@ -63,12 +64,17 @@ def precision_name(setting: Any) -> str | None:
     """``"fp16"``/``"16-mixed"``/``"bf16"``/... as the estimate's precision name; None for full
     precision or a setting the estimate reads from the model instead (Lightning's ``"32-true"``
     and ``"bf16-true"`` pass through: the estimate knows them)."""
-    if setting is None or setting is False:
+    if setting is None or isinstance(setting, bool):
         return None
-    text = str(setting)
-    if text in ("", "no", "None"):
+    text = str(setting).strip().lower()
+    if text in ("", "no", "none"):
         return None
-    return _PRECISIONS.get(text, text)
+    name = _PRECISIONS.get(text, text)
+    try:  # a setting the estimate does not know (fp8, transformer-engine): read from the model instead
+        canonical_precision(name, "precision_name")
+    except ValueError:
+        return None
+    return name
 
 
 def rank_zero_trackers(main: bool, source: Callable[[], Any], owner: str, logger: logging.Logger) -> Trackers | None:

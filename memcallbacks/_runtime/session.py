@@ -113,7 +113,9 @@ class Session(RunEnd):
         """Everything an adapter tells the session about its run, in one call: where logged metrics
         go (``log_fn(metrics, step)``), rank zero's trackers, the report's title, and the model and
         optimizer the census and the theory check look at (with ``precision``, ``strategy`` and
-        ``world_size`` in :func:`memcallbacks.estimate.estimate`'s names). A part not given is kept."""
+        ``world_size`` in :func:`memcallbacks.estimate.estimate`'s names). A part not given is kept;
+        ``model`` is one part with ``optimizer``, ``precision``, ``strategy`` and ``world_size``
+        (given together: those left out are None)."""
         if log_fn is not _KEEP:
             self.log_fn = log_fn
         if trackers is not _KEEP:

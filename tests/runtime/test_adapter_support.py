@@ -84,6 +84,10 @@ def test_lightning_deepspeed_strategy_names_its_zero_stage(config, name):
     # Lightning's true-precision settings pass through (the estimate knows them)
     ("32-true", "32-true"), ("bf16-true", "bf16-true"), ("16-true", "16-true"), ("64-true", "64-true"),
     ("32", "32"), (32, "32"), ("64", "64"),
+    # case and bools: Accelerate's "FP16", a True flag (the estimate reads the model: None)
+    ("FP16", "16-mixed"), ("BF16", "bf16-mixed"), (True, None),
+    # settings the estimate does not know: None (read from the model), never an error at run time
+    ("fp8", None), ("transformer-engine", None),
 ])
 def test_precision_name_for_every_spelling(setting, name):
     assert precision_name(setting) == name

