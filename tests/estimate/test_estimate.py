@@ -641,7 +641,7 @@ def test_cli_model_class_on_meta(tmp_path, capsys, monkeypatch) -> None:
         (["--hf-config", "/does/not/exist.json"], "--hf-config '/does/not/exist.json': no such file"),
         (["--params", "1e9", "--strategies", "fsdp3"], "--strategies 'fsdp3' is not one of"),
         (["--params", "lots"], "--params 'lots' is not a number"),
-        (["--params", "1e9", "--world-sizes", "8,x"], "--world-sizes: 'x' is not an integer"),
+        (["--params", "1e9", "--world-sizes", "8,x"], "--world-sizes 'x' is not a whole number"),
         (["--model", "no_such_module_xyz:Net"], "cannot import 'no_such_module_xyz'"),
         (["--params", "1e9", "--optimizer", "lion"], "--optimizer 'lion' is not one of"),
     ],
