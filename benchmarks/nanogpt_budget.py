@@ -19,7 +19,7 @@ ratio is taken on the minima over pairs, and next to it the monitor's own ``over
 step time, report.json's ``summary.cadence.overhead``) and its budget. Results: docs/benchmarks.md,
 "nanoGPT-style loop: the budget".
 
-The tests import :func:`train` from here (``tests/test_budget_promise.py``).
+The tests import :func:`train` from here (``tests/runtime/test_budget_promise.py``).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from memcallbacks import MemoryMonitor, MonitorConfig
 
 FIELDS = [f.name for f in dataclasses.fields(MonitorConfig)]
 
-# whole numbers of any numeric type (10.0, numpy.int64(10)) are valid for integer fields: tests/test_bad_input_refused.py
+# whole numbers of any numeric type (10.0, numpy.int64(10)) are valid for integer fields: tests/runtime/test_bad_input_refused.py
 INVALID = {
     "log_every_n_steps": [0, -1, 1.5, True, "2"],
     "sample_every_n_steps": [0, -3, 2.5, False, "1"],
