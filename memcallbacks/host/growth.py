@@ -95,17 +95,38 @@ class HostGrowth:
             value = reading.python_blocks * self.bytes_per_block
             self.python.reads.append((step, value))
             hit = self.python.detector.update(step, value)
+            if hit is not None and self._stale(self.python, step, hit):
+                hit = None
             if hit is not None:
                 out = self._confirm("host_growth", self.python, step, hit)
         private = reading.private_bytes
         if private > 0:
             self.private.reads.append((step, private))
             hit = self.private.detector.update(step, private)
+            if hit is not None and self._stale(self.private, step, hit):
+                hit = None
             if hit is not None and out is None:
                 out = self._private_growth(step, hit)
         if out is None:
             out = self._settle(step)
         return out
+
+    def _stale(self, series: _Series, step: int, hit: Finding) -> bool:
+        """True when the detector's window is mostly an old climb: over the window's recent half (at
+        least 8 steps) the series rose by less than the settle rule's rate (a quarter of
+        ``min_rate_bytes`` per step; the median slope between reads, so one late jump does not count
+        as a climb). When the watch thins its reads, a window of 16 blocks keeps the dense first
+        steps' climb (a cache filling) long after it stopped, and its slope would re-confirm a full
+        cache and keep it from settling. Needs 4 reads in that half (the sparse Python-object
+        series may have fewer: then the hit stands)."""
+        recent = max(8, int(hit.details.get("window_steps") or 0) // 2)
+        reads = [(s, v) for s, v in series.reads if s >= step - recent]
+        if len(reads) < 4:
+            return False
+        if len(reads) > 24:  # bounded cost: 24 reads evenly spread, the last one kept
+            reads = [reads[round(i * (len(reads) - 1) / 23)] for i in range(24)]
+        slopes = sorted((v1 - v0) / (s1 - s0) for i, (s0, v0) in enumerate(reads) for s1, v1 in reads[i + 1:] if s1 > s0)
+        return not slopes or slopes[len(slopes) // 2] < self.min_rate_bytes / 4
 
     @property
     def open_findings(self) -> list[Finding]:
