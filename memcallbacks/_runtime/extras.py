@@ -24,7 +24,7 @@ def extra_metrics(session: "Session", row: list[Any] | None) -> dict[str, float]
     config = session.config
     p = config.prefix
     nan = float("nan")
-    extra = {f"{p}/findings": float(len(session.findings)), f"{p}/overhead": session.cadence.overhead}
+    extra = {f"{p}/findings": float(session._findings.problems()), f"{p}/overhead": session.cadence.overhead}
     extra.update(session.preflight.metrics(row))
     if session.dashboard.capacity:
         extra[f"{p}/capacity_GiB"] = float(session.engine.capacity or 0) / GIB

@@ -28,7 +28,7 @@ from memcallbacks._runtime.cadence import (
 from memcallbacks._runtime.columns import E_STAGE, MONITOR_TIME_S, OPTIMIZER, PEAK_RESERVED
 from memcallbacks._runtime.extras import extra_metrics, load_session_state, session_state
 from memcallbacks._runtime.sampling import MemoryEngine
-from memcallbacks._findings import Finding, FindingLog
+from memcallbacks._findings import Finding, FindingLog, announce
 from memcallbacks._runtime.outputs import check_writable
 from memcallbacks._runtime.lifecycle import claim_folder, release_folder
 from memcallbacks._runtime.preflight_check import PreflightCheck
@@ -120,9 +120,11 @@ class Session(RunEnd):
         if self._findings.add(finding):
             self._new_findings.append(finding)
             if self.engine.rank == 0:
-                self.log.warning("%s found a memory problem: %s", self.owner, finding)
+                announce(self.log, self.owner, finding)
             if finding.holders:
                 self._holders_logged.add(finding.key)
+        elif self._findings.changed is not None and self.engine.rank == 0:
+            announce(self.log, self.owner, self._findings.changed, changed=True)
         elif finding.holders and finding.key not in self._holders_logged:
             # growth: the holders come from a second census some steps after the first warning
             self._holders_logged.add(finding.key)

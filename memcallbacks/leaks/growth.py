@@ -3,13 +3,81 @@
 from __future__ import annotations
 
 import collections
+import copy
 import math
 from dataclasses import dataclass
 
 from memcallbacks._findings import Finding
 from memcallbacks._units import KiB, MiB, format_bytes
 
-__all__ = ["GrowthDetector"]
+__all__ = ["GrowthDetector", "RiseTracker", "SETTLE_MIN_GAPS"]
+
+SETTLE_MIN_GAPS = 4
+"""A finding settles only after this many expected rise intervals pass with no rise (see
+:meth:`RiseTracker.settle_after`). Measured on the planted leaks of the latency tests (4 MiB to
+64 KiB per step, every read and thinned reads): the longest stretch without a rise inside a
+continuing leak was 1.5 expected intervals (docs/findings.md, "The lifecycle")."""
+
+
+class RiseTracker:
+    """When the memory floor last rose, on block minima: the evidence that growth goes on or stopped.
+
+    A *rise* is a block minimum above the floor of the last rise by more than the tolerance: twice
+    the step-to-step noise (the median within-block range), and at least ``min_rate_bytes``. A floor
+    that drops below the last rise's (memory freed) moves the reference down with it.
+    """
+
+    __slots__ = ("min_rate_bytes", "anchor", "last_rise", "start", "_ranges")
+
+    def __init__(self, min_rate_bytes: int) -> None:
+        self.min_rate_bytes = min_rate_bytes
+        self.anchor: int | None = None  # the floor at the last rise
+        self.last_rise: int | None = None
+        self.start: int = 0  # where the growth under test began (the trend's first block)
+        self._ranges: collections.deque[int] = collections.deque(maxlen=16)
+
+    @property
+    def tolerance(self) -> float:
+        ranges = sorted(self._ranges)
+        noise = ranges[len(ranges) // 2] if ranges else 0
+        return max(2.0 * noise, float(self.min_rate_bytes))
+
+    def add(self, step: int, lo: int, spread: int) -> None:
+        self._ranges.append(spread)
+        if self.anchor is None:
+            self.anchor = lo
+            return
+        tolerance = self.tolerance
+        if lo > self.anchor + tolerance:
+            self.anchor, self.last_rise = lo, step
+        elif lo < self.anchor - tolerance:
+            self.anchor = lo
+
+    def rose(self, step: int, lo: int, since: int) -> None:
+        """A strict climb ending at ``step`` (the fast test): the floor rose now."""
+        self.anchor, self.last_rise = lo, step
+        self.started(since)
+
+    def started(self, since: int) -> None:
+        if self.last_rise is None or since < self.start or self.start == 0:
+            self.start = since
+
+    def since_rise(self, step: int) -> int:
+        return step - self.last_rise if self.last_rise is not None else 0
+
+    def settle_after(self, rate: float) -> int:
+        """Flat steps that show growth at ``rate`` bytes/step has stopped: as many as it grew for
+        (a warm-up as long as its plateau is still ambiguous), and at least ``SETTLE_MIN_GAPS``
+        times the steps a rise of one tolerance takes at that rate (the longest quiet stretch a
+        continuing leak shows is far shorter)."""
+        grew = (self.last_rise or 0) - self.start
+        gap = self.tolerance / max(rate, 1.0)
+        return int(max(grew, SETTLE_MIN_GAPS * gap, 8))
+
+    def stopped(self, step: int, rate: float) -> bool:
+        if self.last_rise is None:
+            return False
+        return step - self.last_rise >= self.settle_after(rate)
 
 
 class _Level:
@@ -132,6 +200,7 @@ class GrowthDetector:
         self._fast = [_Level(n, self.min_blocks) for n in self.fast_block_steps]
         self._floor0: tuple[int, int] | None = None  # (step, bytes) of the first floor after warm-up
         self._last_step: int | None = None
+        self.rises = RiseTracker(self.min_rate_bytes)
         self.last: Finding | None = None
         """The latest growth finding, if the leak has been confirmed."""
 
@@ -166,7 +235,11 @@ class GrowthDetector:
             return None
         fine.blocks.append((fine.step0, fine.lo, fine.hi))
         fine.n = 0
-        return self._block_closed(step)
+        self.rises.add(step, fine.lo, fine.hi - fine.lo)
+        found = self._block_closed(step)
+        if found is None and self.last is not None and self.last.state == "open":
+            return self._maybe_settle(step)
+        return found
 
     def _fast_block_closed(self, step: int, level: _Level) -> Finding | None:
         """A fast leak, on blocks of 1-2 steps: a strict, steady climb over ``min_blocks`` blocks."""
@@ -182,6 +255,7 @@ class GrowthDetector:
             return None
         if self._floor0 is None or self._floor0[0] > blocks[0][0]:
             self._floor0 = (blocks[0][0], blocks[0][1])
+        self.rises.rose(step, ys[-1], trend.since_step)  # a strict climb up to this step: growing now
         return self._finding(step, ys[-1], trend)
 
     def _block_closed(self, step: int) -> Finding | None:
@@ -196,8 +270,20 @@ class GrowthDetector:
             return None
         return self._finding(step, lo, trend)
 
-    def _finding(self, step: int, lo: int, trend: _Trend) -> Finding:
+    def _finding(self, step: int, lo: int, trend: _Trend) -> Finding | None:
         assert self._floor0 is not None
+        rises = self.rises
+        rises.started(trend.since_step)
+        last = self.last
+        if last is not None and last.state == "settled":
+            if (rises.last_rise is None or rises.last_rise <= last.details["settled_step"]
+                    or lo - last.details["floor_bytes"] < self.min_growth_bytes):
+                return None  # the window still holds the growth that settled: nothing new
+            rises.start = last.details["settled_step"]  # the new growth's own length decides when it settles
+        elif rises.stopped(step, trend.rate):
+            # the growth had stopped when the trend was confirmed: a warm-up, not a leak (or no
+            # change to a finding already settled)
+            return None
         floor_step, floor_bytes = self._floor0
         growth = lo - floor_bytes
         finding = Finding(
@@ -222,12 +308,57 @@ class GrowthDetector:
                 "z": round(trend.z, 2),
                 "noise_bytes": int(trend.noise),
                 "floor_bytes": int(lo),
+                "steps_since_rise": rises.since_rise(step),
             },
         )
-        if self.last is not None:
-            finding.first_step = self.last.first_step
+        if last is not None:
+            finding.first_step = last.first_step
+            finding.details["reopened"] = int(last.details.get("reopened", 0))
+            if last.state == "settled":
+                finding.details["reopened"] += 1
+                finding.details["reopened_step"] = step
+                finding.message = (
+                    f"Re-opened: the growth that settled at step {last.details['settled_step']} "
+                    f"({format_bytes(last.details['settled_bytes'])} above step {floor_step}) grows again. "
+                ) + finding.message
         self.last = finding
         return finding
+
+    def _maybe_settle(self, step: int) -> Finding | None:
+        """The open finding, marked settled, once the floor has stayed flat long enough."""
+        last = self.last
+        assert last is not None
+        rate = float(last.details.get("rate_bytes_per_step") or self.min_rate_bytes)
+        if not self.rises.stopped(step, rate):
+            return None
+        rises = self.rises
+        assert rises.last_rise is not None
+        floor_step = self._floor0[0] if self._floor0 is not None else last.first_step
+        settled = copy.copy(last)
+        settled.details = dict(last.details)
+        settled.count = 0  # an update of the same cause, not a new sighting
+        settled.step = step
+        grew = rises.last_rise - rises.start
+        flat = step - rises.last_rise
+        settled.bytes = int(last.bytes or 0)
+        settled.state = "settled"
+        settled.details.update(
+            settled_step=step,
+            settled_bytes=int(last.bytes or 0),
+            last_rise_step=rises.last_rise,
+            grew_steps=grew,
+            flat_steps=flat,
+            steps_since_rise=flat,
+            settle_after_steps=rises.settle_after(rate),
+        )
+        settled.message = (
+            f"Settled: memory at step start grew by {format_bytes(settled.bytes)} from step {floor_step} to step "
+            f"{rises.last_rise} ({grew} steps), then stayed flat for {flat} steps (to step {step}). Growth that "
+            "stops is a cache or queue filling during warm-up (a bounded queue, a cache per shape), not a leak; "
+            "the finding re-opens if it grows again."
+        )
+        self.last = settled
+        return settled
 
     def _test(self, blocks: collections.deque[tuple[int, int, int]]) -> _Trend | None:
         n_all = len(blocks)
