@@ -20,6 +20,7 @@ from memcallbacks.leaks.census import Census, take_census
 from memcallbacks.leaks.chains import chain_finding
 from memcallbacks.leaks.cycles import GarbageCollector
 from memcallbacks.leaks.garbage import cyclic_garbage_note
+from memcallbacks.leaks.frozen import visible_heap
 from memcallbacks.leaks.gc_watch import CollectionWatch
 from memcallbacks.leaks.growth import GrowthDetector
 from memcallbacks.leaks.holders import find_holders
@@ -105,13 +106,15 @@ class LeakWatch:
         found = []
         finding = self.lingering.check(step, current_batch=batch)
         if finding is not None:
-            finding.holders = self.lingering_holders()
+            with visible_heap():
+                finding.holders = self.lingering_holders()
             if not finding.holders:
                 self._blame_garbage(finding)
             found.append(finding)
         chain = self.lingering.chains.check(step)
         if chain is not None:
-            finding = self._chain(step, chain)
+            with visible_heap():
+                finding = self._chain(step, chain)
             if finding is not None:
                 found.append(finding)
         return found
@@ -121,7 +124,11 @@ class LeakWatch:
         steps = [s for s, _ in chain]
         oldest = chain[0][1]
         del chain
-        root = find_graph_root(oldest)
+        # the marked loss itself when it is alive (no heap scan; the heap listing also misses a frozen heap)
+        loss_ref = getattr(oldest, "loss_ref", None)
+        root = loss_ref() if loss_ref is not None else None
+        if root is None:
+            root = find_graph_root(oldest)
         holders: list[str] = []
         nbytes = 0
         if root is not None:
@@ -276,7 +283,8 @@ class LeakWatch:
     def _census(self, batch: Any) -> Census | None:
         """:meth:`census` for the detectors' own use: a failure only costs the holders."""
         try:
-            return self.census(batch)
+            with visible_heap():
+                return self.census(batch)
         except Exception:
             log.debug("census failed", exc_info=True)
             return None
