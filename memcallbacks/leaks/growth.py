@@ -294,11 +294,11 @@ class GrowthDetector:
             message=(
                 f"Memory at step start grew steadily by {format_bytes(trend.rate)}/step since step "
                 f"{trend.since_step} (+{format_bytes(growth)} since step {floor_step}). Something keeps "
-                "tensors from every step: a list or dict on a module or a global that gets a tensor per "
-                "step (`self.cache.append(out)`), a running total without `.detach()` "
+                "memory from every step, most often tensors: a list or dict on a module or a global that gets "
+                "a tensor per step (`self.cache.append(out)`), a running total without `.detach()` "
                 "(`total += loss` — use `total += loss.item()`), or outputs stored on `self`. Store "
                 "`.item()` or `.detach().cpu()` values, bound or clear the cache, and check the "
-                "holders: they name what grew."
+                "holders: two censuses some steps apart name the tensors that grew, or say that none did."
             ),
             details={
                 "rate_bytes_per_step": int(trend.rate),

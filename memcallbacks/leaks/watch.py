@@ -35,6 +35,12 @@ __all__ = ["LeakWatch"]
 # (at the next read from then on, or when the run ends).
 GROWTH_CENSUS_GAP = 16
 
+NO_TENSOR_GREW = (
+    " The censuses found no tensor that grew between them: what grew is not tensor memory Python can reach "
+    "(numpy arrays, Python objects such as lists of floats or strings, a native library's buffers, or "
+    "tensors only C++ holds); look at per-step caches of those, or at the library the step calls."
+)
+
 
 class LeakWatch:
     """Per-step leak detection. Each method is cheap unless something is wrong."""
@@ -84,6 +90,7 @@ class LeakWatch:
         self._growth_census: Census | None = None
         self._growth_census_due: int | None = None  # the step from which census B is taken
         self._growth_finding: Finding | None = None
+        self._growth_note = ""  # NO_TENSOR_GREW once the censuses found no tensor that grew
         self.model: Any = None
         self.optimizer: Any = None
 
@@ -219,6 +226,8 @@ class LeakWatch:
             return []
         first = self._growth_finding is None
         self._growth_finding = finding
+        if self._growth_note and finding.state == "open" and self._growth_note not in finding.message:
+            finding.message += self._growth_note  # later confirmations keep what the censuses found
         if first:
             # census A now; census B some steps later tells what grew, by holder
             self._growth_census = self._census(batch)
@@ -245,6 +254,11 @@ class LeakWatch:
             return [finding]
         deltas = [d for d in after.diff(before) if d.bytes > 0]
         finding.holders = [str(d) for d in deltas[:5]]
+        if not deltas:
+            self._growth_note = NO_TENSOR_GREW
+            finding.details["tensors_grew"] = False
+        if self._growth_note and finding.state == "open" and self._growth_note not in finding.message:
+            finding.message += self._growth_note
         finding.details["census_cost_s"] = round(before.seconds + after.seconds, 3)
         if not sighting:
             finding = copy.copy(finding)
