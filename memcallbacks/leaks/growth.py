@@ -200,6 +200,9 @@ class GrowthDetector:
         self._fast = [_Level(n, self.min_blocks) for n in self.fast_block_steps]
         self._floor0: tuple[int, int] | None = None  # (step, bytes) of the first floor after warm-up
         self._last_step: int | None = None
+        self._last_read: int | None = None
+        self._last_read_rise: int | None = None
+        self._read_gap = 1
         self.rises = RiseTracker(self.min_rate_bytes)
         self.last: Finding | None = None
         """The latest growth finding, if the leak has been confirmed."""
@@ -222,6 +225,12 @@ class GrowthDetector:
         # step read) a block holds fewer reads, so the latency in steps does not grow with k.
         gap = step - self._last_step if self._last_step is not None and step > self._last_step else 1
         self._last_step = step
+        # the last read that rose by at least half the slowest reported rate since the read before
+        prev = self._last_read
+        if prev is not None and baseline_bytes - prev >= self.min_rate_bytes * gap // 2:
+            self._last_read_rise = step
+        self._last_read = baseline_bytes
+        self._read_gap = gap
         fine = self._fine  # _Level.add inlined: this is the per-step path
         if fine.n == 0:
             fine.step0 = step
@@ -280,7 +289,7 @@ class GrowthDetector:
                     or lo - last.details["floor_bytes"] < self.min_growth_bytes):
                 return None  # the window still holds the growth that settled: nothing new
             rises.start = last.details["settled_step"]  # the new growth's own length decides when it settles
-        elif rises.stopped(step, trend.rate):
+        elif (self._last_read_rise is not None and step - self._last_read_rise > 2 * self._read_gap) or rises.stopped(step, trend.rate):
             # the growth had stopped when the trend was confirmed: a warm-up, not a leak (or no
             # change to a finding already settled)
             return None
@@ -314,12 +323,17 @@ class GrowthDetector:
         if last is not None:
             finding.first_step = last.first_step
             finding.details["reopened"] = int(last.details.get("reopened", 0))
+            for key in ("reopened_step", "settled_step", "settled_bytes"):
+                if key in last.details:
+                    finding.details[key] = last.details[key]
             if last.state == "settled":
                 finding.details["reopened"] += 1
                 finding.details["reopened_step"] = step
+            if finding.details["reopened"]:
                 finding.message = (
-                    f"Re-opened: the growth that settled at step {last.details['settled_step']} "
-                    f"({format_bytes(last.details['settled_bytes'])} above step {floor_step}) grows again. "
+                    f"Re-opened at step {finding.details['reopened_step']}: the growth that settled at step "
+                    f"{finding.details['settled_step']} ({format_bytes(finding.details['settled_bytes'])} above step "
+                    f"{floor_step}) grows again. "
                 ) + finding.message
         self.last = finding
         return finding
