@@ -391,7 +391,8 @@ def test_planted_leak_after_a_settled_warm_up_reopens(tmp_path):
     growth = next(f for f in monitor.findings if f.kind == "growth")
     assert growth.state == "open" and growth.details["reopened"] == 1, str(growth)
     assert 90 < growth.details["reopened_step"] <= 90 + 20 + 32, str(growth)  # the 1 MiB target, plus one thinned read
-    assert growth.message.startswith("Re-opened:"), growth.message
+    assert growth.message.startswith(f"Re-opened at step {growth.details['reopened_step']}:"), growth.message
+    assert any(" global KEPT grew" in h for h in growth.holders), growth.holders  # a new census pair for the new growth
 
 
 def test_planted_lightning_leak_in_a_short_run_without_logger_ends_with_holders(tmp_path):

@@ -224,12 +224,13 @@ class LeakWatch:
                 # the holders arrive on a step the detector did not report: an update, not a new sighting
                 return self._name_growth(step, batch, sighting=False)
             return []
-        first = self._growth_finding is None
+        reopened = finding.details.get("reopened", 0)
+        first = self._growth_finding is None or reopened > self._growth_finding.details.get("reopened", 0)
         self._growth_finding = finding
         if self._growth_note and finding.state == "open" and self._growth_note not in finding.message:
             finding.message += self._growth_note  # later confirmations keep what the censuses found
         if first:
-            # census A now; census B some steps later tells what grew, by holder
+            # census A now (again when a settled growth re-opens); census B some steps later tells what grew, by holder
             self._growth_census = self._census(batch)
             self._growth_census_due = step + GROWTH_CENSUS_GAP
         elif due is not None and step >= due:
