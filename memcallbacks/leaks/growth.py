@@ -14,9 +14,10 @@ __all__ = ["GrowthDetector", "RiseTracker", "SETTLE_MIN_GAPS"]
 
 SETTLE_MIN_GAPS = 4
 """A finding settles only after this many expected rise intervals pass with no rise (see
-:meth:`RiseTracker.settle_after`). Measured on the planted leaks of the latency tests (4 MiB to
-64 KiB per step, every read and thinned reads): the longest stretch without a rise inside a
-continuing leak was 1.5 expected intervals (docs/findings.md, "The lifecycle")."""
+:meth:`RiseTracker.settle_after`). Measured on planted leaks in a plain loop at defaults (4 MiB to
+64 KiB per step, fixed and variable batch sizes, 150-400 steps, reads thinned after step 48): the longest stretch without a rise inside a
+continuing leak was 1.3 expected intervals, the expected interval being one tolerance of growth at the
+leak's rate or the steps between reads, whichever is longer (docs/findings.md, "The lifecycle")."""
 
 
 class RiseTracker:
@@ -27,7 +28,7 @@ class RiseTracker:
     that drops below the last rise's (memory freed) moves the reference down with it.
     """
 
-    __slots__ = ("min_rate_bytes", "anchor", "last_rise", "start", "_ranges")
+    __slots__ = ("min_rate_bytes", "anchor", "last_rise", "start", "_ranges", "_last_add", "read_gap")
 
     def __init__(self, min_rate_bytes: int) -> None:
         self.min_rate_bytes = min_rate_bytes
@@ -35,6 +36,8 @@ class RiseTracker:
         self.last_rise: int | None = None
         self.start: int = 0  # where the growth under test began (the trend's first block)
         self._ranges: collections.deque[int] = collections.deque(maxlen=16)
+        self._last_add: int | None = None
+        self.read_gap = 1  # steps between the last two closed blocks: nothing is known in between
 
     @property
     def tolerance(self) -> float:
@@ -43,6 +46,9 @@ class RiseTracker:
         return max(2.0 * noise, float(self.min_rate_bytes))
 
     def add(self, step: int, lo: int, spread: int) -> None:
+        if self._last_add is not None and step > self._last_add:
+            self.read_gap = step - self._last_add
+        self._last_add = step
         self._ranges.append(spread)
         if self.anchor is None:
             self.anchor = lo
@@ -65,13 +71,17 @@ class RiseTracker:
     def since_rise(self, step: int) -> int:
         return step - self.last_rise if self.last_rise is not None else 0
 
+    def expected_gap(self, rate: float) -> float:
+        """Steps between two rises of a leak that goes on at ``rate``: one tolerance of growth, or
+        the steps between two blocks when reads are further apart than that."""
+        return max(self.tolerance / max(rate, 1.0), float(self.read_gap))
+
     def settle_after(self, rate: float) -> int:
         """Flat steps that show growth at ``rate`` bytes/step has stopped: as many as it grew for
         (a warm-up as long as its plateau is still ambiguous), and at least ``SETTLE_MIN_GAPS``
-        times the steps a rise of one tolerance takes at that rate (the longest quiet stretch a
-        continuing leak shows is far shorter)."""
+        expected rise intervals (the longest quiet stretch a continuing leak showed is far shorter)."""
         grew = (self.last_rise or 0) - self.start
-        gap = self.tolerance / max(rate, 1.0)
+        gap = self.expected_gap(rate)
         return int(max(grew, SETTLE_MIN_GAPS * gap, 8))
 
     def stopped(self, step: int, rate: float) -> bool:
