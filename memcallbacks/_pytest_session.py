@@ -178,13 +178,14 @@ class TrainMemory:
             if leak is None or leak.leaked <= limit:
                 continue
             new = leak.new_bytes
-            parts = (f" = {format_bytes(new)} in tensors allocated after warm-up, less {format_bytes(new - leak.leaked)} of "
-                     "warm-up tensors freed" if new is not None and new != leak.leaked else "")
+            parts = (f"; that is {format_bytes(new)} in tensors allocated after warm-up (the holders below) less "
+                     f"{format_bytes(new - leak.leaked)} of warm-up tensors freed"
+                     if new is not None and format_bytes(new) != format_bytes(leak.leaked) else "")
             out.append(Failure(
-                f"leaked {format_bytes(leak.leaked)}{parts} over {leak.steps} step{'s' if leak.steps != 1 else ''} "
+                f"leaked {format_bytes(leak.leaked)} over {leak.steps} step{'s' if leak.steps != 1 else ''} "
                 f"(limit {format_bytes(limit)}): tensor memory alive after the last step ({format_bytes(leak.final_bytes)}) "
                 f"against after warm-up step {self._limits.warmup} ({format_bytes(leak.warmup_bytes)}), params, grads, "
-                f"optimizer state and the current batch left out [{probe.name}]",
+                f"optimizer state and the current batch left out{parts} [{probe.name}]",
                 leak.holders,
                 "Something keeps tensors from step to step: a list or dict on the model or a global that gets a "
                 "tensor per step, a running total without `.detach()`, or outputs stored on `self`. Store "

@@ -4,7 +4,9 @@
 the pytest plugin uses after warm-up to keep its end-of-test collection cheap, and which some
 servers call after start-up). A finding's holders searched on a frozen heap come back empty: a
 Lightning module appending its loss to ``self.kept`` under the plugin was reported as a chain of
-graphs with 0 B and no holder. The searches run with the heap thawed and freeze it again after.
+graphs with 0 B and no holder. The chain's root and holder search runs with the heap thawed and
+freezes it again after (only there: a chain is rare and always a leak; the plugin's own censuses
+thaw the heap themselves).
 """
 
 from __future__ import annotations

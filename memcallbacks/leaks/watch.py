@@ -113,8 +113,7 @@ class LeakWatch:
         found = []
         finding = self.lingering.check(step, current_batch=batch)
         if finding is not None:
-            with visible_heap():
-                finding.holders = self.lingering_holders()
+            finding.holders = self.lingering_holders()
             if not finding.holders:
                 self._blame_garbage(finding)
             found.append(finding)
@@ -298,8 +297,7 @@ class LeakWatch:
     def _census(self, batch: Any) -> Census | None:
         """:meth:`census` for the detectors' own use: a failure only costs the holders."""
         try:
-            with visible_heap():
-                return self.census(batch)
+            return self.census(batch)
         except Exception:
             log.debug("census failed", exc_info=True)
             return None
