@@ -10,7 +10,11 @@ from dataclasses import dataclass
 from memcallbacks._findings import Finding
 from memcallbacks._units import KiB, MiB, format_bytes
 
-__all__ = ["GrowthDetector", "RiseTracker", "SETTLE_MIN_GAPS"]
+__all__ = ["GrowthDetector", "RiseTracker", "RAISE_MAX_GAPS", "SETTLE_MIN_GAPS"]
+
+RAISE_MAX_GAPS = 2
+"""A finding is raised (or updated) only while its floor rose within this many expected rise
+intervals: growth that already stopped is not raised (see SETTLE_MIN_GAPS for the measurement)."""
 
 SETTLE_MIN_GAPS = 4
 """A finding settles only after this many expected rise intervals pass with no rise (see
@@ -213,6 +217,7 @@ class GrowthDetector:
         self._last_read: int | None = None
         self._last_read_rise: int | None = None
         self._read_gap = 1
+        self._strict_climb: int | None = None
         self.rises = RiseTracker(self.min_rate_bytes)
         self.last: Finding | None = None
         """The latest growth finding, if the leak has been confirmed."""
@@ -275,6 +280,7 @@ class GrowthDetector:
         if self._floor0 is None or self._floor0[0] > blocks[0][0]:
             self._floor0 = (blocks[0][0], blocks[0][1])
         self.rises.rose(step, ys[-1], trend.since_step)  # a strict climb up to this step: growing now
+        self._strict_climb = step
         return self._finding(step, ys[-1], trend)
 
     def _block_closed(self, step: int) -> Finding | None:
@@ -299,7 +305,7 @@ class GrowthDetector:
                     or lo - last.details["floor_bytes"] < self.min_growth_bytes):
                 return None  # the window still holds the growth that settled: nothing new
             rises.start = last.details["settled_step"]  # the new growth's own length decides when it settles
-        elif (self._last_read_rise is not None and step - self._last_read_rise > 2 * self._read_gap) or rises.stopped(step, trend.rate):
+        elif not self._growing(step, trend.rate) or rises.stopped(step, trend.rate):
             # the growth had stopped when the trend was confirmed: a warm-up, not a leak (or no
             # change to a finding already settled)
             return None
@@ -347,6 +353,19 @@ class GrowthDetector:
                 ) + finding.message
         self.last = finding
         return finding
+
+    def _growing(self, step: int, rate: float) -> bool:
+        """The evidence that the growth goes on at ``step``: a strict climb up to this step (the fast
+        test), or this read rose since the one before (by half the slowest reported rate per step
+        between them: with reads thinned to every few dozen steps, a warm-up that stopped shows the
+        same floor at both) and the block minima rose within ``RAISE_MAX_GAPS`` expected intervals
+        (a leak that goes on showed at most 1.3; a warm-up that stopped shows many)."""
+        rises = self.rises
+        if self._strict_climb == step:
+            return True
+        if self._last_read_rise != step:
+            return False
+        return rises.last_rise is None or step - rises.last_rise <= RAISE_MAX_GAPS * rises.expected_gap(rate)
 
     def _maybe_settle(self, step: int) -> Finding | None:
         """The open finding, marked settled, once the floor has stayed flat long enough."""
