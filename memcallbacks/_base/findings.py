@@ -9,9 +9,11 @@ from typing import Any, Iterator
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Finding", "FindingLog"]
+__all__ = ["Finding", "FindingLog", "announce", "finding_counts", "finding_label"]
 
 KINDS = ("growth", "lingering", "cycle", "unexplained", "preflight", "host_growth", "worker_growth", "rank_imbalance")
+STATES = ("open", "settled")
+SEVERITIES = ("problem", "advice")
 
 
 @dataclass
@@ -41,10 +43,21 @@ class Finding:
     """Step at which this cause was first reported; defaults to ``step``."""
     count: int = 1
     """How many times the cause was reported (by a detector, or re-added to a log)."""
+    state: str = "open"
+    """``"open"``, or ``"settled"``: a growth that stopped (``details["settled_step"]``,
+    ``details["settled_bytes"]``); a settled growth that grows again is ``"open"`` once more
+    (``details["reopened"]`` counts it). See docs/findings.md, "The lifecycle"."""
+    severity: str = "problem"
+    """``"problem"`` (a leak or an unexplained use: logged as a warning, fails the pytest plugin), or
+    ``"advice"``: bounded and not a leak, with its cost (logged at INFO)."""
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"Finding.kind={self.kind!r} is not one of {KINDS}; use one of those.")
+        if self.state not in STATES:
+            raise ValueError(f"Finding.state={self.state!r} is not one of {STATES}; use one of those.")
+        if self.severity not in SEVERITIES:
+            raise ValueError(f"Finding.severity={self.severity!r} is not one of {SEVERITIES}; use one of those.")
         if not self.key:
             self.key = self.kind
         if self.first_step is None:
@@ -56,8 +69,19 @@ class Finding:
         out["details"] = _jsonable(self.details)
         return out
 
+    @property
+    def is_problem(self) -> bool:
+        """An open problem: not settled, not advice (what ``memory/findings`` counts and the pytest plugin fails on)."""
+        return self.state == "open" and self.severity == "problem"
+
+    @property
+    def label(self) -> str:
+        """``growth``, ``growth, settled`` or ``lingering, advice``: the kind and any state that is not the default."""
+        extra = [x for x in (self.state if self.state != "open" else "", self.severity if self.severity != "problem" else "") if x]
+        return ", ".join([self.kind, *extra])
+
     def __str__(self) -> str:
-        lines = [f"[{self.kind}] step {self.step}: {self.message}"]
+        lines = [f"[{self.label}] step {self.step}: {self.message}"]
         lines += [f"    held by: {h}" for h in self.holders]
         return "\n".join(lines)
 
@@ -66,6 +90,45 @@ def with_holders_note(message: str, reason: str) -> str:
     """``message`` saying that its holders are unknown because their search failed with ``reason`` (once)."""
     note = f" (Holders unknown: the search for them failed with {reason}; the finding rests on the memory numbers alone.)"
     return message if note in message else message + note
+
+
+def announce(logger: logging.Logger, owner: str, finding: Finding, *, changed: bool = False) -> None:
+    """Log a new finding, or one whose state changed, once: a problem as a warning, advice at INFO,
+    a settled growth in one line (a warning: it takes back the warning that raised it)."""
+    if finding.state == "settled":
+        d = finding.details
+        logger.warning("%s: the growth found at step %s settled at %s (+%s) at step %d: flat for %s steps after growing for %s; "
+                       "not a leak unless it grows again.", owner, finding.first_step, _fmt(d.get("floor_bytes")),
+                       _fmt(d.get("settled_bytes")), finding.step, d.get("flat_steps"), d.get("grew_steps"))
+    elif finding.severity == "advice":
+        logger.info("%s has advice: %s", owner, finding)
+    elif changed:
+        logger.warning("%s: a memory problem re-opened: %s", owner, finding)
+    else:
+        logger.warning("%s found a memory problem: %s", owner, finding)
+
+
+def _fmt(value: Any) -> str:
+    from memcallbacks._base.units import format_bytes
+
+    return format_bytes(value) if isinstance(value, (int, float)) else "?"
+
+
+def finding_label(item: dict[str, Any]) -> str:
+    """:attr:`Finding.label` for a finding read back from ``report.json`` (older files have no state)."""
+    extra = [x for x in (item.get("state") or "open", item.get("severity") or "problem") if x not in ("open", "problem")]
+    return ", ".join([str(item.get("kind")), *extra])
+
+
+def finding_counts(items: list[dict[str, Any]]) -> str:
+    """``"none"``, ``"2"``, or ``"1 (1 settled growth, 1 advice)"``: open problems first, then the rest."""
+    if not items:
+        return "none"
+    settled = sum(1 for f in items if f.get("state") == "settled")
+    advice = sum(1 for f in items if f.get("severity") == "advice" and f.get("state") != "settled")
+    problems = len(items) - settled - advice
+    rest = [f"{n} {what}" for n, what in ((settled, "settled growth"), (advice, "advice")) if n]
+    return f"{problems}" + (f" open problem{'s' if problems != 1 else ''} ({', '.join(rest)})" if rest else "")
 
 
 def _jsonable(value: Any) -> Any:
@@ -97,10 +160,13 @@ class FindingLog:
         self._by_key: dict[str, Finding] = {}
         self.dropped = 0
         """Findings with new keys refused because ``max_findings`` was reached."""
+        self.changed: Finding | None = None
+        """After :meth:`add`: the stored finding when the add changed its state (settled, re-opened)."""
 
     def add(self, finding: Finding) -> bool:
         """Record ``finding``; True when its key is new."""
         old = self._by_key.get(finding.key)
+        self.changed = None
         if old is None:
             if len(self._by_key) >= self.max_findings:
                 self.dropped += 1
@@ -120,7 +186,14 @@ class FindingLog:
         elif old.details.get("holders_unavailable"):
             old.message = with_holders_note(old.message, old.details["holders_unavailable"])  # an update's text lacks it
         old.count += finding.count
+        if (old.state, old.severity) != (finding.state, finding.severity):
+            old.state, old.severity = finding.state, finding.severity
+            self.changed = old
         return False
+
+    def problems(self) -> int:
+        """Open problems: findings neither settled nor advice."""
+        return sum(1 for f in self._by_key.values() if f.is_problem)
 
     def get(self, key: str) -> Finding | None:
         return self._by_key.get(key)

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from memcallbacks._base.findings import finding_counts, finding_label
 from memcallbacks._base.units import format_bytes, format_delta
 
 __all__ = ["format_report", "load_output_dir"]
@@ -138,9 +139,9 @@ def format_report(report: dict[str, Any], history: Any = None) -> str:
             extra.append(f"{cadence['finding_time_s']:.2f} s naming holders for findings")
         if extra:
             lines.append(f"                             {'; '.join(extra)}")
-    lines.append(f"  findings                   {len(findings) or 'none'}")
+    lines.append(f"  findings                   {finding_counts(findings)}")
     for f in findings:
-        lines.append(f"    [{f.get('kind')}] step {f.get('step')}: {f.get('message')}")
+        lines.append(f"    [{finding_label(f)}] step {f.get('step')}: {f.get('message')}")
         for holder in f.get("holders", [])[:5]:
             lines.append(f"        held by {holder}")
     for event in report.get("events") or []:

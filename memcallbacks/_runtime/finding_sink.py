@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable
 
-from memcallbacks._base.findings import Finding, FindingLog
+from memcallbacks._base.findings import Finding, FindingLog, announce
 
 __all__ = ["FindingSink"]
 
@@ -30,19 +30,26 @@ class FindingSink:
         return self.log_.findings
 
     def add(self, finding: Finding) -> None:
-        """Keep one finding per cause; log a new cause once, as a warning, on rank zero."""
+        """Keep one finding per cause; log a new cause once on rank zero (a problem as a warning,
+        advice at INFO), and a change of state (settled, re-opened) once more."""
         if self.log_.add(finding):
             self.new.append(finding)
             if self.rank() == 0:
-                self.log.warning("%s found a memory problem: %s", self.owner, finding)
+                announce(self.log, self.owner, finding)
             if finding.holders:
                 self._holders_logged.add(finding.key)
+        elif self.log_.changed is not None and self.rank() == 0:  # settled, or re-opened (docs/findings.md)
+            announce(self.log, self.owner, self.log_.changed, changed=True)
         elif finding.holders and finding.key not in self._holders_logged:
             # growth: the holders come from a second census some steps after the first warning
             self._holders_logged.add(finding.key)
             if self.rank() == 0:
                 self.log.warning("%s: what grew (%s finding of step %d):\n%s", self.owner, finding.kind, finding.first_step or finding.step,
                                  "\n".join(f"    {h}" for h in finding.holders))
+
+    def problems(self) -> int:
+        """Open problems: findings that are neither settled growth nor advice (``memory/findings``)."""
+        return self.log_.problems()
 
     def take_new(self) -> list[Finding]:
         new, self.new = self.new, []

@@ -21,6 +21,7 @@ from memcallbacks.leaks.census import Census, take_census
 from memcallbacks.leaks.chains import chain_finding
 from memcallbacks.leaks.cycles import GarbageCollector
 from memcallbacks.leaks.garbage import cyclic_garbage_note
+from memcallbacks.leaks.frozen import visible_heap
 from memcallbacks.leaks.gc_watch import CollectionWatch
 from memcallbacks.leaks.growth import GrowthDetector
 from memcallbacks.leaks.holders import find_holders, group_paths
@@ -35,6 +36,12 @@ __all__ = ["LeakWatch"]
 # A growth finding names what grew between a census at detection and one at least this many steps later
 # (at the next read from then on, or when the run ends).
 GROWTH_CENSUS_GAP = 16
+
+NO_TENSOR_GREW = (
+    " The censuses found no tensor that grew between them: what grew is not tensor memory Python can reach "
+    "(numpy arrays, Python objects such as lists of floats or strings, a native library's buffers, or "
+    "tensors only C++ holds); look at per-step caches of those, or at the library the step calls."
+)
 
 
 class LeakWatch:
@@ -93,6 +100,7 @@ class LeakWatch:
         self._last_scan: tuple[int, float] | None = None  # (step, seconds) of the last check that scanned the heap
         self._census_s = 0.0  # the last census's time
         self._growth_census_cost = 0.0  # census A's time
+        self._growth_note = ""  # NO_TENSOR_GREW once the censuses found no tensor that grew
         self.model: Any = None
         self.optimizer: Any = None
 
@@ -142,7 +150,8 @@ class LeakWatch:
         if chain is not None:
             t0 = time.perf_counter()
             try:
-                finding = self._chain(step, chain)
+                with visible_heap():
+                    finding = self._chain(step, chain)
             finally:
                 if self.ledger is not None:
                     self.ledger.finding(time.perf_counter() - t0)
@@ -155,7 +164,11 @@ class LeakWatch:
         steps = [s for s, _ in chain]
         oldest = chain[0][1]
         del chain
-        root = find_graph_root(oldest)
+        # the marked loss itself when it is alive (no heap scan; the heap listing also misses a frozen heap)
+        loss_ref = getattr(oldest, "loss_ref", None)
+        root = loss_ref() if loss_ref is not None else None
+        if root is None:
+            root = find_graph_root(oldest)
         holders: list[str] = []
         nbytes = 0
         failure: Exception | None = None
@@ -258,10 +271,13 @@ class LeakWatch:
                 # the holders arrive on a step the detector did not report: an update, not a new sighting
                 return self._name_growth(step, batch, sighting=False)
             return []
-        first = self._growth_finding is None
+        reopened = finding.details.get("reopened", 0)
+        first = self._growth_finding is None or reopened > self._growth_finding.details.get("reopened", 0)
         self._growth_finding = finding
+        if self._growth_note and finding.state == "open" and self._growth_note not in finding.message:
+            finding.message += self._growth_note  # later confirmations keep what the censuses found
         if first:
-            # census A now; census B some steps later tells what grew, by holder
+            # census A now (again when a settled growth re-opens); census B some steps later tells what grew, by holder
             self._growth_census = self._census(batch)
             self._growth_census_cost = self._census_s
             self._growth_census_due = step + GROWTH_CENSUS_GAP
@@ -292,6 +308,11 @@ class LeakWatch:
             return [finding]
         deltas = [d for d in after.diff(before) if d.bytes > 0]
         finding.holders = [str(d) for d in deltas[:5]]
+        if not deltas:
+            self._growth_note = NO_TENSOR_GREW
+            finding.details["tensors_grew"] = False
+        if self._growth_note and finding.state == "open" and self._growth_note not in finding.message:
+            finding.message += self._growth_note
         # the two censuses' time as the budget counted it (summary.cadence.finding_time_s), not only their scans
         finding.details["census_cost_s"] = round(self._growth_census_cost + self._census_s, 3)
         if not sighting:

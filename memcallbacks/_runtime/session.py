@@ -593,7 +593,7 @@ class Session(RunEnd):
     def _extra_metrics(self, row: list[Any] | None) -> dict[str, float]:
         dashboard = self.dashboard
         return extra_metrics(
-            self.config, row, findings=len(self.findings), overhead=self.cadence.overhead, preflight=self.preflight,
+            self.config, row, findings=self.sink.problems(), overhead=self.cadence.overhead, preflight=self.preflight,
             capacity=self.engine.capacity if dashboard.capacity else None, state=self.state, snap=self.snap,
             last_gc=self.watch.last_gc if self.watch is not None else None,
             host={**self.host.growth.figures(), **self.host.workers.figures()} if self.host is not None else None,

@@ -234,7 +234,7 @@ def take_census(
         raise ValueError(f"take_census(time_budget_s={time_budget_s}) must be positive; try 2.0.")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        n_objects, tensors, modules, optimizers = _scan_heap()
+        n_objects, tensors, modules, optimizers = scan_heap()
         modules = _unique(_as_list(model) + modules, torch.nn.Module)
         optimizers = _unique(_as_list(optimizer) + optimizers, torch.optim.Optimizer)
         sorter = _Classifier()
@@ -279,7 +279,7 @@ def _unique(objs: list[Any], kind: type) -> list[Any]:
     return list({id(o): o for o in objs if isinstance(o, kind)}.values())
 
 
-def _scan_heap() -> tuple[int, list[torch.Tensor], list[torch.nn.Module], list[Any]]:
+def scan_heap() -> tuple[int, list[torch.Tensor], list[torch.nn.Module], list[Any]]:
     """One pass over ``gc.get_objects()``: (object count, tensors, modules, optimizers)."""
     tensors: list[torch.Tensor] = []
     modules: list[torch.nn.Module] = []

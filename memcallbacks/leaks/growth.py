@@ -3,13 +3,95 @@
 from __future__ import annotations
 
 import collections
+import copy
 import math
 from dataclasses import dataclass
 
 from memcallbacks._base.findings import Finding
 from memcallbacks._base.units import KiB, MiB, format_bytes
 
-__all__ = ["GrowthDetector"]
+__all__ = ["GrowthDetector", "RiseTracker", "RAISE_MAX_GAPS", "SETTLE_MIN_GAPS"]
+
+RAISE_MAX_GAPS = 2
+"""A finding is raised (or updated) only while its floor rose within this many expected rise
+intervals: growth that already stopped is not raised (see SETTLE_MIN_GAPS for the measurement)."""
+
+SETTLE_MIN_GAPS = 4
+"""A finding settles only after this many expected rise intervals pass with no rise (see
+:meth:`RiseTracker.settle_after`). Measured on planted leaks in a plain loop at defaults (4 MiB to
+64 KiB per step, fixed and variable batch sizes, 150-400 steps, reads thinned after step 48): the longest stretch without a rise inside a
+continuing leak was 1.3 expected intervals, the expected interval being one tolerance of growth at the
+leak's rate or the steps between reads, whichever is longer (docs/findings.md, "The lifecycle")."""
+
+
+class RiseTracker:
+    """When the memory floor last rose, on block minima: the evidence that growth goes on or stopped.
+
+    A *rise* is a block minimum above the floor of the last rise by more than the tolerance: twice
+    the step-to-step noise (the median within-block range), and at least ``min_rate_bytes``. A floor
+    that drops below the last rise's (memory freed) moves the reference down with it.
+    """
+
+    __slots__ = ("min_rate_bytes", "anchor", "last_rise", "start", "_ranges", "_last_add", "read_gap")
+
+    def __init__(self, min_rate_bytes: int) -> None:
+        self.min_rate_bytes = min_rate_bytes
+        self.anchor: int | None = None  # the floor at the last rise
+        self.last_rise: int | None = None
+        self.start: int = 0  # where the growth under test began (the trend's first block)
+        self._ranges: collections.deque[int] = collections.deque(maxlen=16)
+        self._last_add: int | None = None
+        self.read_gap = 1  # steps between the last two closed blocks: nothing is known in between
+
+    @property
+    def tolerance(self) -> float:
+        ranges = sorted(self._ranges)
+        noise = ranges[len(ranges) // 2] if ranges else 0
+        return max(2.0 * noise, float(self.min_rate_bytes))
+
+    def add(self, step: int, lo: int, spread: int) -> None:
+        if self._last_add is not None and step > self._last_add:
+            self.read_gap = step - self._last_add
+        self._last_add = step
+        self._ranges.append(spread)
+        if self.anchor is None:
+            self.anchor = lo
+            return
+        tolerance = self.tolerance
+        if lo > self.anchor + tolerance:
+            self.anchor, self.last_rise = lo, step
+        elif lo < self.anchor - tolerance:
+            self.anchor = lo
+
+    def rose(self, step: int, lo: int, since: int) -> None:
+        """A strict climb ending at ``step`` (the fast test): the floor rose now."""
+        self.anchor, self.last_rise = lo, step
+        self.started(since)
+
+    def started(self, since: int) -> None:
+        if self.last_rise is None or since < self.start or self.start == 0:
+            self.start = since
+
+    def since_rise(self, step: int) -> int:
+        return step - self.last_rise if self.last_rise is not None else 0
+
+    def expected_gap(self, rate: float) -> float:
+        """Steps between two rises of a leak that goes on at ``rate``: one tolerance of growth, or
+        the steps between two blocks when reads are further apart than that."""
+        return max(self.tolerance / max(rate, 1.0), float(self.read_gap))
+
+    def settle_after(self, rate: float) -> int:
+        """Flat steps that show growth at ``rate`` bytes/step has stopped: as many as it grew for
+        (a warm-up as long as its plateau is still ambiguous), and at least ``SETTLE_MIN_GAPS``
+        expected rise intervals (the longest quiet stretch a continuing leak showed is far shorter)."""
+        grew = (self.last_rise or 0) - self.start
+        gap = self.expected_gap(rate)
+        return int(max(grew, SETTLE_MIN_GAPS * gap, 8))
+
+    def stopped(self, step: int, rate: float) -> bool:
+        if self.last_rise is None:
+            return False
+        return step - self.last_rise >= self.settle_after(rate)
 
 
 class _Level:
@@ -132,6 +214,11 @@ class GrowthDetector:
         self._fast = [_Level(n, self.min_blocks) for n in self.fast_block_steps]
         self._floor0: tuple[int, int] | None = None  # (step, bytes) of the first floor after warm-up
         self._last_step: int | None = None
+        self._last_read: int | None = None
+        self._last_read_rise: int | None = None
+        self._read_gap = 1
+        self._strict_climb: int | None = None
+        self.rises = RiseTracker(self.min_rate_bytes)
         self.last: Finding | None = None
         """The latest growth finding, if the leak has been confirmed."""
 
@@ -153,6 +240,12 @@ class GrowthDetector:
         # step read) a block holds fewer reads, so the latency in steps does not grow with k.
         gap = step - self._last_step if self._last_step is not None and step > self._last_step else 1
         self._last_step = step
+        # the last read that rose by at least half the slowest reported rate since the read before
+        prev = self._last_read
+        if prev is not None and baseline_bytes - prev >= self.min_rate_bytes * gap // 2:
+            self._last_read_rise = step
+        self._last_read = baseline_bytes
+        self._read_gap = gap
         fine = self._fine  # _Level.add inlined: this is the per-step path
         if fine.n == 0:
             fine.step0 = step
@@ -166,7 +259,11 @@ class GrowthDetector:
             return None
         fine.blocks.append((fine.step0, fine.lo, fine.hi))
         fine.n = 0
-        return self._block_closed(step)
+        self.rises.add(step, fine.lo, fine.hi - fine.lo)
+        found = self._block_closed(step)
+        if found is None and self.last is not None and self.last.state == "open":
+            return self._maybe_settle(step)
+        return found
 
     def _fast_block_closed(self, step: int, level: _Level) -> Finding | None:
         """A fast leak, on blocks of 1-2 steps: a strict, steady climb over ``min_blocks`` blocks."""
@@ -182,6 +279,8 @@ class GrowthDetector:
             return None
         if self._floor0 is None or self._floor0[0] > blocks[0][0]:
             self._floor0 = (blocks[0][0], blocks[0][1])
+        self.rises.rose(step, ys[-1], trend.since_step)  # a strict climb up to this step: growing now
+        self._strict_climb = step
         return self._finding(step, ys[-1], trend)
 
     def _block_closed(self, step: int) -> Finding | None:
@@ -196,8 +295,20 @@ class GrowthDetector:
             return None
         return self._finding(step, lo, trend)
 
-    def _finding(self, step: int, lo: int, trend: _Trend) -> Finding:
+    def _finding(self, step: int, lo: int, trend: _Trend) -> Finding | None:
         assert self._floor0 is not None
+        rises = self.rises
+        rises.started(trend.since_step)
+        last = self.last
+        if last is not None and last.state == "settled":
+            if (rises.last_rise is None or rises.last_rise <= last.details["settled_step"]
+                    or lo - last.details["floor_bytes"] < self.min_growth_bytes):
+                return None  # the window still holds the growth that settled: nothing new
+            rises.start = last.details["settled_step"]  # the new growth's own length decides when it settles
+        elif not self._growing(step, trend.rate) or rises.stopped(step, trend.rate):
+            # the growth had stopped when the trend was confirmed: a warm-up, not a leak (or no
+            # change to a finding already settled)
+            return None
         floor_step, floor_bytes = self._floor0
         growth = lo - floor_bytes
         finding = Finding(
@@ -208,11 +319,11 @@ class GrowthDetector:
             message=(
                 f"Memory at step start grew steadily by {format_bytes(trend.rate)}/step since step "
                 f"{trend.since_step} (+{format_bytes(growth)} since step {floor_step}). Something keeps "
-                "tensors from every step: a list or dict on a module or a global that gets a tensor per "
-                "step (`self.cache.append(out)`), a running total without `.detach()` "
+                "memory from every step, most often tensors: a list or dict on a module or a global that gets "
+                "a tensor per step (`self.cache.append(out)`), a running total without `.detach()` "
                 "(`total += loss` — use `total += loss.item()`), or outputs stored on `self`. Store "
                 "`.item()` or `.detach().cpu()` values, bound or clear the cache, and check the "
-                "holders: they name what grew."
+                "holders: two censuses some steps apart name the tensors that grew, or say that none did."
             ),
             details={
                 "rate_bytes_per_step": int(trend.rate),
@@ -222,12 +333,75 @@ class GrowthDetector:
                 "z": round(trend.z, 2),
                 "noise_bytes": int(trend.noise),
                 "floor_bytes": int(lo),
+                "steps_since_rise": rises.since_rise(step),
             },
         )
-        if self.last is not None:
-            finding.first_step = self.last.first_step
+        if last is not None:
+            finding.first_step = last.first_step
+            finding.details["reopened"] = int(last.details.get("reopened", 0))
+            for key in ("reopened_step", "settled_step", "settled_bytes"):
+                if key in last.details:
+                    finding.details[key] = last.details[key]
+            if last.state == "settled":
+                finding.details["reopened"] += 1
+                finding.details["reopened_step"] = step
+            if finding.details["reopened"]:
+                finding.message = (
+                    f"Re-opened at step {finding.details['reopened_step']}: the growth that settled at step "
+                    f"{finding.details['settled_step']} ({format_bytes(finding.details['settled_bytes'])} above step "
+                    f"{floor_step}) grows again. "
+                ) + finding.message
         self.last = finding
         return finding
+
+    def _growing(self, step: int, rate: float) -> bool:
+        """The evidence that the growth goes on at ``step``: a strict climb up to this step (the fast
+        test), or this read rose since the one before (by half the slowest reported rate per step
+        between them: with reads thinned to every few dozen steps, a warm-up that stopped shows the
+        same floor at both) and the block minima rose within ``RAISE_MAX_GAPS`` expected intervals
+        (a leak that goes on showed at most 1.3; a warm-up that stopped shows many)."""
+        rises = self.rises
+        if self._strict_climb == step:
+            return True
+        if self._last_read_rise != step:
+            return False
+        return rises.last_rise is None or step - rises.last_rise <= RAISE_MAX_GAPS * rises.expected_gap(rate)
+
+    def _maybe_settle(self, step: int) -> Finding | None:
+        """The open finding, marked settled, once the floor has stayed flat long enough."""
+        last = self.last
+        assert last is not None
+        rate = float(last.details.get("rate_bytes_per_step") or self.min_rate_bytes)
+        if not self.rises.stopped(step, rate):
+            return None
+        rises = self.rises
+        assert rises.last_rise is not None
+        floor_step = self._floor0[0] if self._floor0 is not None else last.first_step
+        settled = copy.copy(last)
+        settled.details = dict(last.details)
+        settled.count = 0  # an update of the same cause, not a new sighting
+        settled.step = step
+        grew = rises.last_rise - rises.start
+        flat = step - rises.last_rise
+        settled.bytes = int(last.bytes or 0)
+        settled.state = "settled"
+        settled.details.update(
+            settled_step=step,
+            settled_bytes=int(last.bytes or 0),
+            last_rise_step=rises.last_rise,
+            grew_steps=grew,
+            flat_steps=flat,
+            steps_since_rise=flat,
+            settle_after_steps=rises.settle_after(rate),
+        )
+        settled.message = (
+            f"Settled: memory at step start grew by {format_bytes(settled.bytes)} from step {floor_step} to step "
+            f"{rises.last_rise} ({grew} steps), then stayed flat for {flat} steps (to step {step}). Growth that "
+            "stops is a cache or queue filling during warm-up (a bounded queue, a cache per shape), not a leak; "
+            "the finding re-opens if it grows again."
+        )
+        self.last = settled
+        return settled
 
     def _test(self, blocks: collections.deque[tuple[int, int, int]]) -> _Trend | None:
         n_all = len(blocks)

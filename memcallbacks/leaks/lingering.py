@@ -26,8 +26,9 @@ __all__ = ["METADATA_KEY", "LingeringDetector", "find_graph_root"]  # find_graph
 class _Sentinel:
     """Lives in ``grad_fn.metadata``: dies exactly when the autograd node dies."""
 
-    __slots__ = ("step", "__weakref__")
+    __slots__ = ("step", "loss_ref", "__weakref__")
     step: int
+    loss_ref: Any  # a weak reference to the marked loss: the chain's root without a heap scan
 
 
 _Tensor = torch.Tensor
@@ -134,6 +135,7 @@ class LingeringDetector:
             return
         sentinel = _Sentinel()
         sentinel.step = step
+        sentinel.loss_ref = weakref.ref(graphs[0])
         try:
             for i, t in enumerate(graphs[:8]):
                 fn = t.grad_fn
@@ -388,13 +390,26 @@ class LingeringDetector:
             f"Step {from_step}'s {' and '.join(what)} {verb} still alive when step {step} started, "
             f"{format_bytes(total)} in all. {cause} The holders show where the reference lives."
         )
+        # One step's outputs, kept by a loop variable until the next step rebinds it: the outputs of
+        # two steps ago were dead (retention is the growth detector's), so this is bounded, not a
+        # leak; what it costs is its size on top of the next forward's peak.
+        advice = bool(outputs) and not graph and not batch
+        if advice:
+            message = (
+                f"Advice (not a leak): step {from_step}'s {' and '.join(what)} {verb} still alive when step {step} "
+                f"started and through its forward, adding {format_bytes(total)} to that step's peak. It is one step "
+                "of retention, freed when the loop rebinds the variable, so memory does not grow. "
+                + cause.replace("Something keeps", "The loop keeps", 1) + " The holders show where the reference lives."
+            )
         return Finding(
             kind="lingering",
             step=step,
             key=key,
             bytes=int(total),
             message=message,
+            severity="advice" if advice else "problem",
             details={
+                "peak_cost_bytes": int(total),
                 "from_step": from_step,
                 "batch_tensors_alive": len(batch),
                 "graph_alive": graph,

@@ -19,12 +19,13 @@ See docs/pytest.md.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Iterator
 
 import pytest
 
 from memcallbacks._base.units import format_bytes
-from memcallbacks.pytest_plugin.limits import PHASE_NAMES, Limits, parse_size
+from memcallbacks.pytest_plugin.limits import PHASE_NAMES, Limits, parse_fail_on, parse_size
 
 __all__ = ["train_memory"]
 
@@ -42,6 +43,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--train-memory-tolerance", type=float, default=0.05, metavar="FRACTION",
         help="relative rise of a phase peak tolerated by --train-memory-fail-on-increase (default 0.05)",
     )
+    parser.addini(
+        "train_memory_fail_on", type="args", default=[],
+        help="findings that fail a train_memory test besides open problems: advice (a lingering output kept one "
+        "step), settled (growth that stopped); default: neither",
+    )
     group.addoption(
         "--train-memory-floor", default="1 MiB", metavar="SIZE",
         help="absolute rise of a phase peak always tolerated by --train-memory-fail-on-increase (default '1 MiB')",
@@ -51,7 +57,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
-        "train_memory(max_leak='0 B', max_peak=None, warmup=2, phases=None, **monitor_config): fail the test when a "
+        "train_memory(max_leak='0 B', max_peak=None, warmup=2, phases=None, fail_on=None, **monitor_config): fail the test when a "
         "training step leaks (lingering/growth/cycle findings, or tensor memory alive after the last step beyond "
         "what was alive after `warmup` steps by more than max_leak) or a phase peaks above max_peak / phases={...}. "
         "Monitors are attached to every Lightning Trainer, Accelerate Accelerator and Transformers Trainer the test "
@@ -62,6 +68,7 @@ def pytest_configure(config: pytest.Config) -> None:
         raise pytest.UsageError(f"--train-memory-tolerance={tolerance} must be a fraction such as 0.05 (5%).")
     try:
         parse_size(config.getoption("--train-memory-floor"), "--train-memory-floor")
+        parse_fail_on(config.getini("train_memory_fail_on"), "train_memory_fail_on (ini)")
     except ValueError as exc:
         raise pytest.UsageError(str(exc)) from None
 
@@ -84,6 +91,8 @@ def train_memory(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
     from memcallbacks.pytest_plugin.session import TrainMemory
 
     limits = _marker_limits(request.node) or Limits()
+    if limits.fail_on is None:
+        limits = dataclasses.replace(limits, fail_on=tuple(request.config.getini("train_memory_fail_on")))
     session = TrainMemory(limits, tmp_path_factory.mktemp("train_memory"))
     request.node.stash[_SESSION] = session
     if request.node.get_closest_marker("train_memory") is not None:

@@ -44,6 +44,23 @@ def parse_size(value: Any, name: str) -> int:
     )
 
 
+FAIL_ON = ("advice", "settled")
+
+
+def parse_fail_on(value: Any, name: str) -> tuple[str, ...]:
+    """``"advice"``, ``["advice", "settled"]`` or ``()`` as a checked tuple."""
+    items = (value,) if isinstance(value, str) else value
+    try:
+        items = tuple(items)
+    except TypeError:
+        items = (value,)
+    bad = [v for v in items if v not in FAIL_ON]
+    if bad:
+        raise ValueError(f"{name}={value!r} has {', '.join(map(repr, bad))}; use any of {FAIL_ON}, e.g. "
+                         "fail_on=('advice',) to fail on a lingering output kept one step, or () for open problems only.")
+    return items
+
+
 @dataclass(frozen=True)
 class Limits:
     """What a ``train_memory`` test must stay within. Built by :meth:`from_marker` or :meth:`build`."""
@@ -58,6 +75,9 @@ class Limits:
     """Per-phase peak limits in bytes, keys from :data:`PHASE_NAMES`."""
     config: dict[str, Any] = field(default_factory=dict)
     """Further ``MonitorConfig`` fields for the monitors the plugin attaches (e.g. ``gc_every_n_steps``)."""
+    fail_on: tuple[str, ...] | None = None
+    """Findings that fail the test besides open problems: ``"advice"`` (a lingering output kept one step),
+    ``"settled"`` (growth that stopped). None: the ``train_memory_fail_on`` ini value (default: neither)."""
 
     @classmethod
     def build(
@@ -66,6 +86,7 @@ class Limits:
         max_peak: Any = None,
         warmup: Any = 2,
         phases: Mapping[str, Any] | None = None,
+        fail_on: Any = None,
         **config: Any,
     ) -> "Limits":
         where = "train_memory"
@@ -85,7 +106,8 @@ class Limits:
             check_config_names(config, where)
         except TypeError as exc:
             raise ValueError(str(exc)) from None
-        return cls(max_leak=leak, max_peak=peak, warmup=warmup, phases=parsed, config=dict(config))
+        return cls(max_leak=leak, max_peak=peak, warmup=warmup, phases=parsed, config=dict(config),
+                   fail_on=None if fail_on is None else parse_fail_on(fail_on, f"{where}(fail_on)"))
 
     @classmethod
     def from_marker(cls, marker: Any) -> "Limits":
@@ -101,7 +123,8 @@ class Limits:
 
     def replace(self, **changes: Any) -> "Limits":
         """These limits with some arguments given again (as :meth:`build` takes them)."""
-        current: dict[str, Any] = {"max_leak": self.max_leak, "max_peak": self.max_peak, "warmup": self.warmup, "phases": dict(self.phases)}
+        current: dict[str, Any] = {"max_leak": self.max_leak, "max_peak": self.max_peak, "warmup": self.warmup,
+                                   "phases": dict(self.phases), "fail_on": self.fail_on}
         current.update(self.config)
         current.update(changes)
         return Limits.build(**current)

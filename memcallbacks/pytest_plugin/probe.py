@@ -125,6 +125,8 @@ class LeakResult:
     """Steps between the two censuses."""
     holders: list[str] = field(default_factory=list)
     cost_s: float = 0.0
+    new_bytes: int | None = None
+    """Bytes of the tensors allocated after warm-up that are alive at the end (what the holders add up to)."""
 
     @property
     def leaked(self) -> int:
@@ -145,10 +147,10 @@ def _storage_keys_of(objects: list[Any]) -> set[Any]:
 def _weak_tensors(keys: set[Any]) -> list[tuple[Any, Any]]:
     """``[(storage key, weakref to a tensor on it)]`` for the live tensors on the storages ``keys``."""
     from memcallbacks._base.storage import storage_keys
-    from memcallbacks.leaks.census import _scan_heap
+    from memcallbacks.leaks.census import scan_heap
 
     out = []
-    for t in _scan_heap()[1]:
+    for t in scan_heap()[1]:
         for key, _ in storage_keys(t):
             key = (str(key[0]), key[1])
             if key in keys:
@@ -295,7 +297,7 @@ class Probe:
             final, records = _unexpected(census, ignore)
             leak = LeakResult(self._warmup_bytes, final, self.steps - self.warmup)
             if leak.leaked > self.max_leak:
-                leak.holders = self._new_holders(batch, ignore)
+                leak.holders = self._new_holders(batch, ignore, leak)
             self.leak = leak
         finally:
             # a loop with no end event checks again at its next step end
@@ -304,7 +306,7 @@ class Probe:
             else:
                 self.cycles.release()
 
-    def _new_holders(self, batch: Any, ignore: set[Any]) -> list[str]:
+    def _new_holders(self, batch: Any, ignore: set[Any], leak: LeakResult | None = None) -> list[str]:
         """Who holds the storages that were not alive after warmup: a census with paths, grouped by holder."""
         census = self._census(batch, find_paths=True)
         if census is None:
@@ -318,6 +320,8 @@ class Probe:
             acc = grew.setdefault(record.holder or f"({record.category}, holder not found)", [0, 0])
             acc[0] += 1
             acc[1] += record.nbytes
+        if leak is not None:
+            leak.new_bytes = sum(b for _, b in grew.values())
         # a holder with several new tensors collects them; one new tensor is usually a rebound variable
         ranked = sorted(grew.items(), key=lambda kv: (kv[1][0] < 2, -kv[1][1]))
         return [

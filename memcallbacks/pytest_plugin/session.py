@@ -165,6 +165,8 @@ class TrainMemory:
         out = []
         for probe in self.probes:
             for finding in probe.findings():
+                if not fails_the_test(finding, self._limits.fail_on or ()):
+                    continue  # settled growth and advice: reported in the monitor's files, not a failure
                 out.append(Failure(_finding_summary(finding), list(finding.holders), finding.message))
         return out
 
@@ -175,11 +177,15 @@ class TrainMemory:
             leak = probe.leak
             if leak is None or leak.leaked <= limit:
                 continue
+            new = leak.new_bytes
+            parts = (f"; that is {format_bytes(new)} in tensors allocated after warm-up (the holders below) less "
+                     f"{format_bytes(new - leak.leaked)} of warm-up tensors freed"
+                     if new is not None and format_bytes(new) != format_bytes(leak.leaked) else "")
             out.append(Failure(
                 f"leaked {format_bytes(leak.leaked)} over {leak.steps} step{'s' if leak.steps != 1 else ''} "
                 f"(limit {format_bytes(limit)}): tensor memory alive after the last step ({format_bytes(leak.final_bytes)}) "
                 f"against after warm-up step {self._limits.warmup} ({format_bytes(leak.warmup_bytes)}), params, grads, "
-                f"optimizer state and the current batch left out [{probe.name}]",
+                f"optimizer state and the current batch left out{parts} [{probe.name}]",
                 leak.holders,
                 "Something keeps tensors from step to step: a list or dict on the model or a global that gets a "
                 "tensor per step, a running total without `.detach()`, or outputs stored on `self`. Store "
@@ -212,11 +218,23 @@ class TrainMemory:
         return "\n\n".join([head, *blocks, tail])
 
 
+def fails_the_test(finding: Any, fail_on: tuple[str, ...]) -> bool:
+    """An open problem always fails; settled growth and advice only when ``fail_on`` names them."""
+    if finding.state == "settled":
+        return "settled" in fail_on
+    return finding.severity != "advice" or "advice" in fail_on
+
+
 def _finding_summary(finding: Any) -> str:
     details = finding.details or {}
     if finding.kind == "lingering":
         start = details.get("from_step", finding.step - 1)
-        return f"step {finding.step} kept {format_bytes(finding.bytes)} of step {start} alive (lingering)"
+        label = "lingering, advice" if finding.severity == "advice" else "lingering"
+        return f"step {finding.step} kept {format_bytes(finding.bytes)} of step {start} alive ({label})"
+    if finding.kind == "growth" and details.get("evidence") == "graph_chain":
+        steps = ", ".join(str(s) for s in details.get("graph_steps_alive", []))
+        return (f"the autograd graphs of steps {steps} were alive together at step {finding.step}, "
+                f"{format_bytes(finding.bytes)} of tensors in them (growth, graph chain)")
     if finding.kind == "growth":
         rate = details.get("rate_bytes_per_step")
         per_step = f", {format_bytes(rate)}/step" if rate else ""

@@ -57,6 +57,12 @@ def recognise(obj: Any) -> Tracker | None:
     return None
 
 
+
+def shown_key(finding: Finding) -> str:
+    """A finding is shown again when its state changes (a growth settled or re-opened)."""
+    return f"{finding.key}|{finding.label}|{finding.details.get('reopened', 0)}"
+
+
 class Trackers:
     """Every recognised tracker of one run (rank zero), driven by :class:`~memcallbacks._runtime.session.Session`."""
 
@@ -108,10 +114,10 @@ class Trackers:
         for tracker in self._trackers:
             if not tracker.started:
                 tracker.started = bool(self._call(tracker, "set up the memory dashboard", lambda t=tracker: t.start(dashboard)))
-            new = [f for f in findings if f.key not in tracker.shown]
+            new = [f for f in findings if shown_key(f) not in tracker.shown]
             if new and tracker.started:
                 if self._call(tracker, "show the memory findings", lambda t=tracker, n=new: t.findings(n, dashboard)):
-                    tracker.shown.update(f.key for f in new)
+                    tracker.shown.update(shown_key(f) for f in new)
 
     def finish(self, outputs: RunOutputs, dashboard: Dashboard) -> None:
         """At the end of the run: dashboards and findings not shown yet, then the files."""

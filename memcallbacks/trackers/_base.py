@@ -49,8 +49,8 @@ class RunOutputs:
 
 
 def finding_text(finding: Finding, limit: int = 4000) -> str:
-    """``[kind] step N: message`` plus the holders, cut to ``limit`` characters."""
-    text = f"[{finding.kind}] step {finding.step}: {finding.message}"
+    """``[kind] step N: message`` (``[growth, settled]``, ``[lingering, advice]``) plus the holders, cut to ``limit`` characters."""
+    text = f"[{finding.label}] step {finding.step}: {finding.message}"
     if finding.holders:
         text += "\n" + "\n".join(f"held by: {h}" for h in finding.holders[:5])
     return text if len(text) <= limit else text[: limit - 1] + "…"
@@ -87,7 +87,7 @@ class Tracker:
         self.step_metric = step_metric
         self.source = source  # the user's object, for messages
         self.started = False
-        self.shown: set[str] = set()  # keys of the findings this tracker has shown
+        self.shown: set[str] = set()  # the findings this tracker has shown, by shown_key (a settled growth is shown again)
 
     def handle(self) -> Any:
         return self.resolve()

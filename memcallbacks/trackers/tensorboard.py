@@ -69,7 +69,7 @@ class TensorBoardTracker(Tracker):
         for finding in findings:
             # markdown: keep the message's line breaks, show holders as a list
             text = finding_text(finding).replace("\n", "  \n")
-            writer.add_text(f"{dashboard.prefix}/findings/{finding.kind}", text, global_step=int(finding.first_step or finding.step))
+            writer.add_text(f"{dashboard.prefix}/findings/{finding.kind}", text, global_step=int(finding.first_step or finding.step) if finding.state == "open" and not finding.details.get("reopened") else int(finding.step))
         writer.flush()
         return True
 
