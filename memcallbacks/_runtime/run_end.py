@@ -15,6 +15,7 @@ from memcallbacks._base import distributed as _distributed
 from memcallbacks._runtime.end_write import wait_for_every_rank, write_detached
 from memcallbacks._runtime.guard import safe_str
 from memcallbacks._files.outputs import REPORT_VERSION, write_outputs
+from memcallbacks._runtime.cadence import DENSE_READ_STEPS
 from memcallbacks.host.ranks import find_imbalance
 from memcallbacks.trackers import RunOutputs
 from memcallbacks.trackers.ranks import receive_snapshots, snapshot_payload
@@ -189,6 +190,8 @@ class RunEnd:
         return figures
 
     def _rank_imbalance(self, summaries: list[Any]) -> None:
+        if self.engine.seen_steps < DENSE_READ_STEPS:
+            return  # a short run's figures are its warm-up (imports, loggers, rank zero's first files), not a rank apart
         try:
             figures = [s.get("rank_figures") if isinstance(s, dict) else None for s in summaries]
             for finding in find_imbalance(figures, step=self.current_step):

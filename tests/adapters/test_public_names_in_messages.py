@@ -16,7 +16,7 @@ def test_transformers_warning_names_the_callback_not_its_private_monitor(tmp_pat
     class KeepsLogits(transformers.Trainer):
         def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False, **kwargs: Any) -> Any:
             outputs = model(**inputs)
-            self._train_logits = outputs.logits  # kept until the next step overwrites it: a lingering finding
+            self._train_logits = outputs.logits  # kept until the next step overwrites it: lingering advice
             return (outputs.loss, outputs) if return_outputs else outputs.loss
 
     torch.manual_seed(0)
@@ -31,5 +31,6 @@ def test_transformers_warning_names_the_callback_not_its_private_monitor(tmp_pat
     caplog.set_level(logging.INFO, logger="memcallbacks")
     KeepsLogits(model=transformers.GPT2LMHeadModel(config), args=args, train_dataset=data, callbacks=[monitor]).train()
     messages = [r.getMessage() for r in caplog.records if r.name.startswith("memcallbacks")]
-    assert any(m.startswith("MemoryMonitorCallback found a memory problem") for m in messages), messages
+    # one step's kept logits: advice (issue 24), named by the public class like any finding
+    assert any(m.startswith(("MemoryMonitorCallback found a memory problem", "MemoryMonitorCallback has advice")) for m in messages), messages
     assert not any("_TrainerMonitor" in m for m in messages), [m for m in messages if "_TrainerMonitor" in m]
