@@ -28,10 +28,20 @@ from memcallbacks._base import distributed as _distributed
 
 log = logging.getLogger(__name__)
 
-__all__ = ["write_detached", "wait_for_every_rank", "WRITE_TIMEOUT_S"]
+__all__ = ["DETACH_WRITER", "write_detached", "wait_for_every_rank", "WRITE_TIMEOUT_S"]
 
 #: How long a rank waits for its writer before going on (the writer still finishes on its own).
 WRITE_TIMEOUT_S = 300.0
+
+
+DETACH_WRITER = False
+"""Off: a forked writer hung for 300 s (and once aborted with "terminate called without an active
+exception") in 2-rank gloo runs on a loaded machine. The child plots with matplotlib/numpy after a
+fork of a process whose OpenBLAS/OpenMP and gloo threads were running, which is not fork-safe. The
+files are written in the rank's own process again; :func:`wait_for_every_rank` still keeps every
+rank's ``fit()``/``close()`` from returning before the others' files are written. A writer that
+survives a failing peer's SIGKILL needs a fork-safe design (a spawned process, or no plotting in
+the child)."""
 
 
 def write_detached(write: Callable[[], dict[str, str]], *, detach: bool, owner: str, timeout_s: float = WRITE_TIMEOUT_S) -> dict[str, str]:

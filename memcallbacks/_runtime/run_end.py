@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from memcallbacks._base import distributed as _distributed
-from memcallbacks._runtime.end_write import wait_for_every_rank, write_detached
+from memcallbacks._runtime.end_write import DETACH_WRITER, wait_for_every_rank, write_detached
 from memcallbacks._runtime.guard import safe_str
 from memcallbacks._files.outputs import REPORT_VERSION, write_outputs
 from memcallbacks._runtime.cadence import DENSE_READ_STEPS
@@ -168,7 +168,7 @@ class RunEnd:
                 plot=self.config.plot,
                 title=title,
                 ranks=summaries if summaries is not None and engine.rank == 0 else None,
-            ), detach=distributed, owner=self.owner)
+            ), detach=distributed and DETACH_WRITER, owner=self.owner)
             if summaries is not None and engine.rank == 0:
                 report = dict(report, files=self.files, ranks=summaries)
             self._to_trackers(report, gathered)
