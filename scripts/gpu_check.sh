@@ -13,7 +13,7 @@
 #      a test running past 60 s gets every thread's stack dumped into the log (pytest-timeout is
 #      not installed: nothing kills a single test, the stage timeout ends the run)
 #   3. record_snapshot (30 s): a small real CUDA snapshot for tests/data (copy
-#      OUT_DIR/cuda_recorded_snapshot.* there)
+#      OUT_DIR/cuda_recorded_snapshot.* there; the script checks its own recording and fails the stage if wrong)
 #   4. boundary_cost (20 s): the cost of one phase boundary's stats read (benchmarks/cuda_boundary.py)
 #   5. overhead (50 s): the monitor's per-step overhead on a CUDA step (benchmarks/overhead.py
 #      --quick: on CUDA about 2,750 synchronized steps in 17 fits); the JSON is rewritten after

@@ -70,7 +70,32 @@ def main(out: str) -> int:
     }
     (out_dir / "cuda_recorded_snapshot.json").write_text(json.dumps(facts, indent=1))
     print(json.dumps(facts))
-    return 0
+    problems = check(path, facts)
+    for problem in problems:
+        print(f"record_cuda_snapshot: CHECK FAILED: {problem}", file=sys.stderr)
+    return 1 if problems else 0
+
+
+def check(path: Path, facts: dict) -> list[str]:
+    """What the recorded snapshot must show, read back with memcallbacks' own readers."""
+    problems: list[str] = []
+    summary = _snapshot.summarize_snapshot(_snapshot.load_snapshot(path), source=str(path))
+    if len(summary.devices) != 1:
+        return [f"expected one device in the snapshot, found {len(summary.devices)}"]
+    d = summary.devices[0]
+    if not d.stayed_alive or d.stayed_alive[0].site != facts["planted_site"] or d.stayed_alive[0].bytes != facts["planted_bytes"]:
+        first = d.stayed_alive[0] if d.stayed_alive else None
+        problems.append(f"first stayed-alive allocation is {first}, expected {facts['planted_site']} / {facts['planted_bytes']} B")
+    if not d.ooms or d.ooms[-1][1] <= 2**40 // 8:
+        problems.append(f"the planted OOM is missing: {d.ooms}")
+    if [label for _, label in d.marks][:2] != ["start", "after step 1"]:
+        problems.append(f"step marks: {[label for _, label in d.marks]}")
+    if facts["planted_site"] not in _snapshot.format_summary(summary):
+        problems.append("the text summary does not name the planted site")
+    page = _snapshot.render_snapshot(_snapshot.load_snapshot(path), path.with_suffix(".html"))
+    if not Path(page["html"]).is_file():
+        problems.append("the offline page was not written")
+    return problems
 
 
 if __name__ == "__main__":
