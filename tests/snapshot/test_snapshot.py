@@ -5,7 +5,6 @@ from __future__ import annotations
 import gc
 import importlib.util
 import inspect
-import json
 import os
 import pickle
 import pickletools
