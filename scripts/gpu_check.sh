@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The CUDA checks in one lease (at most 6.5 minutes, no network, installs nothing, needs only bash,
+# The CUDA checks in one lease (at most 7.5 minutes, no network, installs nothing, needs only bash,
 # coreutils' timeout and python3 with torch):
 #   bash scripts/gpu_check.sh [OUT_DIR]
 # Stages, each under its own timeout, all logged to OUT_DIR/gpu_check.log (the stage budget, the
-# seconds after each stage name below, adds up to 355 s; each stage is sent SIGINT at its timeout,
+# seconds after each stage name below, adds up to 385 s; each stage is sent SIGINT at its timeout,
 # so pytest prints its summary and the benchmarks stop cleanly, and SIGKILL KILL_AFTER s later):
 #   1. env (15 s): python, torch, CUDA and the device's name
 #   2. pytest_cuda (145 s): the cuda-marked tests, files named explicitly;
@@ -22,7 +22,9 @@
 #      (benchmarks/snapshot_policies.py --quick)
 #   7. preflight (60 s, imports transformers): pre-flight predictions against
 #      torch.cuda.max_memory_allocated (benchmarks/preflight.py --quick), a row written per model
-# No host-channel CUDA stage: it would need its own fixture; not worth its seconds here.
+#   8. host_channel (30 s): a host-only Python-object leak on a CUDA run is found as host_growth
+#      (type and holder named) while device memory is flat and no device growth is raised
+#      (scripts/host_channel_check.py; tests/host/test_host_channel_check.py runs it on CPU)
 # At most 7 files come back: gpu_check.log, three JSON results, the snapshot pair, preflight JSON.
 #
 # The pytest plugin: registered through its pytest11 entry point where memcallbacks is
@@ -62,6 +64,7 @@ stage boundary_cost 20 python3 benchmarks/cuda_boundary.py --json "$out/cuda_bou
 stage overhead 50 python3 benchmarks/overhead.py --device cuda --quick --json "$out/overhead_cuda.json"
 stage snapshot_policies 35 python3 benchmarks/snapshot_policies.py --device cuda --quick --json "$out/snapshot_policies.json"
 stage preflight 60 python3 benchmarks/preflight.py --device cuda --quick --json "$out/preflight_cuda.json"
+stage host_channel 30 python3 scripts/host_channel_check.py --device cuda
 echo "gpu_check: status=$status; files:" >> "$log"
 ls -la "$out" >> "$log"
 cat "$log"

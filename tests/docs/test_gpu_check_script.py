@@ -14,7 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
-BUDGET_S = 390  # "at most 6.5 minutes" (issue 25), every stage timing out and needing its SIGKILL included
+BUDGET_S = 450  # "at most 7.5 minutes" (issue 25, plus issue 23's host stage), every stage timing out and needing its SIGKILL included
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from _common import ResultFile  # noqa: E402
@@ -27,7 +27,7 @@ def _stages(text: str) -> dict[str, int]:
 def test_stage_budget_adds_up_and_matches_the_header() -> None:
     text = SCRIPT.read_text()
     stages = _stages(text)
-    assert list(stages) == ["env", "pytest_cuda", "record_snapshot", "boundary_cost", "overhead", "snapshot_policies", "preflight"]
+    assert list(stages) == ["env", "pytest_cuda", "record_snapshot", "boundary_cost", "overhead", "snapshot_policies", "preflight", "host_channel"]
     kill_after = int(re.search(r"^KILL_AFTER=(\d+)$", text, re.M).group(1))
     total = sum(stages.values())
     assert total + kill_after * len(stages) <= BUDGET_S, (stages, kill_after)
