@@ -15,7 +15,9 @@ variant shares the model, the data, the logger type and ``log_every_n_steps``. F
    cancels; this resolves differences of a few tenths of a percent where (1) cannot.
 3. **Time inside the hooks**: one fit with an empty ``Callback``, ``DeviceStatsMonitor`` and two
    ``MemoryMonitor`` configurations side by side, every hook wrapped in a timer; plus Lightning's
-   own cost of dispatching the six step hooks to one more callback.
+   own cost of dispatching the six step hooks to one more callback. With ``--host``, a third
+   ``MemoryMonitor(watch_host=False)`` joins the same fit: the difference between the default
+   monitor and that one, step by step under the same load, is the host channel's cost (issue 23).
 4. **Micro-benchmarks** of the CPU backend's reads, back to back and right after a burst of compute.
 
 Usage::
@@ -24,6 +26,8 @@ Usage::
     python benchmarks/overhead.py --quick         # about 1 minute smoke run (CUDA: about 30 s, log 50 only)
     python benchmarks/overhead.py --json out.json # also save every measurement, rewritten after each one
     python benchmarks/overhead.py --device cuda   # the same on a CUDA device, larger model
+    python benchmarks/overhead.py --host --repeats 0 --ab-pairs 0 --no-micro
+                                                  # only (3), MemoryMonitor with and without the host channel
 
 Results and how to read them: docs/benchmarks.md.
 """
@@ -64,6 +68,9 @@ NOOP = "empty Callback"
 DEVICE_STATS = "DeviceStatsMonitor"
 MONITOR = "MemoryMonitor"
 MONITOR_EVERY_STEP = "MemoryMonitor(sample_every_n_steps=1)"
+MONITOR_NO_HOST = "MemoryMonitor(watch_host=False)"
+HOOK_NAMES = (DEVICE_STATS, MONITOR, MONITOR_EVERY_STEP, MONITOR_NO_HOST)
+"""The callbacks section 3 can time; MONITOR_NO_HOST only with ``--host``."""
 VARIANTS = (BARE, NOOP, DEVICE_STATS, MONITOR, MONITOR_EVERY_STEP)
 FIT_VARIANTS = (BARE, DEVICE_STATS, MONITOR, MONITOR_EVERY_STEP)
 AB_VARIANTS = (NOOP, DEVICE_STATS, MONITOR, MONITOR_EVERY_STEP)
@@ -168,6 +175,10 @@ class StepTimer(Callback):
 
 class _SecondMonitor(MemoryMonitor):
     """A second MemoryMonitor in one Trainer needs its own ``state_key`` (Lightning refuses two equal ones)."""
+
+
+class _ThirdMonitor(MemoryMonitor):
+    """The third MemoryMonitor of ``--host`` (its own ``state_key``, as :class:`_SecondMonitor`)."""
 
 
 def make_callback(variant: str, output_dir: str) -> Callback | None:
@@ -402,7 +413,8 @@ def dispatch_us_per_callback(trainer: pl.Trainer, n: int = 2000, extra: int = 4)
 
 
 def hook_accounting(log_every: int, args: argparse.Namespace, batches: tuple[torch.Tensor, torch.Tensor], workdir: str, rotation: int) -> dict[str, Any]:
-    """One fit with an empty Callback, DeviceStatsMonitor and two MemoryMonitors side by side, every hook timed.
+    """One fit with an empty Callback, DeviceStatsMonitor and two MemoryMonitors side by side, every hook timed
+    (with ``args.host`` a third, ``watch_host=False``: the default monitor's extra time over it is the host channel's).
 
     All see the same steps under the same machine load, so their times compare directly; the empty
     callback's time (the wrapper's own cost) is subtracted from the others. The first callback to
@@ -415,6 +427,8 @@ def hook_accounting(log_every: int, args: argparse.Namespace, batches: tuple[tor
         MONITOR: MemoryMonitor(output_dir=os.path.join(run_dir, "default")),
         MONITOR_EVERY_STEP: _SecondMonitor(output_dir=os.path.join(run_dir, "every_step"), sample_every_n_steps=1),
     }
+    if getattr(args, "host", False):
+        measured[MONITOR_NO_HOST] = _ThirdMonitor(output_dir=os.path.join(run_dir, "no_host"), watch_host=False)
     names = list(measured)
     names = names[rotation % len(names):] + names[: rotation % len(names)]
     empty = Callback()
@@ -457,7 +471,7 @@ def summarize_hooks(accounts: list[dict[str, Any]], log_settings: list[int]) -> 
             "wrapper_us": statistics.median(a["wrapper_us_per_step"] for a in mine),
             "bare_step_us": statistics.median(a["bare_step_us_estimate"] for a in mine),
         }
-        for name in (DEVICE_STATS, MONITOR, MONITOR_EVERY_STEP):
+        for name in (n for n in HOOK_NAMES if n in mine[0]):
             # per run: 1 + (this callback's hooks + Lightning's dispatch to it) / the bare step of the same fit
             ratios = [1 + (a[name]["step_hooks_us"] + a["dispatch_us_per_callback_step"]) / a["bare_step_us_estimate"] for a in mine]
             row[name] = {
@@ -466,6 +480,14 @@ def summarize_hooks(accounts: list[dict[str, Any]], log_settings: list[int]) -> 
                 "step_hooks_mean_us": statistics.median(a[name]["step_hooks_mean_us"] for a in mine),
                 "per_hook_us": {h: statistics.median(a[name]["per_hook_us"][h] for a in mine) for h in STEP_HOOKS},
                 "one_off_ms": {h: statistics.median(a[name]["one_off_ms"].get(h, 0.0) for a in mine) for h in ONE_OFF_HOOKS},
+            }
+        if MONITOR_NO_HOST in mine[0]:  # paired within each fit: the same steps, the same load
+            row["host_channel"] = {
+                "step_hooks_us": statistics.median(a[MONITOR]["step_hooks_us"] - a[MONITOR_NO_HOST]["step_hooks_us"] for a in mine),
+                "step_hooks_mean_us": statistics.median(a[MONITOR]["step_hooks_mean_us"] - a[MONITOR_NO_HOST]["step_hooks_mean_us"] for a in mine),
+                "share_of_monitor": statistics.median(
+                    (a[MONITOR]["step_hooks_mean_us"] - a[MONITOR_NO_HOST]["step_hooks_mean_us"]) / a[MONITOR]["step_hooks_mean_us"]
+                    if a[MONITOR]["step_hooks_mean_us"] > 0 else float("nan") for a in mine),
             }
         rows.append(row)
     return rows
@@ -478,11 +500,16 @@ def format_hooks(rows: list[dict[str, Any]]) -> str:
     ]
     for r in rows:
         lines.append(f"| {r['log_every']} | Lightning's dispatch of the step hooks to one more callback (bare step ≈ {r['bare_step_us']:.0f} µs) | {r['dispatch_us']:.1f} | | | |")
-        for name in (DEVICE_STATS, MONITOR, MONITOR_EVERY_STEP):
+        for name in (n for n in HOOK_NAMES if n in r):
             h = r[name]
             per_hook = ", ".join(f"{k.removeprefix('on_')} {v:.1f}" for k, v in h["per_hook_us"].items() if abs(v) >= 0.5)
             one_off = ", ".join(f"{k} {v:.0f}" for k, v in h["one_off_ms"].items() if v >= 0.5)
             lines.append(f"| {r['log_every']} | {name} | {h['step_hooks_us']:.1f} ({h['step_hooks_mean_us']:.0f}) | {per_hook} | {one_off} | {h['accounted_ratio']:.3f} |")
+        host = r.get("host_channel")
+        if host is not None:
+            lines.append(f"| {r['log_every']} | the host channel: {MONITOR} less {MONITOR_NO_HOST}, paired per fit | "
+                         f"{host['step_hooks_us']:.1f} ({host['step_hooks_mean_us']:.0f}) | {100 * host['share_of_monitor']:.0f}% of "
+                         f"{MONITOR}'s mean | | |")
     return "\n".join(lines)
 
 
@@ -671,6 +698,8 @@ def parse_args(argv: list[str] | None = None, *, require_device: bool = True) ->
     p.add_argument("--block", type=int, default=50, help="steps per A/B block (a multiple of every --log-every)")
     p.add_argument("--hook-repeats", type=int, help="fits per log setting with every hook timed (0 skips them)")
     p.add_argument("--no-micro", action="store_true", help="skip the micro-benchmarks")
+    p.add_argument("--host", action="store_true", help=f"section 3 also times {MONITOR_NO_HOST} in the same fit: the default "
+                   "monitor's extra time over it is the host channel's cost")
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (fixed, to reduce noise)")
     p.add_argument("--logger", default="csv", choices=["csv", "tensorboard"], help="the logger every variant uses")
     p.add_argument("--reuse-batches", action="store_true", help="hand out the same few batch tensors every step (a pre-batched in-memory dataset) instead of fresh ones")
@@ -714,7 +743,8 @@ def main(argv: list[str] | None = None) -> int:
     print("environment:", json.dumps(env))
     print(f"model: MLP {args.d_in}->{args.hidden}->{args.hidden}->10, batch {args.batch_size} ({'the same tensors every step' if args.reuse_batches else 'fresh tensors every step'}), AdamW, logger {args.logger}; "
           f"{args.skip_steps} untimed steps per fit; interleaved: {args.repeats} repeats of {args.steps} steps; "
-          f"A/B: {args.ab_pairs} pairs of {args.block}-step blocks; hooks: {args.hook_repeats} fits per log setting", flush=True)
+          f"A/B: {args.ab_pairs} pairs of {args.block}-step blocks; hooks: {args.hook_repeats} fits per log setting"
+          + (f" (with {MONITOR_NO_HOST})" if args.host else ""), flush=True)
     began = time.perf_counter()
     results = ResultFile(args.json, environment=env, args=vars(args))  # rewritten after every fit
     batches = make_data(args)

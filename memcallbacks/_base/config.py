@@ -81,6 +81,14 @@ class MonitorConfig:
     the next step starts; checked every step, ~2 µs) and ``"growth"`` (the step-start baseline
     rising step over step; checked on sampled steps). Findings name their holders."""
 
+    watch_host: bool = True
+    """Watch the host beside the device (docs/host.md): at the steps that read memory, Python-object
+    memory, the process's private resident memory and the DataLoader workers' private memory, with
+    their own growth test (``"host_growth"``, ``"worker_growth"``), a host census naming the type and
+    holder after suspicion, the ``memory/host_*`` keys and the per-rank comparison's host figures.
+    ``False`` turns the whole host channel off (to measure its cost; ``report.json`` ``host`` is
+    ``null``)."""
+
     growth_warmup_steps: int = 4
     """Watched steps ignored by the growth test at the start (the first optimizer steps allocate
     optimizer state)."""
@@ -235,7 +243,7 @@ class MonitorConfig:
         rows = self.max_history_rows
         if isinstance(rows, bool) or not isinstance(rows, int) or rows < 100:
             raise _fail("max_history_rows", rows, "pass an integer of at least 100.")
-        for name in ("detect_leaks", "gc_disable_automatic", "estimate_model_states"):
+        for name in ("detect_leaks", "watch_host", "gc_disable_automatic", "estimate_model_states"):
             if not isinstance(getattr(self, name), bool):
                 raise _fail(name, getattr(self, name), "pass True or False.")
         for name, least in (

@@ -111,7 +111,7 @@ def format_report(report: dict[str, Any], history: Any = None) -> str:
                      f"{format_bytes(exp.get('params'))}, grads {format_bytes(exp.get('grads'))}, optimizer {format_bytes(exp.get('optimizer'))}); "
                      f"unexplained {format_bytes(states.get('unexplained_bytes'))}")
     lines += _preflight_lines(report.get("preflight"))
-    lines += _host_lines(report.get("host"), s.get("rank_figures"))
+    lines += _host_lines(report)
     snaps = report.get("snapshots") or []
     if snaps:
         lines.append(f"  snapshots                  {len(snaps)}: " + "; ".join(f"step {r.get('step')} ({r.get('trigger')})" for r in snaps[:3]))
@@ -156,23 +156,59 @@ def format_report(report: dict[str, Any], history: Any = None) -> str:
     return "\n".join(lines)
 
 
-def _host_lines(host: dict[str, Any] | None, figures: dict[str, Any] | None) -> list[str]:
-    """The host channel (docs/host.md): Python objects, private memory, DataLoader workers, its cost."""
-    if not host:
-        return []
-    figures = figures or {}
-    parts = [f"{what} {format_bytes(figures[key])}" for key, what in (
-        ("host_private_bytes", "private"), ("host_python_bytes", "Python objects ~"), ("host_worker_uss_bytes", "DataLoader workers"))
-        if figures.get(key) is not None]
-    growth = figures.get("host_private_growth_bytes")
-    if growth is not None:
-        parts.append(f"private change {format_delta(growth)}")
+HOST_KINDS = ("host_growth", "worker_growth", "rank_imbalance")
+"""Finding kinds of the host channel (docs/findings.md, "Host memory"): listed in the host section too."""
+
+
+def _host_lines(report: dict[str, Any]) -> list[str]:
+    """The host section (docs/host.md): private memory, Python objects, DataLoader workers, per rank,
+    the host findings and the channel's cost, from ``report["host"]`` and ``summary.rank_figures``."""
+    host = report.get("host")
+    config = report.get("config") if isinstance(report.get("config"), dict) else {}
+    if not isinstance(host, dict):
+        return ["  host                       off (watch_host=False)"] if config.get("watch_host") is False else []
+    s = report.get("summary") or {}
+    figures = s.get("rank_figures") if isinstance(s.get("rank_figures"), dict) else {}
+    lines = ["  host (docs/host.md)" + ("" if host.get("enabled", True) else ": the channel turned itself off after an error (see the log)")]
+
+    def change(key: str) -> str:
+        value = figures.get(key)
+        return f" (change {format_delta(value)} since the first read)" if value is not None else ""
+
+    if figures.get("host_private_bytes") is not None:
+        rss = f", resident {format_bytes(figures['host_rss_bytes'])}" if figures.get("host_rss_bytes") is not None else ""
+        lines.append(f"    private memory           {format_bytes(figures['host_private_bytes'])}{change('host_private_growth_bytes')}{rss}")
+    if figures.get("host_python_bytes") is not None:
+        lines.append(f"    Python objects           ~{format_bytes(figures['host_python_bytes'])}{change('host_python_growth_bytes')}")
+    if len(lines) == 1:
+        lines.append("    no reading               (no step read the host)")
+    workers = host.get("workers") if isinstance(host.get("workers"), dict) else {}
+    if workers.get("workers"):
+        sets = workers.get("generations") or 0
+        lines.append(f"    DataLoader workers       {workers['workers']} live: {format_bytes(workers.get('uss_bytes'))} private (USS), "
+                     f"{format_bytes(workers.get('pss_bytes'))} proportional (PSS); {sets} worker set{'s' if sets != 1 else ''}, "
+                     f"{workers.get('reads', 0)} reads")
+    elif workers.get("reads"):
+        lines.append(f"    DataLoader workers       none live at the end ({workers.get('generations') or 0} worker set(s) seen)")
+    ranks = [r.get("rank_figures") if isinstance(r, dict) else None for r in report.get("ranks") or []]
+    if any(isinstance(r, dict) and r.get("host_private_bytes") is not None for r in ranks):
+        lines.append("    per rank (private)       " + ", ".join(
+            f"rank {i} {format_bytes(r.get('host_private_bytes')) if isinstance(r, dict) else '?'}" for i, r in enumerate(ranks)))
+    found = [f for f in report.get("findings") or [] if isinstance(f, dict) and f.get("kind") in HOST_KINDS]
+    # a host growth that settled says so in its details (docs/findings.md, "Host memory")
+    found = [dict(f, state="settled") if (f.get("details") or {}).get("open") is False else f for f in found]
+    lines.append(f"    host findings            {finding_counts(found)}")
+    for f in found:
+        holders = f.get("holders") or []
+        what = f"held by {holders[0]}" if holders else str(f.get("message") or "")[:160]
+        lines.append(f"      [{finding_label(f)}] {f.get('key') or f.get('kind')} step {f.get('step')}: {what}")
     reads, seconds = host.get("reads") or 0, host.get("seconds") or 0.0
     cost = f"{reads} reads, {1e6 * seconds / reads:.0f} µs each" if reads else "no reads"
     census = host.get("census_seconds") or 0.0
     if census:
         cost += f"; censuses after suspicion {census:.2f} s"
-    return [f"  host                       {', '.join(parts) or 'no reading'} ({cost})"]
+    lines.append(f"    cost                     {cost}")
+    return lines
 
 
 def _preflight_lines(pre: dict[str, Any] | None) -> list[str]:

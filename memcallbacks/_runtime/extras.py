@@ -30,11 +30,12 @@ def extra_metrics(
         extra[f"{p}/unexplained_GiB"] = unexplained / GiB if unexplained is not None else nan
     if snap is not None or config.auto_snapshot:
         extra[f"{p}/snapshots"] = float(len(snap.records)) if snap is not None else nan
-    host = host or {}
-    for key, name in (("host_python_bytes", "host_python_GiB"), ("host_private_bytes", "host_private_GiB"),
-                      ("host_worker_uss_bytes", "host_workers_GiB")):
-        value = host.get(key)
-        extra[f"{p}/{name}"] = value / GiB if value is not None else nan
+    if config.watch_host:  # off: no host keys at all (rather than NaN columns)
+        host = host or {}
+        for key, name in (("host_python_bytes", "host_python_GiB"), ("host_private_bytes", "host_private_GiB"),
+                          ("host_worker_uss_bytes", "host_workers_GiB")):
+            value = host.get(key)
+            extra[f"{p}/{name}"] = value / GiB if value is not None else nan
     if config.gc_every_n_steps:
         extra[f"{p}/gc_time_ms"] = last_gc["seconds"] * 1e3 if last_gc else nan
         extra[f"{p}/gc_collected"] = float(last_gc["collected"]) if last_gc else nan

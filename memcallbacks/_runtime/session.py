@@ -270,7 +270,7 @@ class Session(RunEnd):
         self.watch.start()
         if self.host is not None:
             self.host.close()
-        self.host = HostChannel(device_is_host=self.device_kind == "cpu")
+        self.host = HostChannel(device_is_host=self.device_kind == "cpu") if config.watch_host else None
         if self.snap is not None:
             self.snap.stop()
             self.snap = None

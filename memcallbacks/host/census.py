@@ -118,12 +118,14 @@ def _census(max_objects: int, time_budget_s: float, min_container_len: int, keep
     t0 = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        # the heap first: a list made before gc.get_objects() would be listed in itself, a cycle that
+        # keeps every object of the heap (tensors too) alive until the next collection
+        objs = gc.get_objects()
         # containers gc does not track (a dict of floats, a list of ints) are found where users keep them
-        roots = Roots()
-        objs = [v for v in itertools.chain(roots.phases[0], roots.phases[1]) if type(v) in _CONTAINER_SET and not gc.is_tracked(v)]
+        roots = Roots()  # made after the heap list: its id sets are not counted as the heap's containers
+        objs += [v for v in itertools.chain(roots.phases[0], roots.phases[1]) if type(v) in _CONTAINER_SET and not gc.is_tracked(v)]
         roots.release()
-        del roots  # its id sets must not be counted as the heap's containers
-        objs += gc.get_objects()
+        del roots
         truncated = len(objs) > max_objects
         del objs[max_objects:]
         by_type, containers, done, cut = _scan(objs, t0 + time_budget_s, min_container_len, keep)

@@ -9,8 +9,10 @@ Installed with memcallbacks (a ``pytest11`` entry point); nothing to configure::
 
 Every Lightning ``Trainer``, Accelerate ``Accelerator`` and Transformers ``Trainer`` built in a
 marked test gets a monitor; the ``train_memory`` fixture watches hand-written loops. The test
-fails, after its body, on a lingering/growth/cycle finding, on tensor memory alive after the last
-step beyond what was alive after warm-up (an exact census of tensor storages), on tensors that only
+fails, after its body, on a lingering/growth/cycle finding, on Python objects on the host that grew
+by more than ``max_leak`` (the host channel's ``host_growth``, named by a host census), on tensor
+memory alive after the last step beyond what was alive after warm-up (an exact census of tensor
+storages), on tensors that only
 a ``gc.collect()`` at the end census freed (reference cycles), and on a phase peak over its limit.
 ``--train-memory-fail-on-increase`` also fails when a phase peak rose against the test's last
 passing run (pytest's cache). Loading the plugin imports no training framework.
@@ -58,7 +60,8 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
         "train_memory(max_leak='0 B', max_peak=None, warmup=2, phases=None, fail_on=None, **monitor_config): fail the test when a "
-        "training step leaks (lingering/growth/cycle findings, or tensor memory alive after the last step beyond "
+        "training step leaks (lingering/growth/cycle findings, Python objects on the host growing by more than max_leak, "
+        "or tensor memory alive after the last step beyond "
         "what was alive after `warmup` steps by more than max_leak) or a phase peaks above max_peak / phases={...}. "
         "Monitors are attached to every Lightning Trainer, Accelerate Accelerator and Transformers Trainer the test "
         "builds (memcallbacks, docs/pytest.md).",

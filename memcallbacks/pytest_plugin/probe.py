@@ -22,7 +22,7 @@ from memcallbacks._base.columns import PEAK_ALLOCATED, PEAK_BACKWARD, PEAK_FORWA
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CARRY_OVER", "LeakResult", "Probe", "Timeline"]
+__all__ = ["CARRY_OVER", "LeakResult", "Probe", "Timeline", "host_growth_bytes"]
 
 CARRY_OVER = ("parameters", "gradients", "optimizer state", "buffers", "current batch")
 """Census categories expected to stay alive from step to step: never counted as a leak."""
@@ -202,6 +202,9 @@ class Probe:
         self._last_batch: list[Any] = []  # weak references to the last step's batch tensors
         self.census_seconds = 0.0
         self.anchor_bytes = 0  # total tensor bytes of the latest census, where the timeline's anchor mark is
+        self.host_before: Any = None  # the plugin's own host census, at the step the host channel suspected growth
+        self.host_explained: Any = None  # HostExplanation: that census against the heap at the end census
+        self._host_explained_step = -1
         core.observe(self)
 
     # ------------------------------------------------------------------ the session's observer hooks
@@ -233,6 +236,8 @@ class Probe:
             except TypeError:
                 pass
         self._last_batch = refs
+        if self.steps > self.warmup and self.host_before is None and not self.frozen:
+            self._host_suspected()
         if self.steps == self.warmup:
             self.cycles.baseline()
             census = self._census(batch)
@@ -244,6 +249,61 @@ class Probe:
                 self.cycles.hold()
         elif self.steps > self.warmup and (self.census_every_step or self._is_last_step()):
             self._final_census(batch)
+
+    # ------------------------------------------------------------------ host growth (docs/pytest.md)
+    def _host_suspected(self) -> None:
+        """Once the monitor's host channel raised a Python-object growth over ``max_leak``: the
+        plugin's own first host census, on a thawed heap (the channel's censuses ran on the heap the
+        cycle check froze at warm-up, and ``gc.get_objects()`` does not list frozen objects: the
+        leaking container, made before warm-up, would be missing). The second is at the end census."""
+        if not any(self._host_leak(f) for f in self.core.findings):
+            return
+        import time
+
+        from memcallbacks.host.census import take_host_census
+
+        self.cycles.keep_thawed = True
+        thaw()
+        t0 = time.perf_counter()
+        try:
+            self.host_before = take_host_census(step=self.steps)
+        except Exception:
+            log.warning("train_memory: a host census failed; the host holders come from the monitor.", exc_info=True)
+            self.host_before = False  # not again
+        finally:
+            self.census_seconds += time.perf_counter() - t0
+
+    def _explain_host(self) -> None:
+        """The host census at an end census: what grew since :meth:`_host_suspected`, and who holds it."""
+        before = self.host_before
+        if not before or self.steps <= (before.step or 0) or self._host_explained_step == self.steps:
+            return
+        if self.census_every_step and self._host_explained_step >= 0 and self.steps - self._host_explained_step < 16:
+            return  # a loop with no end event: at most every 16 steps
+        import time
+
+        from memcallbacks.host.census import explain_host_growth
+
+        self._host_explained_step = self.steps
+        t0 = time.perf_counter()
+        try:
+            self.host_explained = explain_host_growth(before, step=self.steps, ignore=[self, self.timeline, self.core])
+        except Exception:
+            log.warning("train_memory: the host census failed; the host holders come from the monitor.", exc_info=True)
+        finally:
+            self.census_seconds += time.perf_counter() - t0
+
+    def host_holders(self) -> list[str] | None:
+        """The holders of the plugin's own host census (None when it did not run): the plugin's own
+        bookkeeping (its timeline of step marks) left out."""
+        explained = self.host_explained
+        if explained is None:
+            return None
+        return [str(h) for h in explained.holders if not h.path.startswith(("TrainMemory.", "Probe.", "Timeline."))]
+
+    def host_types(self) -> list[tuple[str, int]] | None:
+        explained = self.host_explained
+        return None if explained is None else [(n, c) for n, c, _ in explained.types if c > 0]
 
     def _is_last_step(self) -> bool:
         try:
@@ -299,6 +359,7 @@ class Probe:
             if leak.leaked > self.max_leak:
                 leak.holders = self._new_holders(batch, ignore, leak)
             self.leak = leak
+            self._explain_host()
         finally:
             # a loop with no end event checks again at its next step end
             if self.census_every_step:
@@ -362,6 +423,22 @@ class Probe:
         return peaks
 
     def findings(self) -> list[Any]:
-        found = [f for f in self.core.findings if f.kind in ("lingering", "growth", "cycle")]
+        found = [f for f in self.core.findings if f.kind in ("lingering", "growth", "cycle") or self._host_leak(f)]
         keys = {f.key for f in found}
         return found + [f for f in self.cycles.findings if f.key not in keys]
+
+    def _host_leak(self, finding: Any) -> bool:
+        """A Python-object host growth (key ``host_growth``) of more than ``max_leak`` bytes.
+
+        ``host_growth:native`` (native memory that Python objects do not explain) is not a failure:
+        the plugin's own ``torch.profiler`` keeps its events in native memory for the whole test.
+        ``worker_growth`` and ``rank_imbalance`` are not leaks of a training step."""
+        if finding.kind != "host_growth" or finding.key != "host_growth":
+            return False
+        return host_growth_bytes(finding) > self.max_leak
+
+
+def host_growth_bytes(finding: Any) -> int:
+    """What a ``host_growth`` finding says grew: the growth test's total, or the census's bytes when larger."""
+    details = finding.details or {}
+    return max(int(details.get("growth_bytes") or 0), int(finding.bytes or 0))

@@ -10,7 +10,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 from memcallbacks._base.units import format_bytes
 from memcallbacks.pytest_plugin.limits import PHASE_NAMES, Limits
-from memcallbacks.pytest_plugin.probe import Probe, Timeline
+from memcallbacks.pytest_plugin.probe import Probe, Timeline, host_growth_bytes
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +34,14 @@ class Failure:
             lines += textwrap.wrap(self.fix, _WIDTH, initial_indent="    fix: ", subsequent_indent="         ")
         return "\n".join(lines)
 
+
+HOST_FIX = (
+    "Something keeps Python objects from every step: a dict or list on a module, a callback or the model that gets "
+    "entries every step (a per-step record, a memo cache with no bound such as `functools.lru_cache(maxsize=None)` on "
+    "unique inputs). Bound it (`collections.deque(maxlen=...)`, `lru_cache(maxsize=...)`), clear it every epoch, or keep "
+    "summaries instead of objects; the holders name what grew (docs/findings.md, host_growth)."
+)
+"""The fix line of a failing ``host_growth`` finding (its message is the census's account of what grew)."""
 
 LINGERING_FLOOR = 4096
 """Lingering references below this many bytes do not fail a test (see monitor_config)."""
@@ -164,9 +172,21 @@ class TrainMemory:
     def _findings(self) -> list[Failure]:
         out = []
         for probe in self.probes:
-            for finding in probe.findings():
-                if not fails_the_test(finding, self._limits.fail_on or ()):
-                    continue  # settled growth and advice: reported in the monitor's files, not a failure
+            found = [f for f in probe.findings() if fails_the_test(f, self._limits.fail_on or ())]
+            # settled growth and advice are left out above: reported in the monitor's files, not a failure
+            if probe.device_kind == "cpu" and any(f.kind == "host_growth" for f in found):
+                # on CPU the heap is the device: its growth, when its censuses found no tensor that grew,
+                # is the same Python-object leak the host failure names (one leak, one failure)
+                found = [f for f in found if not (f.kind == "growth" and (f.details or {}).get("tensors_grew") is not True
+                                                  and (f.details or {}).get("evidence") != "graph_chain")]
+            for finding in found:
+                if finding.kind == "host_growth":  # named by the plugin's own host census where it ran (probe.py)
+                    holders = probe.host_holders()
+                    settled = not fails_the_test(finding, ())  # failing only because fail_on names "settled"
+                    out.append(Failure(_host_summary(finding, probe.host_types()),
+                                       list(finding.holders) if holders is None else holders,
+                                       finding.message if settled else HOST_FIX))
+                    continue
                 out.append(Failure(_finding_summary(finding), list(finding.holders), finding.message))
         return out
 
@@ -219,8 +239,12 @@ class TrainMemory:
 
 
 def fails_the_test(finding: Any, fail_on: tuple[str, ...]) -> bool:
-    """An open problem always fails; settled growth and advice only when ``fail_on`` names them."""
-    if finding.state == "settled":
+    """An open problem always fails; settled growth and advice only when ``fail_on`` names them.
+
+    A host growth that settled (``details["open"] is False``: a cache that filled, then stayed
+    flat; docs/findings.md, "Host memory") is settled growth, as a device growth whose state is
+    ``"settled"``."""
+    if finding.state == "settled" or (finding.kind == "host_growth" and (finding.details or {}).get("open") is False):
         return "settled" in fail_on
     return finding.severity != "advice" or "advice" in fail_on
 
@@ -239,4 +263,26 @@ def _finding_summary(finding: Any) -> str:
         rate = details.get("rate_bytes_per_step")
         per_step = f", {format_bytes(rate)}/step" if rate else ""
         return f"memory at step start grew by {format_bytes(finding.bytes)} up to step {finding.step}{per_step} (growth)"
+    if finding.kind == "host_growth":
+        return _host_summary(finding)
     return f"gc.collect() freed {format_bytes(finding.bytes)} of tensors held in reference cycles at step {finding.step} (cycle)"
+
+
+def _host_summary(finding: Any, types: list[tuple[str, int]] | None = None) -> str:
+    """``Python objects on the host grew by 12.5 MiB from step 10 to step 60, 256.0 KiB/step (host growth):
+    Spec +25,600, tuple +25,600`` - the types from a host census (``types``: the plugin's own), when one ran."""
+    details = finding.details or {}
+    if types is None:
+        types = [(t.get("type"), t.get("count")) for t in details.get("types") or [] if isinstance(t, dict)]
+    types = [(str(n), int(c)) for n, c in types if c and c > 0]
+    rate = details.get("rate_bytes_per_step")
+    since = details.get("since_step", finding.first_step)
+    per_step = f", {format_bytes(rate)}/step" if rate else ""
+    label = "host growth, settled" if details.get("open") is False or finding.state == "settled" else "host growth"
+    text = (f"Python objects on the host grew by {format_bytes(host_growth_bytes(finding))} from step {since} to step "
+            f"{finding.step}{per_step} ({label})")
+    if types:
+        text += ": " + ", ".join(f"{n.rsplit('.', 1)[-1]} +{c:,}" for n, c in types[:4])
+    elif not finding.holders:
+        text += "; the host census did not run or named no holder (docs/host.md)"
+    return text

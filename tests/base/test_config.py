@@ -31,6 +31,7 @@ INVALID = {
     "max_history_rows": [99, 0, -5, True, 1000.5],
     "prefix": ["", "/", "/memory", "memory/", " memory", "memory ", 3, None],
     "detect_leaks": [1, None, "yes"],
+    "watch_host": [1, None, "no"],
     "growth_warmup_steps": [-1, 2.5, True],
     "growth_min_bytes_per_step": [0, -1, 1.5, False],
     "growth_min_total_bytes": [0, "4MiB"],
