@@ -46,7 +46,7 @@ def save_payload(folder: Path, rank: int, arguments: dict[str, Any]) -> str:
     for key in ("report", "ranks"):
         if arguments.get(key) is not None:
             arguments[key] = plain_json(arguments[key])
-    data = pickle.dumps({"version": PAYLOAD_VERSION, "folder": str(folder), "arguments": arguments},
+    data = pickle.dumps({"version": PAYLOAD_VERSION, "folder": str(folder), "cwd": os.getcwd(), "arguments": arguments},
                         protocol=pickle.HIGHEST_PROTOCOL)
     fd, path = tempfile.mkstemp(prefix=f".memcallbacks-writer.rank{rank}.", suffix=".tmp", dir=folder)
     try:
@@ -55,7 +55,7 @@ def save_payload(folder: Path, rank: int, arguments: dict[str, Any]) -> str:
     except BaseException:
         _unlink(path)
         raise
-    return path
+    return os.path.abspath(path)
 
 
 class _Records(logging.Handler):
@@ -95,6 +95,10 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             _unlink(argv[0])
         loaded = time.perf_counter()
+        try:  # a relative output folder means what it meant in the rank (the writer started in the folder itself)
+            os.chdir(payload["cwd"])
+        except OSError:
+            pass
         from memcallbacks._files.outputs import write_outputs
 
         files = write_outputs(Path(payload["folder"]), **payload["arguments"])
@@ -124,4 +128,4 @@ def _unlink(path: str) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    os._exit(main())  # no interpreter teardown to wait for: the files are synced and the result is sent

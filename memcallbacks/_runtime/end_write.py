@@ -25,6 +25,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -126,12 +127,14 @@ def writer_environment() -> dict[str, str]:
 
 
 def _let_go(proc: subprocess.Popen) -> None:
-    """Stop listening to a writer that goes on alone: its result goes nowhere rather than into a full pipe."""
+    """Stop listening to a writer that goes on alone: its result goes nowhere rather than into a full pipe,
+    and a daemon thread reaps it when it is done (no zombie, no "still running" warning)."""
     try:
         if proc.stdout is not None:
             proc.stdout.close()
     except OSError:  # pragma: no cover
         pass
+    threading.Thread(target=proc.wait, name="memcallbacks-writer-reaper", daemon=True).start()
 
 
 def _parse(out: bytes | None) -> dict[str, Any] | None:

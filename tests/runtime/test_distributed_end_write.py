@@ -113,6 +113,14 @@ def test_the_writer_process_writes_the_files_this_process_would(tmp_path: Path, 
     assert len(timing) == 1, [r.getMessage() for r in caplog.records]
 
 
+def test_a_relative_folder_means_the_same_folder_to_the_writer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    Path("rel").mkdir()
+    files = write_detached(Spy(), Path("rel"), detach=True, owner="test", **arguments(plot=False))
+    assert files["history"] == os.path.join("rel", "history.rank0.csv") and (tmp_path / files["history"]).exists()
+    assert json.loads((tmp_path / "rel" / "report.rank0.json").read_text())["files"]["history"] == files["history"]
+
+
 def test_the_writer_process_imports_no_torch(tmp_path: Path) -> None:
     payload = end_write.save_payload(tmp_path, 0, arguments(plot=False))
     proc = subprocess.run([sys.executable, "-m", end_write.WRITER_MODULE, payload], cwd=str(tmp_path),

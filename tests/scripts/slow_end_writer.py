@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import os
-import sys
 import time
 
 import memcallbacks._files.outputs as outputs
@@ -23,4 +22,4 @@ def slow_figure(*args, **kwargs):
 outputs.history_figure = slow_figure
 
 if __name__ == "__main__":
-    sys.exit(main())
+    os._exit(main())
