@@ -4,14 +4,18 @@ When one rank raises, the launcher takes the others down: Lightning's child-proc
 SIGKILLs every rank (the main process included) within 5 s of a child's non-zero exit, torch's
 ``ProcessContext.join`` SIGTERMs the survivors, torchrun's agent signals its workers. A rank
 that is still writing its files at that moment would leave ``.tmp`` files and none of its own.
-So under torch.distributed the file set is written by a forked child process in a session of
-its own (:func:`write_detached`): a signal to the rank, or to its process group, does not reach
-it, and it finishes the set. The rank waits for it, so on a healthy run ``fit()`` does not
-return before its files are in place, and :func:`wait_for_every_rank` (one collective, after
-every rank wrote) keeps any rank's ``fit()`` from returning while another rank's files are
-still being written. The child only serialises data the rank already holds (pandas, json,
-matplotlib's Agg renderer); it touches no device, no collective and no tracker, and leaves
-with ``os._exit`` (no atexit handlers, no finalizers of the rank's objects).
+So under torch.distributed the file set is written by a process of its own
+(:func:`write_detached`): the rank saves the writer's arguments as plain data to a temporary
+file in the output folder and starts a fresh interpreter on
+:mod:`memcallbacks._files.writer_process`, in a session of its own, so a signal to the rank or
+to its process group does not reach it, and it finishes the set. The writer is not a fork of
+the rank: it shares none of the rank's threads (OpenBLAS/OpenMP, gloo, NCCL), locks or devices,
+and imports no torch (a forked writer that plotted after ``fork()`` hung and aborted in gloo
+runs; ``subprocess`` runs no Python code between its fork and ``exec``). The rank waits for the
+writer's result, so on a healthy run ``fit()`` does not return before its files are in place, a
+full disk is still an ``OSError`` in the rank, and the writer's log records are replayed through
+the rank's loggers. :func:`wait_for_every_rank` (one collective, after every rank wrote) keeps
+any rank's ``fit()`` from returning while another rank's files are still being written.
 """
 
 from __future__ import annotations
@@ -19,121 +23,135 @@ from __future__ import annotations
 import json
 import logging
 import os
-import select
-import signal
+import subprocess
+import sys
+import threading
 import time
-from typing import Callable
+from pathlib import Path
+from typing import Any, Callable
 
 from memcallbacks._base import distributed as _distributed
+from memcallbacks._files.fileset import unlink_quietly
+from memcallbacks._files.writer_process import save_payload
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DETACH_WRITER", "write_detached", "wait_for_every_rank", "WRITE_TIMEOUT_S"]
+__all__ = ["DETACH_WRITER", "WRITER_MODULE", "write_detached", "wait_for_every_rank", "WRITE_TIMEOUT_S"]
 
 #: How long a rank waits for its writer before going on (the writer still finishes on its own).
 WRITE_TIMEOUT_S = 300.0
 
+DETACH_WRITER = True
+"""Under torch.distributed with more than one rank, write the end-of-run files in a process of
+the rank's own starting (see the module's docstring); a single process writes them itself."""
 
-DETACH_WRITER = False
-"""Off: a forked writer hung for 300 s (and once aborted with "terminate called without an active
-exception") in 2-rank gloo runs on a loaded machine. The child plots with matplotlib/numpy after a
-fork of a process whose OpenBLAS/OpenMP and gloo threads were running, which is not fork-safe. The
-files are written in the rank's own process again; :func:`wait_for_every_rank` still keeps every
-rank's ``fit()``/``close()`` from returning before the others' files are written. A writer that
-survives a failing peer's SIGKILL needs a fork-safe design (a spawned process, or no plotting in
-the child)."""
+WRITER_MODULE = "memcallbacks._files.writer_process"
+"""The module the writer process runs (``python -m``); tests put a slowed one in its place."""
+
+_THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMEXPR_NUM_THREADS")
 
 
-def write_detached(write: Callable[[], dict[str, str]], *, detach: bool, owner: str, timeout_s: float = WRITE_TIMEOUT_S) -> dict[str, str]:
-    """``write()`` (returning ``{kind: path}``), in a forked child when ``detach`` and the platform can fork.
+def write_detached(write: Callable[..., dict[str, str]], folder: Path, *, detach: bool, owner: str,
+                   timeout_s: float = WRITE_TIMEOUT_S, **arguments: Any) -> dict[str, str]:
+    """``write(folder, **arguments)`` (``write_outputs``, returning ``{kind: path}``); by a writer process when ``detach``.
 
-    Raises ``OSError`` when the writer reported one (a full disk) and ``RuntimeError`` for any
-    other failure of the writer, as ``write()`` itself would."""
-    if not detach or not hasattr(os, "fork"):
-        return write()
-    read_end, write_end = os.pipe()
+    The writer process runs :func:`~memcallbacks._files.outputs.write_outputs` with the same
+    arguments. It raises ``OSError`` when the writer reported one (a full disk) and
+    ``RuntimeError`` for any other failure of the writer, as ``write`` itself would. When the
+    writer cannot be started, or ends without a result (killed, crashed), this process writes
+    the files itself. Past ``timeout_s`` the rank goes on with no files (``{}``) and the writer
+    finishes them on its own."""
+    if not detach or os.name != "posix" or not sys.executable:
+        return write(folder, **arguments)
+    t0 = time.perf_counter()
     try:
-        pid = os.fork()
-    except OSError:
-        os.close(read_end)
-        os.close(write_end)
-        log.debug("could not fork the writer; writing in this process", exc_info=True)
-        return write()
-    if pid == 0:  # pragma: no cover - the child's coverage is not collected (it leaves by os._exit)
-        _child(write, read_end, write_end)
-    os.close(write_end)
+        proc, payload = _start(Path(folder), arguments)
+    except Exception:
+        log.debug("could not start the writer process; writing in this process", exc_info=True)
+        return write(folder, **arguments)
     try:
-        payload = _read_all(read_end, timeout_s)
-    finally:
-        os.close(read_end)
-    if payload is None:
+        out, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        _let_go(proc)
         log.error("%s: the memory files are still being written by process %d after %.0f s; going on without waiting "
-                  "(they appear when it is done).", owner, pid, timeout_s)
+                  "(they appear when it is done).", owner, proc.pid, timeout_s)
         return {}
-    _reap(pid)
-    try:
-        result = json.loads(payload.decode("utf-8"))
-    except ValueError:
-        result = {"error": "the writer process ended without a result", "errno": None}
-    if "files" in result:
+    except BaseException:  # a signal handler's exception: the writer finishes on its own
+        _let_go(proc)
+        raise
+    result = _parse(out)
+    if result is None:
+        unlink_quietly(payload)  # when it ended before it read it
+        log.warning("%s: the writer process ended (exit status %s) without a result; writing the memory files in "
+                    "this process.", owner, proc.returncode)
+        return write(folder, **arguments)
+    _replay(result.get("log") or [])
+    log.debug("%s: writer process %d: %.2f s in all (start and payload %.2f s, files %.2f s)", owner, proc.pid,
+              time.perf_counter() - t0, result.get("load_s", float("nan")), result.get("write_s", float("nan")))
+    if isinstance(result.get("files"), dict):
         return {str(k): str(v) for k, v in result["files"].items()}
     if result.get("errno") is not None:
-        raise OSError(result["errno"], result.get("strerror") or result["error"])
-    raise RuntimeError(f"the writer process failed: {result['error']}")
+        raise OSError(result["errno"], result.get("strerror") or result.get("error"), result.get("filename"))
+    raise RuntimeError(f"the writer process failed: {result.get('error')}\n{result.get('traceback', '')}".rstrip())
 
 
-def _child(write: Callable[[], dict[str, str]], read_end: int, write_end: int) -> None:  # pragma: no cover
-    code = 1
+def _start(folder: Path, arguments: dict[str, Any]) -> tuple[subprocess.Popen, str]:
+    payload = save_payload(folder, int(arguments.get("rank", 0)), arguments)
     try:
-        os.close(read_end)
-        try:
-            os.setsid()  # a signal to the rank's process group (torchrun) does not reach the writer
-        except OSError:
-            pass
-        for signum in (signal.SIGTERM, signal.SIGINT):  # not the framework's handlers (Lightning's run collectives)
-            try:
-                signal.signal(signum, signal.SIG_DFL)
-            except (OSError, ValueError):
-                pass
-        try:
-            result: dict[str, object] = {"files": write()}
-            code = 0
-        except OSError as exc:
-            result = {"error": f"{type(exc).__name__}: {exc}", "errno": exc.errno, "strerror": exc.strerror}
-        except BaseException as exc:
-            result = {"error": f"{type(exc).__name__}: {exc}", "errno": None}
-        data = json.dumps(result).encode("utf-8")
-        while data:
-            data = data[os.write(write_end, data):]
-    finally:
-        os._exit(code)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", WRITER_MODULE, payload],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            cwd=str(folder),
+            env=writer_environment(),
+            start_new_session=True,  # a signal to the rank's process group (torchrun, a terminal) does not reach it
+            close_fds=True,
+        )
+    except BaseException:
+        unlink_quietly(payload)
+        raise
+    return proc, payload
 
 
-def _read_all(fd: int, timeout_s: float) -> bytes | None:
-    """Everything written to the pipe until the writer closes it; None when ``timeout_s`` passes first."""
-    chunks = []
-    deadline = time.monotonic() + timeout_s
-    while True:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            return None
-        try:
-            ready, _, _ = select.select([fd], [], [], remaining)
-        except InterruptedError:  # pragma: no cover - PEP 475 retries select itself
-            continue
-        if not ready:
-            return None
-        chunk = os.read(fd, 1 << 16)
-        if not chunk:
-            return b"".join(chunks)
-        chunks.append(chunk)
+def writer_environment() -> dict[str, str]:
+    """The rank's environment, with its ``sys.path`` (memcallbacks' own folder first) and one thread per numeric library."""
+    entries: list[str] = []
+    for entry in [str(Path(__file__).resolve().parents[2]), *sys.path]:
+        entry = os.path.abspath(entry or os.curdir)
+        if entry not in entries and os.path.exists(entry):
+            entries.append(entry)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(entries))
+    env.update({name: "1" for name in _THREAD_VARIABLES})  # the writer draws one small plot
+    return env
 
 
-def _reap(pid: int) -> None:
+def _let_go(proc: subprocess.Popen) -> None:
+    """Stop listening to a writer that goes on alone: its result goes nowhere rather than into a full pipe,
+    and a daemon thread reaps it when it is done (no zombie, no "still running" warning)."""
     try:
-        os.waitpid(pid, 0)
-    except ChildProcessError:  # pragma: no cover - reaped elsewhere (a SIGCHLD handler)
+        if proc.stdout is not None:
+            proc.stdout.close()
+    except OSError:  # pragma: no cover
         pass
+    threading.Thread(target=proc.wait, name="memcallbacks-writer-reaper", daemon=True).start()
+
+
+def _parse(out: bytes | None) -> dict[str, Any] | None:
+    lines = (out or b"").decode("utf-8", "replace").strip().splitlines()
+    try:
+        result = json.loads(lines[-1]) if lines else None
+    except ValueError:
+        return None
+    return result if isinstance(result, dict) else None
+
+
+def _replay(records: list[Any]) -> None:
+    for record in records:
+        try:
+            logging.getLogger(str(record["name"])).log(int(record["levelno"]), "%s", record["message"])
+        except Exception:  # pragma: no cover - a malformed record is dropped
+            pass
 
 
 def wait_for_every_rank(world_size: int, owner: str) -> None:

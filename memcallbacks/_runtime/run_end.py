@@ -158,7 +158,8 @@ class RunEnd:
             title = self.title or f"{self.framework} on {report['summary'].get('device', {}).get('device', '?')}"
             if engine.world_size > 1:
                 title += f", rank {engine.rank}"
-            self.files = write_detached(lambda: write_outputs(  # a forked writer under distributed: see end_write.py
+            self.files = write_detached(  # by a writer process of its own under distributed: see end_write.py
+                write_outputs,
                 self.output_dir,
                 rank=engine.rank,
                 world_size=engine.world_size,
@@ -168,7 +169,9 @@ class RunEnd:
                 plot=self.config.plot,
                 title=title,
                 ranks=summaries if summaries is not None and engine.rank == 0 else None,
-            ), detach=distributed and DETACH_WRITER, owner=self.owner)
+                detach=distributed and DETACH_WRITER,
+                owner=self.owner,
+            )
             if summaries is not None and engine.rank == 0:
                 report = dict(report, files=self.files, ranks=summaries)
             self._to_trackers(report, gathered)

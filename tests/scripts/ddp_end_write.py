@@ -3,7 +3,8 @@
     python tests/scripts/ddp_end_write.py OUT_DIR --slow-rank R --slow-s S [--fail-at-step N]
 
 The slow write is a fault injected into the plot stage of the file set (a slow disk, a busy
-host): ``history_figure`` sleeps ``S`` seconds first on rank ``R``. ``--fail-at-step``: rank 1's
+host): ``history_figure`` sleeps ``S`` seconds first on rank ``R``, in the rank's own process
+and in the writer process it starts (``tests/scripts/slow_end_writer.py`` in its place). ``--fail-at-step``: rank 1's
 ``training_step`` raises at that step; Lightning's child-process observer in rank 0 then SIGKILLs
 rank 0 within 5 s. Rank 0 writes ``OUT_DIR/rank0_after_fit.json`` right after ``fit()`` returns,
 with the monitor folder's listing at that moment.
@@ -22,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import lightning.pytorch as L  # noqa: E402
 
 import memcallbacks._files.outputs as outputs  # noqa: E402
+import memcallbacks._runtime.end_write as end_write  # noqa: E402
 from helpers import BoringModel, RandomDataModule, trainer_kwargs  # noqa: E402
 from memcallbacks import MemoryMonitor  # noqa: E402
 
@@ -54,6 +56,8 @@ def main() -> None:
             return figure(*a, **k)
 
         outputs.history_figure = slow_figure
+        os.environ["DDP_END_WRITE_SLOW_S"] = str(args.slow_s)
+        end_write.WRITER_MODULE = "slow_end_writer"  # found on the writer's path: this script's folder
     mem = os.path.join(args.out, "mem")
     monitor = MemoryMonitor(sample_every_n_steps=1, output_dir=mem)
     trainer = L.Trainer(**trainer_kwargs(args.out, devices=2, strategy="ddp", max_steps=4, callbacks=[monitor]))
