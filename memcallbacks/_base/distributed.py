@@ -43,6 +43,23 @@ def _collective_device(device: torch.device | None = None) -> torch.device:
     return torch.device("cpu")
 
 
+_LAST_COLLECTIVE: list[torch.Tensor] = []
+"""The tensors of the last collective this module ran, kept alive from Python until the next one.
+
+torch's gloo process group releases a finished ``all_gather`` work in its run-loop thread. When
+Python has already dropped the tensors, that release hands each tensor's Python object back
+through ``decref_pyobject``, and that needs the GIL. A rank that ends right after our last gather
+(``wait_for_every_rank``) deallocates its DDP ``Reducer`` and with it the process group. That
+happens with the GIL held and joins the run-loop thread: a deadlock. It was seen as a rank that
+never exited in a 2-rank Accelerate test. While the Python objects are alive, the loop thread's
+release is a plain reference decrement. The tensors are a few bytes (``max_over_ranks``) or one
+gather's pickled payload (``gather_objects``)."""
+
+
+def _keep(*tensors: Any) -> None:
+    _LAST_COLLECTIVE[:] = [t for group in tensors for t in (group if isinstance(group, list) else [group])]
+
+
 def max_over_ranks(values: Sequence[float], device: torch.device | None = None) -> tuple[list[float], list[int]]:
     """Return ``(max over ranks, rank holding it)`` for every value, in a single ``all_gather``.
 
@@ -60,6 +77,7 @@ def max_over_ranks(values: Sequence[float], device: torch.device | None = None) 
     local = torch.tensor(list(values), dtype=torch.float64, device=_collective_device(device))
     gathered = [torch.empty_like(local) for _ in range(world)]
     torch.distributed.all_gather(gathered, local)
+    _keep(local, gathered)
     table = torch.stack(gathered).cpu()  # the one device-to-host copy (a sync under NCCL)
     table = torch.nan_to_num(table, nan=-math.inf)
     best, ranks = table.max(dim=0)
@@ -90,4 +108,5 @@ def gather_objects(obj: Any, device: torch.device | None = None) -> list[Any]:
     local = local.to(where)
     out = [torch.empty(longest, dtype=torch.uint8, device=where) for _ in range(world)]
     torch.distributed.all_gather(out, local)
+    _keep(size, sizes, local, out)
     return [pickle.loads(t[:n].cpu().numpy().tobytes()) for t, n in zip(out, lengths)]
