@@ -27,7 +27,8 @@ from memcallbacks._runtime.adapter_support import (
 from memcallbacks._runtime.guard import entry_point, quiet_gate
 from memcallbacks._runtime.results import SessionResults
 from memcallbacks._runtime.preflight_steps import training_step
-from memcallbacks._runtime.session import Session, output_folder
+from memcallbacks._runtime.run_start import output_folder
+from memcallbacks._runtime.session import Session
 
 if TYPE_CHECKING:  # pragma: no cover
     import lightning.pytorch as pl
