@@ -59,7 +59,7 @@ def _start_parts(session: Any, device: Any, rank: int | None, world_size: int | 
     config, engine = session.config, session.engine
     engine.start(device, rank=rank, world_size=world_size)
     session.plan.arm(engine.backend)
-    session.cadence.announce = (session.log, session.owner) if engine.rank == 0 else None  # the budget's back-off, said once
+    session.cadence.guard.announce = (session.log, session.owner) if engine.rank == 0 else None  # the budget's back-off, said once
     session.checks.start(ignore=[session], device_is_host=session.device_kind == "cpu")
     if session.snap is not None:
         session.snap.stop()
