@@ -1,7 +1,7 @@
 """Check memcallbacks' structure rules with the ast module (docs/architecture.md says why).
 
 Rules:
-  * every module under memcallbacks/ has at most MODULE_LIMIT lines, an adapter at most ADAPTER_LIMIT;
+  * every module under memcallbacks/ has at most MODULE_LIMIT lines, a framework adapter at most ADAPTER_LIMIT;
   * every function has at most FUNCTION_LIMIT lines, its docstring excluded;
   * no import circle between memcallbacks modules (imports inside functions and under
     ``TYPE_CHECKING`` count);
@@ -28,7 +28,11 @@ MODULE_LIMIT = 400
 ADAPTER_LIMIT = 300
 FUNCTION_LIMIT = 60
 
+# the adapters: they translate a framework's events into the session's protocol and never reach into it
 ADAPTERS = ("lightning.py", "accelerate.py", "transformers.py", "monitor.py")
+# the framework adapters are held to ADAPTER_LIMIT; monitor.py (the plain loop's public Monitor, the
+# base of the Accelerate and Transformers monitors) to MODULE_LIMIT like every other module
+FRAMEWORK_ADAPTERS = ("lightning.py", "accelerate.py", "transformers.py")
 LIBRARIES = ("leaks", "host", "snapshot", "estimate", "preflight", "trackers", "cli")
 
 # Known offenders outside the runtime/adapter split, owned by other work in progress: each entry
@@ -206,7 +210,7 @@ def check() -> list[str]:
         lines = len(source.splitlines())
         top = path.relative_to(PACKAGE).parts
         adapter = len(top) == 1 and top[0] in ADAPTERS
-        limit = ADAPTER_LIMIT if adapter else MODULE_LIMIT
+        limit = ADAPTER_LIMIT if len(top) == 1 and top[0] in FRAMEWORK_ADAPTERS else MODULE_LIMIT
         if lines > limit and where not in ALLOWED_LONG_MODULES:
             problems.append(f"{where}: {lines} lines (limit {limit})")
         for qualname, node in function_names(tree):
