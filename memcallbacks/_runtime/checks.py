@@ -147,14 +147,6 @@ class StepChecks:
         lingering = self.watch.lingering if self.watch is not None else None
         return lingering is not None and lingering.pending
 
-    def busy(self) -> bool:
-        """Something here needs the next step (it is not quiet)."""
-        watch = self.watch
-        return (
-            self.lingering_pending or self.state.wanted or self.preflight.due
-            or (watch is not None and watch.collections is not None and watch.collections.due)
-        )
-
     def host_figures(self) -> dict[str, float] | None:
         """The host channel's figures for the logs and the per-rank comparison (None without one)."""
         host = self.host

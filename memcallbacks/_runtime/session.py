@@ -1,4 +1,4 @@
-"""The session every adapter drives: one run's step protocol (begin_step, boundary, end_step), orchestrating the plan, the engine, the watch and the files.
+"""The session every adapter drives: one run's step protocol (begin_step, boundary, end_step), orchestrating the plan, the engine, the checks and the run's end.
 
 Adapters (Lightning, Accelerate, Transformers, the plain-loop ``Monitor``) own one
 :class:`Session` and only translate their framework's events into its calls. Nothing here
@@ -209,7 +209,9 @@ class Session:
     @property
     def lingering_pending(self) -> bool:
         """The previous step left marks (batch references, a marked graph) for the lingering check."""
-        return self.checks.lingering_pending
+        watch = self.checks.watch  # not checks.lingering_pending: no extra call on the plain loop's step path
+        lingering = watch.lingering if watch is not None else None
+        return lingering is not None and lingering.pending
 
     @property
     def device_kind(self) -> str:

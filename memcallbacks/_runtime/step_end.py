@@ -79,10 +79,13 @@ def close_row(session: Any, closing: int, t_end: float, batch: Any, loss: Any, o
 def plan_quiet(session: Any) -> None:
     """After a step: the quiet stretch that follows, unless something needs the next step."""
     checks = session.checks
+    watch = checks.watch
     busy = (
-        not session.engine.enabled or session.lingering_due or (session.snap is not None and session.snap.busy) or checks.busy()
+        not session.engine.enabled or session.lingering_due or checks.lingering_pending or checks.state.wanted or checks.preflight.due
+        or (session.snap is not None and session.snap.busy)
+        or (watch is not None and watch.collections is not None and watch.collections.due)
     )
-    session.plan.plan_after(session.current_count, busy=busy, reads=checks.watch is not None)
+    session.plan.plan_after(session.current_count, busy=busy, reads=watch is not None)
 
 
 def extra_keys(session: Any, row: list[Any] | None) -> dict[str, float]:
