@@ -11,7 +11,9 @@ Rules:
   * the libraries never import the runtime (``memcallbacks._runtime``).
 
 Run ``python scripts/check_structure.py``: prints one line per breach and exits 1 if there is any.
-``tests/docs/test_structure.py`` runs it.
+``python scripts/check_structure.py --tree`` prints the module tree of docs/architecture.md (each
+module's first docstring line). ``tests/docs/test_structure.py`` runs both: the rules, and that the
+tree in docs/architecture.md names every module there is and no other.
 """
 
 from __future__ import annotations
@@ -230,7 +232,32 @@ def check() -> list[str]:
     return problems
 
 
+TREE_WIDTH = 154  # docs/architecture.md's tree lines are cut at this width
+
+
+def _first_line(path: Path) -> str:
+    doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+    return doc.strip().splitlines()[0] if doc.strip() else ""
+
+
+def tree() -> list[str]:
+    """The module tree of docs/architecture.md: top-level modules, then each package and its modules."""
+    lines = ["memcallbacks/"]
+
+    def entry(indent: int, name: str, doc: str) -> str:
+        return (" " * indent + name.ljust(23) + doc)[:TREE_WIDTH].rstrip()
+
+    lines += [entry(4, p.name, _first_line(p)) for p in sorted(PACKAGE.glob("*.py")) if p.name != "__init__.py"]
+    for package in sorted(d for d in PACKAGE.iterdir() if (d / "__init__.py").exists()):
+        lines.append(entry(4, package.name + "/", _first_line(package / "__init__.py")))
+        lines += [entry(8, p.name, _first_line(p)) for p in sorted(package.glob("*.py")) if p.name != "__init__.py"]
+    return lines
+
+
 def main() -> int:
+    if "--tree" in sys.argv[1:]:
+        print("\n".join(tree()))
+        return 0
     problems = check()
     for problem in problems:
         print(problem)
