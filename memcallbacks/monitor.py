@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from memcallbacks._base.config import MonitorConfig, resolve_config
-from memcallbacks._base.columns import OPTIMIZER, OTHER, PHASES
-from memcallbacks._runtime.adapter_support import OptimizerHooks, check_plain_arguments, saved_step
+from memcallbacks._base.columns import OPTIMIZER, OTHER
+from memcallbacks._runtime.adapter_support import OptimizerHooks, check_plain_arguments, phase_index, saved_step
 from memcallbacks._runtime.device_check import device_for
 from memcallbacks._runtime.guard import entry_point
 from memcallbacks._runtime.lifecycle import Cleanup
@@ -31,9 +31,6 @@ from memcallbacks._runtime.track_guard import AccumulationWindow, TrackGuard
 log = logging.getLogger(__name__)
 
 __all__ = ["Monitor"]
-
-_PHASE_INDEX = {name: i for i, name in enumerate(PHASES)}
-
 
 class Monitor(SessionResults):
     """Per-phase memory of a plain PyTorch training loop.
@@ -166,9 +163,10 @@ class Monitor(SessionResults):
         )
 
     def _end(self) -> None:
-        batch = self._batch
-        self._batch = None
-        output, outputs = self._model_hooks.take_outputs()
+        hooks = self._model_hooks
+        batch, output, outputs = self._batch, hooks.output, hooks.outputs
+        self._batch = hooks.output = None
+        hooks.outputs = []
         if self._session.step_open:
             self._session.end_step(OTHER, batch=batch, loss=output, outputs=outputs)
             self._step += 1
@@ -176,7 +174,7 @@ class Monitor(SessionResults):
                 self._window.stepped()
         del batch, output, outputs
         self._stepped = False
-        self._model_hooks.backward_open = False
+        hooks.backward_open = False
 
     def track(self, iterable: Iterable[Any]) -> Iterator[Any]:
         """Yield from ``iterable``, marking a step boundary before each item.
@@ -251,9 +249,7 @@ class Monitor(SessionResults):
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
         """``with monitor.phase("forward"): ...`` — attribute this block's peak to a phase explicitly."""
-        index = _PHASE_INDEX.get(name)
-        if index is None:
-            raise ValueError(f"Monitor.phase(name={name!r}) is not one of {', '.join(PHASES)}; pass one of those.")
+        index = phase_index(name)  # a ValueError for a name that is not a phase
         if self._used_after_close("phase"):
             yield
             return
@@ -384,7 +380,9 @@ class Monitor(SessionResults):
         if not session.step_open:
             return False
         logged = session.log_this_step
-        output, outputs = self._model_hooks.take_outputs()  # the step's forward output, for leak detection
+        hooks = self._model_hooks  # the step's forward output, for leak detection, handed over
+        output, outputs = hooks.output, hooks.outputs
+        hooks.output, hooks.outputs = None, []
         session.end_step(OTHER, log_step=log_step, loss=output, outputs=outputs)
         del output, outputs
         return logged

@@ -13,13 +13,14 @@ from typing import Any, Callable
 
 from torch import nn
 
+from memcallbacks._base.columns import PHASES
 from memcallbacks._base.errors import SetupError
 from memcallbacks.estimate.tables import canonical_precision
 from memcallbacks._runtime.lifecycle import weak_method
 from memcallbacks._runtime.preflight_check import fake_step_running
 from memcallbacks.trackers import Trackers
 
-__all__ = ["check_plain_arguments", "saved_step", "refuse_shared_folder", "saved_state_of", "lightning_strategy", "accelerate_strategy", "precision_name", "rank_zero_trackers", "OptimizerHooks"]
+__all__ = ["check_plain_arguments", "saved_step", "phase_index", "refuse_shared_folder", "saved_state_of", "lightning_strategy", "accelerate_strategy", "precision_name", "rank_zero_trackers", "OptimizerHooks"]
 
 # Lightning's strategies by class name, in memcallbacks.estimate's names (others: detected from the model).
 _LIGHTNING_STRATEGIES = {
@@ -166,3 +167,14 @@ def saved_step(state: dict[str, Any], default: int, key: str) -> int:
     if isinstance(step, bool) or not isinstance(step, int):
         raise ValueError(f"memcallbacks: the monitor state passed to {key} has step={step!r}, not an integer.")
     return step
+
+
+_PHASE_INDEX = {name: i for i, name in enumerate(PHASES)}
+
+
+def phase_index(name: str) -> int:
+    """The phase ``Monitor.phase(name)`` names (``"forward"``, ...); any other name: ``ValueError``."""
+    index = _PHASE_INDEX.get(name)
+    if index is None:
+        raise ValueError(f"Monitor.phase(name={name!r}) is not one of {', '.join(PHASES)}; pass one of those.")
+    return index

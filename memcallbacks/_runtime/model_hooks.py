@@ -80,13 +80,6 @@ class ModelHooks:
         self.set(False)
         self.models = []
 
-    def take_outputs(self) -> tuple[Any, list[torch.Tensor]]:
-        """The step's output tensors, handed over (the hooks keep none after)."""
-        output, outputs = self.output, self.outputs
-        self.output = None
-        self.outputs = []
-        return output, outputs
-
     # ------------------------------------------------------------------ hooks (never raise)
     @entry_point("forward hook")
     def _forward_post(self, module: nn.Module, args: Any, output: Any) -> None:
