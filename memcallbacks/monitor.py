@@ -170,8 +170,9 @@ class Monitor(SessionResults):
         if self._session.step_open:
             self._session.end_step(OTHER, batch=batch, loss=output, outputs=outputs)
             self._step += 1
-            if self._stepped:
-                self._window.stepped()
+            if self._stepped:  # a new accumulation window (inline: no call per step)
+                window = self._window
+                window.longest, window.size = (window.size if window.size > window.longest else window.longest), 0
         del batch, output, outputs
         self._stepped = False
         hooks.backward_open = False
@@ -211,7 +212,8 @@ class Monitor(SessionResults):
     @entry_point("track() step start")
     def _track_item(self, batch_idx: int, item: Any) -> None:
         session, window = self._session, self._window
-        if session.step_open and (self._stepped or not window.accumulates or window.overflows(self.max_micro_batches)):
+        if session.step_open and (self._stepped or not window.accumulates or window.size >= self.max_micro_batches
+                                  and window.overflows(self.max_micro_batches)):  # called only for a window at the limit
             self._end()
         window.size += 1
         if session.step_open:

@@ -52,7 +52,7 @@ class AccumulationWindow:
         # until the next optimizer step. The Accelerate adapter sets it too.
         self.accumulates = accumulates
         self.size = 0  # track()ed batches since the last row that ended with an optimizer step
-        self.longest = 0  # the most batches seen between two optimizer steps
+        self.longest = 0  # the most batches seen between two optimizer steps (Monitor._end updates both)
 
     def overflows(self, limit: int) -> bool:
         """This many batches without an optimizer step is not accumulation (the optimizer is idle): the
@@ -61,9 +61,3 @@ class AccumulationWindow:
             self.accumulates = False
             return True
         return False
-
-    def stepped(self) -> None:
-        """A row ended with an optimizer step: a new window begins."""
-        if self.size > self.longest:
-            self.longest = self.size
-        self.size = 0
