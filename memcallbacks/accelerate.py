@@ -118,7 +118,7 @@ class AccelerateMemoryMonitor(Monitor):
             return
         found = False
         for model in getattr(self._accelerator, "_models", []):
-            if isinstance(model, nn.Module) and not any(model is m for m in self._hooked_models):
+            if isinstance(model, nn.Module) and not any(model is m for m in self._model_hooks.models):
                 found = True
                 self._hook_model(model)
                 if not self._session.title:
@@ -133,7 +133,7 @@ class AccelerateMemoryMonitor(Monitor):
         if optimizer is None and len(getattr(accelerator, "_optimizers", [])) == 1:
             optimizer = accelerator._optimizers[0]
         optimizer = getattr(optimizer, "optimizer", optimizer)  # the AcceleratedOptimizer's inner one
-        model = self._hooked_models[0] if len(self._hooked_models) == 1 else None
+        model = self._model_hooks.models[0] if len(self._model_hooks.models) == 1 else None
         strategy = accelerate_strategy(accelerator)
         world_size = int(accelerator.num_processes) if strategy is not None else None
         self._session.attach(model=model, optimizer=optimizer, precision=precision_name(accelerator.mixed_precision),
@@ -163,20 +163,21 @@ class AccelerateMemoryMonitor(Monitor):
     @entry_point("accelerator.backward wrapper")
     def _backward_starts(self, loss: Any) -> bool:
         session = self._session
-        if self._closed or not session.step_open or self._backward_open:
+        hooks = self._model_hooks
+        if self._closed or not session.step_open or hooks.backward_open:
             return False
-        self._backward_open = True  # the output-tensor hook then leaves this backward alone (no engine callback)
+        hooks.backward_open = True  # the output-tensor hook then leaves this backward alone (no engine callback)
         if isinstance(loss, torch.Tensor) and loss.grad_fn is not None:
             # leak detection marks the user's own loss rather than the model's output: a loop
             # variable `loss` alive at the next step is then found directly, without the heap
             # scan that finding it from the output's graph needs
-            self._output = loss
+            hooks.output = loss
         session.boundary(FORWARD)
         return True
 
     @entry_point("accelerator.backward wrapper")
     def _backward_ends(self) -> None:
-        self._backward_open = False
+        self._model_hooks.backward_open = False
         self._session.boundary(BACKWARD)
 
     def _log_to_trackers(self, metrics: dict[str, float], step: int) -> None:
@@ -200,7 +201,7 @@ class AccelerateMemoryMonitor(Monitor):
         accelerator = self._accelerator
         if not accelerator.sync_gradients:
             return False  # inside an accumulation window
-        if not self._ever_stepped or accelerator.gradient_accumulation_steps > 1:
+        if not self._window.accumulates or accelerator.gradient_accumulation_steps > 1:
             return True
         return accelerator.scaler is not None and bool(accelerator.optimizer_step_was_skipped)
 
@@ -225,7 +226,7 @@ class AccelerateMemoryMonitor(Monitor):
                 if self._step_complete():
                     self._stepped = True  # a gradient-sync batch whose optimizer step was skipped
                 else:
-                    self._ever_stepped = True  # inside an accumulation window: not a loop without optimizer
+                    self._window.accumulates = True  # inside an accumulation window: not a loop without optimizer
             yield item
 
     def step(self) -> Any:

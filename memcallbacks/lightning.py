@@ -13,21 +13,18 @@ import copy
 import importlib
 import importlib.util
 import logging
-import os
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from memcallbacks._base.config import MonitorConfig, check_config_names, resolve_config
 from memcallbacks._base.columns import BACKWARD, FORWARD, OPTIMIZER, OTHER
-from memcallbacks._runtime.adapter_support import (
-    OptimizerHooks, lightning_strategy, precision_name, rank_zero_trackers, refuse_shared_folder, saved_state_of,
-)
 from memcallbacks._runtime.guard import entry_point, quiet_gate
 from memcallbacks._runtime.results import SessionResults
-from memcallbacks._runtime.preflight_steps import training_step
-from memcallbacks._runtime.session import Session, output_folder
+from memcallbacks._runtime.lightning_support import (
+    ManualOptimizerHooks, add_eval_hooks, attach_fit, check_siblings, checkpoint_state, predict_step, start_session,
+)
+from memcallbacks._runtime.session import Session
 
 if TYPE_CHECKING:  # pragma: no cover
     import lightning.pytorch as pl
@@ -92,7 +89,7 @@ class MemoryMonitor(SessionResults, *_callback_bases()):  # type: ignore[misc]
         self._is_quiet = self._session.plan.quiet  # the plan's one quiet test, asked by the step hooks' gate
         self._stepped = False
         self._automatic = True
-        self._optimizer_hooks: OptimizerHooks | None = None  # manual optimization only; made at train start
+        self._optimizer_hooks = ManualOptimizerHooks(self._session)  # manual optimization only: installed at train start
         self._started_for: int | None = None
         self._trainer: Any = None
         self._loss: Any = None  # this step's loss, held only until the step ends
@@ -114,55 +111,6 @@ class MemoryMonitor(SessionResults, *_callback_bases()):  # type: ignore[misc]
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=step)
 
-    def _default_dir(self, trainer: "pl.Trainer") -> Path | None:
-        """The folder for the files when ``output_dir`` is None: ``memcallbacks`` in the trainer's log dir."""
-        if not self.config.write_files or self.config.output_dir is not None:
-            return None
-        try:
-            base = trainer.log_dir
-        except Exception:
-            base = None
-        return Path(base or trainer.default_root_dir or os.getcwd()) / "memcallbacks"
-
-    def _files_folder(self, trainer: "pl.Trainer") -> str | None:
-        """The folder the files will go to (as ``Session.start`` picks it); None without files."""
-        if not self.config.write_files:
-            return None
-        return output_folder(self.config.output_dir, self._default_dir(trainer))
-
-    def _check_siblings(self, trainer: "pl.Trainer") -> None:
-        """Refuse, before training, a second MemoryMonitor that would overwrite this one's files.
-
-        Two monitors with the same ``prefix`` never get here: their ``state_key`` is the same, and
-        the Trainer refuses them when it is built.
-        """
-        others = [cb for cb in trainer.callbacks if cb is not self and isinstance(cb, MemoryMonitor)]
-        refuse_shared_folder(self._files_folder(trainer), self.config, [(o.config, o._files_folder(trainer)) for o in others])
-
-    def _start(self, trainer: "pl.Trainer") -> None:
-        session = self._session
-        self._trainer = trainer
-        if self._started_for == id(trainer) and session.started:
-            return
-        self._started_for = id(trainer)
-        default_dir = self._default_dir(trainer)
-        if not trainer.loggers:
-            session.warn_once(
-                "no-logger",
-                "MemoryMonitor: the Trainer has no logger (logger=False); memory metrics are not logged, but "
-                "`monitor.history` and the files in output_dir are still kept.",
-            )
-        session.attach(log_fn=self._emit, trackers=rank_zero_trackers(trainer.is_global_zero, lambda: trainer.loggers, "MemoryMonitor", log))
-        session.start(
-            trainer.strategy.root_device,
-            rank=trainer.global_rank,
-            world_size=trainer.world_size,
-            default_output_dir=default_dir,
-            framework_log_every=trainer.log_every_n_steps,
-            logs=bool(trainer.loggers) and int(trainer.log_every_n_steps or 0) > 0,
-            expected_steps=int(trainer.max_steps) if int(trainer.max_steps or -1) > 0 else None,
-        )
-
     # ------------------------------------------------------------------ lifecycle hooks
     @entry_point("setup")
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
@@ -171,41 +119,20 @@ class MemoryMonitor(SessionResults, *_callback_bases()):  # type: ignore[misc]
             self._started_for = None
         # environment problems (an unwritable output_dir, two monitors on one folder) propagate:
         # they must stop the run before training
-        self._check_siblings(trainer)
-        self._start(trainer)
+        check_siblings(self, trainer, MemoryMonitor)
+        self._trainer = trainer
+        if self._started_for != id(trainer) or not self._session.started:
+            self._started_for = id(trainer)
+            start_session(self._session, trainer, self._emit, "MemoryMonitor", log)
 
     @entry_point("on_train_start")
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._automatic = bool(pl_module.automatic_optimization)
         self._stepped = self._quiet = False
         self._last_count = self._log_step(trainer) - 1
-        optimizers = list(trainer.optimizers)
-        self._session.attach(
-            title=type(pl_module).__name__,
-            model=trainer.strategy.model or pl_module,
-            optimizer=optimizers[0] if len(optimizers) == 1 else None,
-            precision=precision_name(getattr(trainer, "precision", None)),
-            strategy=lightning_strategy(trainer.strategy),
-            world_size=trainer.world_size,
-        )
-        if not self._automatic and self._session.enabled:
-            # manual optimization: the optimizer's own hooks bound the optimizer phase exactly
-            self._optimizer_hooks = self._optimizer_hooks or OptimizerHooks(self._optimizer_pre_hook, self._optimizer_post_hook)
+        attach_fit(self._session, trainer, pl_module)
+        if not self._automatic and self._session.enabled:  # manual optimization: the optimizer's hooks bound its phase
             self._optimizer_hooks.install()
-
-    def _remove_optimizer_hooks(self) -> None:
-        if self._optimizer_hooks is not None:
-            self._optimizer_hooks.remove()
-
-    @entry_point("optimizer pre-hook")
-    def _optimizer_pre_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self._session.step_open:
-            self._session.boundary(OTHER)
-
-    @entry_point("optimizer hook")
-    def _optimizer_post_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self._session.step_open:
-            self._session.boundary(OPTIMIZER)
 
     # The five step hooks: on a quiet step (Session.begin_step) each returns after one attribute
     # read, with no wrapper frame: that check cannot raise, and everything else is in a guarded method.
@@ -232,8 +159,7 @@ class MemoryMonitor(SessionResults, *_callback_bases()):  # type: ignore[misc]
         session.count_quiet(count - self._last_count - 1)
         self._last_count = count
         if session.preflight_due:  # preflight=True: this batch's step predicted on fake tensors, before it starts
-            manual = None if self._automatic else "manual optimization (training_step runs its own backward and optimizer steps)"
-            session.run_preflight(batch, model=pl_module, forward_fn=training_step(batch_idx), skip=manual, grads_through_forward=True)
+            predict_step(session, batch, pl_module, batch_idx, self._automatic)
         log_now = session.will_log(count)
         if session.enabled and session.wants_sample(count, log_now):
             session.begin_step(trainer.global_step, trainer.current_epoch, batch_idx, log=log_now, count=count, batch=batch, sample=True)
@@ -285,20 +211,20 @@ class MemoryMonitor(SessionResults, *_callback_bases()):  # type: ignore[misc]
         self._stepped = False
 
     # ------------------------------------------------------------------ evaluation loops
-    # (validate/test/predict: three sets of one-line hooks of the same shape, because Lightning
-    # dispatches by hook name; each forwards to _eval_start/_eval_end/eval_batch)
+    # validate/test/predict hooks (Lightning dispatches by name): made by add_eval_hooks below the class
     def _eval_start(self, trainer: "pl.Trainer", stage: str) -> None:
         self._session.begin_eval("sanity_check" if trainer.sanity_checking else stage, trainer.global_step, trainer.current_epoch)
+
+    def _eval_batch(self) -> None:
+        self._session.eval_batch()
 
     def _eval_end(self, trainer: "pl.Trainer") -> None:
         self._session.end_eval(log_step=self._log_step(trainer), emit=bool(trainer.loggers) and not trainer.sanity_checking)
 
-    # validate/test/predict hooks (Lightning dispatches by name): made by _eval_hooks below the class
-
     # ------------------------------------------------------------------ end of fit, failures
     @entry_point("on_train_end")
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        self._remove_optimizer_hooks()
+        self._optimizer_hooks.remove()
         session = self._session
         if session.step_open:  # a step cut short (max_steps mid-accumulation)
             session.end_step(OTHER, log_step=self._log_step(trainer))
@@ -314,7 +240,7 @@ class MemoryMonitor(SessionResults, *_callback_bases()):  # type: ignore[misc]
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
         # Lightning calls no teardown() after an exception: everything is undone here, each part on
         # its own, and nothing escapes (the guard), so the user's exception is the one that propagates
-        self._remove_optimizer_hooks()
+        self._optimizer_hooks.remove()
         self._loss = None
         try:
             self._session.record_exception(exception, trainer.global_step)
@@ -325,7 +251,7 @@ class MemoryMonitor(SessionResults, *_callback_bases()):  # type: ignore[misc]
 
     @entry_point("teardown", unwinding=True)
     def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
-        self._remove_optimizer_hooks()
+        self._optimizer_hooks.remove()
         try:
             if stage != "fit" and self._session.live:
                 # validate/test/predict alone: their rows are files too (fit writes at on_fit_end)
@@ -366,28 +292,9 @@ class MemoryMonitor(SessionResults, *_callback_bases()):  # type: ignore[misc]
         before ``prefix`` was changed, has the state under another key: with one monitor in the
         Trainer and one monitor state in the checkpoint, that state is this monitor's.
         """
-        monitors = sum(isinstance(cb, MemoryMonitor) for cb in trainer.callbacks)
-        state = saved_state_of(checkpoint.get("callbacks") or {}, self.state_key, type(self).__qualname__, monitors, self.config.prefix, log)
+        state = checkpoint_state(self, trainer, checkpoint, MemoryMonitor, log)
         if state is not None:
             self.load_state_dict(copy.deepcopy(state))
 
-def _eval_hooks(stage: str, hook: str) -> None:
-    """``on_{hook}_start``/``_batch_end``/``_end`` for one evaluation loop, each forwarding to the shared method."""
 
-    def start(self: MemoryMonitor, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        self._eval_start(trainer, stage)
-
-    def batch_end(self: MemoryMonitor, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any,
-                  batch_idx: int, dataloader_idx: int = 0) -> None:
-        self._session.eval_batch()
-
-    def end(self: MemoryMonitor, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        self._eval_end(trainer)
-
-    for name, fn in ((f"on_{hook}_start", start), (f"on_{hook}_batch_end", batch_end), (f"on_{hook}_end", end)):
-        fn.__name__ = fn.__qualname__ = name
-        setattr(MemoryMonitor, name, entry_point(name)(fn))
-
-
-for _stage, _hook in (("validate", "validation"), ("test", "test"), ("predict", "predict")):
-    _eval_hooks(_stage, _hook)
+add_eval_hooks(MemoryMonitor, MemoryMonitor._eval_start, MemoryMonitor._eval_batch, MemoryMonitor._eval_end)

@@ -18,37 +18,19 @@ import torch
 from torch import nn
 
 from memcallbacks._base.config import MonitorConfig, resolve_config
-from memcallbacks._base.columns import BACKWARD, FORWARD, OPTIMIZER, OTHER, PHASES
-from memcallbacks._runtime.adapter_support import OptimizerHooks
-from memcallbacks._runtime.device_check import unusable_device
+from memcallbacks._base.columns import OPTIMIZER, OTHER
+from memcallbacks._runtime.adapter_support import OptimizerHooks, check_plain_arguments, phase_index, saved_step
+from memcallbacks._runtime.device_check import device_for
 from memcallbacks._runtime.guard import entry_point
-from memcallbacks._runtime.lifecycle import Cleanup, weak_method
+from memcallbacks._runtime.lifecycle import Cleanup
+from memcallbacks._runtime.model_hooks import ModelHooks, remove_all
 from memcallbacks._runtime.results import SessionResults
 from memcallbacks._runtime.session import LogFn, Session
-from memcallbacks._runtime.track_guard import TrackGuard
+from memcallbacks._runtime.track_guard import AccumulationWindow, TrackGuard
 
 log = logging.getLogger(__name__)
 
 __all__ = ["Monitor"]
-
-_PHASE_INDEX = {name: i for i, name in enumerate(PHASES)}
-
-
-def _first_grad_tensors(output: Any, limit: int = 8) -> list[torch.Tensor]:
-    """Tensors with a grad_fn in a model's output (tensor, tuple/list, dict, HF ModelOutput), bounded."""
-    found: list[torch.Tensor] = []
-    stack = [output]
-    while stack and len(found) < limit:
-        item = stack.pop()
-        if isinstance(item, torch.Tensor):
-            if item.grad_fn is not None:
-                found.append(item)
-        elif isinstance(item, dict):
-            stack.extend(item.values())
-        elif isinstance(item, (list, tuple)):
-            stack.extend(item)
-    return found
-
 
 class Monitor(SessionResults):
     """Per-phase memory of a plain PyTorch training loop.
@@ -83,7 +65,6 @@ class Monitor(SessionResults):
     max_micro_batches: int = 256
     #: the name messages use for this monitor (an adapter's private subclass gives its public class's)
     _public_name: str | None = None
-    _evaluating = False  # inside evaluate(): the hooked model's forwards count its batches
 
     def __init__(
         self,
@@ -95,79 +76,34 @@ class Monitor(SessionResults):
         config: MonitorConfig | dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
-        if model is not None and not isinstance(model, nn.Module):
-            raise TypeError(f"{type(self).__name__}(model={type(model).__name__}) must be a torch.nn.Module or None.")
-        if optimizer is not None and not hasattr(optimizer, "step"):
-            raise TypeError(f"{type(self).__name__}(optimizer={type(optimizer).__name__}) must be a torch optimizer or None.")
-        if log_fn is not None and not callable(log_fn):
-            raise TypeError(f"{type(self).__name__}(log_fn={log_fn!r}) must be callable as log_fn(metrics, step) or None.")
+        check_plain_arguments(type(self).__name__, model, optimizer, log_fn)
         self.config = resolve_config(config, kwargs, type(self).__name__)
         self._session = Session(self.config, self.framework, self._public_name or type(self).__name__, logging.getLogger(type(self).__module__))
         self._session.attach(log_fn=log_fn)
         self._model_ref = weakref.ref(model) if model is not None else None
         self._handles: list[Any] = []  # the global optimizer hooks
-        # models with forward hooks: always on in auto mode; under track()/step() only on steps that
-        # use them (sampled, or with lingering marks to check), since any module hook sends every
-        # forward through torch's slower hooked call path
-        self._hooked_models: list[nn.Module] = []
-        self._forward_handles: list[Any] = []
-        self._forward_hooks_on = True
+        self._model_hooks = ModelHooks(self._session, self._forward_pre)  # the forward hooks, the step's outputs
         self._step = 0
         self._stepped = False  # an optimizer step happened in the open step
-        # track(): True when a batch that ends without an optimizer step is gradient accumulation
-        # (the next batch continues the open step): an optimizer is known, given here or seen stepping
-        # by the global hooks. False again after a window overflowed (see max_micro_batches) until
-        # the next optimizer step. The Accelerate adapter sets it too, hence the historical name.
-        self._ever_stepped = optimizer is not None
-        self._window = 0  # track()ed batches since the last row that ended with an optimizer step
-        self._longest_window = 0  # the most batches seen between two optimizer steps
-        self._backward_open = False
-        self._output: Any = None  # a graph tensor of this step's forward, held until the step ends
-        self._outputs: list[torch.Tensor] = []  # the tensors of this step's forward outputs (leak detection)
+        self._window = AccumulationWindow(accumulates=optimizer is not None)  # track()'s accumulation
         self._batch: Any = None  # the item track() yielded, held until the step ends
         self._closed = False
-        self._weak_backward_start = weak_method(self._backward_start)
         self._explicit = False  # track() or step() marks boundaries; the forward hook then leaves steps alone
         self._warned_closed = False
         self._track_guard = TrackGuard(type(self).__name__)  # a track() inside a running track() is ignored
-        device = self._device_for(device, model, optimizer)
+        device = device_for(type(self).__name__, device, model, optimizer)
         # what this monitor changes in the process is undone by close(), or by this finalizer when
         # the monitor is dropped without close() (an exception in the loop body): see lifecycle.py
         self._cleanup = Cleanup(self._public_name or type(self).__name__)
         self._cleanup.add("stop the session", self._session.stop)
-        forward_handles = self._forward_handles
-        self._cleanup.add("remove its forward hooks", lambda: _remove_all(forward_handles))
+        forward_handles = self._model_hooks.handles
+        self._cleanup.add("remove its forward hooks", lambda: remove_all(forward_handles))
         self._start(device)
         self._finalizer = weakref.finalize(self, self._cleanup.abandoned)
         self._session.attach(model=model, optimizer=optimizer)
         self._install_hooks(model)
 
     # ------------------------------------------------------------------ setup
-    @classmethod
-    def _device_for(cls, device: Any, model: nn.Module | None, optimizer: Any) -> torch.device:
-        if device is not None:
-            try:
-                chosen = torch.device(device)
-            except (RuntimeError, TypeError, ValueError) as exc:
-                raise ValueError(
-                    f"{cls.__name__}(device={device!r}) is not a torch device ({exc}); pass e.g. 'cpu', 'cuda' or "
-                    "'cuda:0', or leave it out to use the model's device."
-                ) from None
-            reason = unusable_device(chosen)
-            if reason is not None:
-                raise ValueError(f"{cls.__name__}(device={device!r}) cannot be measured: {reason}. Pass the device your model "
-                                 "is on (e.g. device='cpu'), or leave device out to use the model's device.")
-            return chosen
-        tensors: Iterable[torch.Tensor] = ()
-        if model is not None:
-            tensors = model.parameters()
-        elif optimizer is not None:
-            tensors = (p for group in getattr(optimizer, "param_groups", []) for p in group["params"])
-        for t in tensors:
-            if t.device.type != "meta":
-                return t.device
-        return torch.device("cpu")
-
     def _start(self, device: torch.device) -> None:
         self._session.start(device)
 
@@ -180,36 +116,19 @@ class Monitor(SessionResults):
 
     def _hook_model(self, model: nn.Module) -> None:
         """Watch ``model``'s forward passes (its hooks are installed now unless they are off)."""
-        self._hooked_models.append(model)
         self._session.watch_first_forward(model)  # preflight=True: predicted at its first training forward
-        if self._forward_hooks_on:
-            self._register_forward_hooks(model)
-
-    def _register_forward_hooks(self, model: nn.Module) -> None:
-        self._forward_handles.append(model.register_forward_pre_hook(weak_method(self._forward_pre)))
-        self._forward_handles.append(model.register_forward_hook(weak_method(self._forward_post)))
-
-    def _set_forward_hooks(self, on: bool) -> None:
-        """Install or remove the models' forward hooks (a few µs, only when the need changes)."""
-        if on == self._forward_hooks_on:
-            return
-        self._forward_hooks_on = on
-        if on:
-            for model in self._hooked_models:
-                self._register_forward_hooks(model)
-        else:
-            _remove_all(self._forward_handles)
+        self._model_hooks.add(model)
 
     def _explicit_step_opened(self) -> None:
         """track()/step() opened a step: forward hooks only where they do something (sampled steps,
         the first steps, a step whose start checks the previous step's marks)."""
         session = self._session
-        self._set_forward_hooks(session.detailed_step or session.lingering_pending)
+        self._model_hooks.set(session.detailed_step or session.lingering_pending)
 
     # ------------------------------------------------------------------ hooks (never raise)
     @entry_point("forward pre-hook")
     def _forward_pre(self, module: nn.Module, args: Any) -> None:
-        if self._evaluating:
+        if self._model_hooks.evaluating:
             self._session.eval_batch()  # one forward of a hooked model is one evaluation batch
             return
         if self._session.lingering_due:
@@ -222,40 +141,6 @@ class Monitor(SessionResults):
         if not self._session.step_open:
             self._begin()
 
-    @entry_point("forward hook")
-    def _forward_post(self, module: nn.Module, args: Any, output: Any) -> None:
-        session = self._session
-        if self._evaluating or not session.step_open or not session.enabled or not session.detailed_step or not torch.is_grad_enabled():
-            return
-        try:
-            tensors = _first_grad_tensors(output)
-            if tensors and self._output is None:
-                self._output = tensors[0]  # its graph is what a kept loss would keep alive
-            if len(self._outputs) < 8:
-                self._outputs.extend(tensors[: 8 - len(self._outputs)])  # a kept `logits` is watched
-            if session.sampling:  # backward boundaries matter only on sampled steps
-                for tensor in tensors:
-                    tensor.register_hook(self._weak_backward_start)  # weak: a kept output must not keep the monitor
-        except Exception as exc:
-            session.fail(exc, "forward hook")
-
-    @entry_point("backward hook")
-    def _backward_start(self, grad: torch.Tensor) -> None:
-        # fires once per output tensor; only the first one of a backward pass is a boundary
-        if self._backward_open or not self._session.step_open:
-            return
-        self._backward_open = True
-        self._session.boundary(FORWARD)
-        try:
-            torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
-        except Exception as exc:  # pragma: no cover - private API moved
-            self._session.fail(exc, "backward hook")
-
-    @entry_point("backward-end callback")
-    def _backward_end(self) -> None:
-        self._backward_open = False
-        self._session.boundary(BACKWARD)
-
     @entry_point("optimizer pre-hook")
     def _optimizer_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self._session.lingering_due:
@@ -265,7 +150,7 @@ class Monitor(SessionResults):
 
     @entry_point("optimizer hook")
     def _optimizer_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        self._ever_stepped = True  # an optimizer exists: batches without a step accumulate
+        self._window.accumulates = True  # an optimizer exists: batches without a step accumulate
         if self._session.step_open:
             self._stepped = True
             self._session.boundary(OPTIMIZER)
@@ -278,19 +163,19 @@ class Monitor(SessionResults):
         )
 
     def _end(self) -> None:
-        batch, output, outputs = self._batch, self._output, self._outputs
-        self._batch = self._output = None
-        self._outputs = []
+        hooks = self._model_hooks
+        batch, output, outputs = self._batch, hooks.output, hooks.outputs
+        self._batch = hooks.output = None
+        hooks.outputs = []
         if self._session.step_open:
             self._session.end_step(OTHER, batch=batch, loss=output, outputs=outputs)
             self._step += 1
-            if self._stepped:
-                if self._window > self._longest_window:
-                    self._longest_window = self._window
-                self._window = 0
+            if self._stepped:  # a new accumulation window (inline: no call per step)
+                window = self._window
+                window.longest, window.size = (window.size if window.size > window.longest else window.longest), 0
         del batch, output, outputs
         self._stepped = False
-        self._backward_open = False
+        hooks.backward_open = False
 
     def track(self, iterable: Iterable[Any]) -> Iterator[Any]:
         """Yield from ``iterable``, marking a step boundary before each item.
@@ -326,15 +211,11 @@ class Monitor(SessionResults):
 
     @entry_point("track() step start")
     def _track_item(self, batch_idx: int, item: Any) -> None:
-        session = self._session
-        if session.step_open:
-            if self._stepped or not self._ever_stepped:
-                self._end()
-            elif self._window >= self.max_micro_batches and self._window >= 2 * self._longest_window:
-                # this many batches without an optimizer step is not accumulation: the optimizer is idle
-                self._end()
-                self._ever_stepped = False  # a row per item until an optimizer step is seen again
-        self._window += 1
+        session, window = self._session, self._window
+        if session.step_open and (self._stepped or not window.accumulates or window.size >= self.max_micro_batches
+                                  and window.overflows(self.max_micro_batches)):  # called only for a window at the limit
+            self._end()
+        window.size += 1
         if session.step_open:
             session.begin_step(self._step, 0, batch_idx)  # counts a micro-batch
         else:
@@ -370,9 +251,7 @@ class Monitor(SessionResults):
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
         """``with monitor.phase("forward"): ...`` — attribute this block's peak to a phase explicitly."""
-        index = _PHASE_INDEX.get(name)
-        if index is None:
-            raise ValueError(f"Monitor.phase(name={name!r}) is not one of {', '.join(PHASES)}; pass one of those.")
+        index = phase_index(name)  # a ValueError for a name that is not a phase
         if self._used_after_close("phase"):
             yield
             return
@@ -392,13 +271,11 @@ class Monitor(SessionResults):
     def evaluate(self, stage: str = "validate") -> Iterator[None]:
         """``with monitor.evaluate(): ...`` — an evaluation loop, recorded apart from training rows."""
         self._session.begin_eval(stage, self._step)
-        hooks, self._evaluating = self._forward_hooks_on, bool(self._hooked_models)
-        self._set_forward_hooks(True)  # its batches are counted at the model's forwards
+        was_on = self._model_hooks.evaluation(True)  # its batches are counted at the model's forwards
         try:
             yield
         finally:
-            self._evaluating = False
-            self._set_forward_hooks(hooks)
+            self._model_hooks.evaluation(False, was_on)
             self._session.end_eval(log_step=self._step)
 
     @entry_point("record_exception()", unwinding=True)
@@ -423,8 +300,7 @@ class Monitor(SessionResults):
             self._end()
             self._cleanup.remove_handles()
             self._handles = []
-            self._set_forward_hooks(False)
-            self._hooked_models = []
+            self._model_hooks.release()
             self._session.finish(gather=gather)
         finally:
             self._restore()
@@ -489,7 +365,7 @@ class Monitor(SessionResults):
         if self._session.step_open:
             self._session.begin_step(step)
             return
-        self._backward_open = False
+        self._model_hooks.backward_open = False
         self._step = step  # for OOM events
         self._session.begin_step(step, epoch, batch_idx, log=log)
 
@@ -506,8 +382,9 @@ class Monitor(SessionResults):
         if not session.step_open:
             return False
         logged = session.log_this_step
-        output, self._output = self._output, None  # the step's forward output, for leak detection
-        outputs, self._outputs = self._outputs, []
+        hooks = self._model_hooks  # the step's forward output, for leak detection, handed over
+        output, outputs = hooks.output, hooks.outputs
+        hooks.output, hooks.outputs = None, []
         session.end_step(OTHER, log_step=log_step, loss=output, outputs=outputs)
         del output, outputs
         return logged
@@ -520,14 +397,4 @@ class Monitor(SessionResults):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         key = f"{type(self).__name__}.load_state_dict"
         self._session.load_state_dict(state, key)
-        step = state.get("step", self._step)
-        if isinstance(step, bool) or not isinstance(step, int):
-            raise ValueError(f"memcallbacks: the monitor state passed to {key} has step={step!r}, not an integer.")
-        self._step = step
-
-
-def _remove_all(handles: list[Any]) -> None:
-    """Remove hook handles, emptying the same list (the cleanup holds it)."""
-    for handle in handles:
-        handle.remove()
-    handles.clear()
+        self._step = saved_step(state, self._step, key)

@@ -15,7 +15,7 @@ from memcallbacks._base.units import GiB, MiB
 
 log = logging.getLogger(__name__)
 
-__all__ = ["REPORT_VERSION", "atomic_write", "check_writable", "write_outputs", "plot_history", "history_figure", "file_names"]
+__all__ = ["REPORT_VERSION", "atomic_write", "json_safe", "check_writable", "write_outputs", "plot_history", "history_figure", "file_names"]
 
 REPORT_VERSION = 1
 """``report.json``'s ``version``: bumped when a key changes meaning or goes away."""
@@ -63,18 +63,18 @@ def file_names(rank: int, world_size: int) -> dict[str, str]:
     }
 
 
-def _json_safe(value: Any) -> Any:
+def json_safe(value: Any) -> Any:
     if isinstance(value, float) and (math.isnan(value) or math.isinf(value)):
         return None
     if isinstance(value, dict):
-        return {str(k): _json_safe(v) for k, v in value.items()}
+        return {str(k): json_safe(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
+        return [json_safe(v) for v in value]
     return value
 
 
 def write_json(path: Path, payload: dict[str, Any]) -> Path:
-    return atomic_write(path, lambda fh: json.dump(_json_safe(payload), fh, indent=2, sort_keys=False, default=str))
+    return atomic_write(path, lambda fh: json.dump(json_safe(payload), fh, indent=2, sort_keys=False, default=str))
 
 
 def write_outputs(
@@ -126,7 +126,7 @@ def write_outputs(
 
 
 def _dump_json(payload: dict[str, Any], fh: Any) -> None:
-    json.dump(_json_safe(payload), fh, indent=2, sort_keys=False, default=str)
+    json.dump(json_safe(payload), fh, indent=2, sort_keys=False, default=str)
 
 
 _warned_no_matplotlib = False

@@ -103,13 +103,7 @@ def format_report(report: dict[str, Any], history: Any = None) -> str:
                      f"optimizer {format_bytes(top['peak_optimizer'])})")
     for stage, e in (s.get("eval") or {}).items():
         lines.append(f"  {stage:<26} {e['runs']} run(s), peak {format_bytes(e['peak_allocated_bytes'])}")
-    states = report.get("model_states") or {}
-    if states.get("expected_steady_bytes") is not None:
-        exp = states.get("expected", {})
-        lines.append(f"  model states (theory)      {format_bytes(states['expected_steady_bytes'])} expected at step {states.get('step')} "
-                     f"({states.get('strategy')}, {states.get('precision')}, world size {states.get('world_size')}: params "
-                     f"{format_bytes(exp.get('params'))}, grads {format_bytes(exp.get('grads'))}, optimizer {format_bytes(exp.get('optimizer'))}); "
-                     f"unexplained {format_bytes(states.get('unexplained_bytes'))}")
+    lines += _model_state_lines(report.get("model_states") or {})
     lines += _preflight_lines(report.get("preflight"))
     lines += _host_lines(report)
     snaps = report.get("snapshots") or []
@@ -118,28 +112,51 @@ def format_report(report: dict[str, Any], history: Any = None) -> str:
     cost = s.get("monitor_time_per_step_us")
     if cost:
         lines.append(f"  monitor's own time         {cost['median']:.0f} µs median per sampled step")
+    lines += _cadence_lines(s.get("cadence"))
+    lines += _closing_lines(report, s)
+    return "\n".join(lines)
+
+
+def _model_state_lines(states: dict[str, Any]) -> list[str]:
+    """The live theory check: the model states expected at the checked step, and what they leave unexplained."""
+    if states.get("expected_steady_bytes") is None:
+        return []
+    exp = states.get("expected", {})
+    return [f"  model states (theory)      {format_bytes(states['expected_steady_bytes'])} expected at step {states.get('step')} "
+            f"({states.get('strategy')}, {states.get('precision')}, world size {states.get('world_size')}: params "
+            f"{format_bytes(exp.get('params'))}, grads {format_bytes(exp.get('grads'))}, optimizer {format_bytes(exp.get('optimizer'))}); "
+            f"unexplained {format_bytes(states.get('unexplained_bytes'))}"]
+
+
+def _cadence_lines(cadence: dict[str, Any] | None) -> list[str]:
+    """The cadence: the read, sample and log intervals, the monitor's own time against its budget, and what changed them."""
+    if not cadence:
+        return []
+    overhead = cadence.get("overhead")
+    lines = [f"  cadence                    memory read every {cadence['read_every_n_steps']} (every step for the first "
+             f"{cadence['dense_read_steps']}), sample every "
+             f"{cadence['sample_every_n_steps']} ({cadence['sample_interval_source']}), log every "
+             f"{cadence['log_every_n_steps'] or '- (nowhere to log)'} steps; own time "
+             f"{'?' if overhead is None else f'{100 * overhead:.2f}%'} of step time (budget {100 * cadence['overhead_budget']:g}%)"]
+    extra = [f"{n} {what}" for n, what in ((cadence.get("read_bursts"), "burst(s) of every-step reads after a risen floor"),
+                                           (cadence.get("rss_trips"), "read(s) the RSS tripwire asked for")) if n]
+    after = cadence.get("overhead_after_start")
+    if after is not None:
+        extra.append(f"own time {100 * after:.2f}% from step {cadence['dense_read_steps']} on")
+    if cadence.get("backoffs"):
+        parts = sorted({b["part"] for b in cadence["backoffs"]})
+        extra.append(f"{len(cadence['backoffs'])} back-off(s) to keep the budget ({', '.join(parts)})")
+    if cadence.get("finding_time_s"):
+        extra.append(f"{cadence['finding_time_s']:.2f} s naming holders for findings")
+    if extra:
+        lines.append(f"                             {'; '.join(extra)}")
+    return lines
+
+
+def _closing_lines(report: dict[str, Any], s: dict[str, Any]) -> list[str]:
+    """The findings with their holders, the events, an internal error, and the files."""
     findings = report.get("findings") or []
-    cadence = s.get("cadence")
-    if cadence:
-        overhead = cadence.get("overhead")
-        lines.append(f"  cadence                    memory read every {cadence['read_every_n_steps']} (every step for the first "
-                     f"{cadence['dense_read_steps']}), sample every "
-                     f"{cadence['sample_every_n_steps']} ({cadence['sample_interval_source']}), log every "
-                     f"{cadence['log_every_n_steps'] or '- (nowhere to log)'} steps; own time "
-                     f"{'?' if overhead is None else f'{100 * overhead:.2f}%'} of step time (budget {100 * cadence['overhead_budget']:g}%)")
-        extra = [f"{n} {what}" for n, what in ((cadence.get("read_bursts"), "burst(s) of every-step reads after a risen floor"),
-                                               (cadence.get("rss_trips"), "read(s) the RSS tripwire asked for")) if n]
-        after = cadence.get("overhead_after_start")
-        if after is not None:
-            extra.append(f"own time {100 * after:.2f}% from step {cadence['dense_read_steps']} on")
-        if cadence.get("backoffs"):
-            parts = sorted({b["part"] for b in cadence["backoffs"]})
-            extra.append(f"{len(cadence['backoffs'])} back-off(s) to keep the budget ({', '.join(parts)})")
-        if cadence.get("finding_time_s"):
-            extra.append(f"{cadence['finding_time_s']:.2f} s naming holders for findings")
-        if extra:
-            lines.append(f"                             {'; '.join(extra)}")
-    lines.append(f"  findings                   {finding_counts(findings)}")
+    lines = [f"  findings                   {finding_counts(findings)}"]
     for f in findings:
         lines.append(f"    [{finding_label(f)}] step {f.get('step')}: {f.get('message')}")
         for holder in f.get("holders", [])[:5]:
@@ -153,7 +170,7 @@ def format_report(report: dict[str, Any], history: Any = None) -> str:
         lines.append("  files:")
         for kind, path in files.items():
             lines.append(f"    {kind:<14} {path}")
-    return "\n".join(lines)
+    return lines
 
 
 HOST_KINDS = ("host_growth", "worker_growth", "rank_imbalance")

@@ -32,9 +32,9 @@ PAYLOAD_VERSION = 1
 
 def plain_json(value: Any) -> Any:
     """``value`` as the JSON values ``report.json`` would hold (what the file is written from, unchanged)."""
-    from memcallbacks._files.outputs import _json_safe
+    from memcallbacks._files.outputs import json_safe
 
-    return json.loads(json.dumps(_json_safe(value), default=str))
+    return json.loads(json.dumps(json_safe(value), default=str))
 
 
 def save_payload(folder: Path, rank: int, arguments: dict[str, Any]) -> str:

@@ -11,13 +11,16 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable
 
+from torch import nn
+
+from memcallbacks._base.columns import PHASES
 from memcallbacks._base.errors import SetupError
 from memcallbacks.estimate.tables import canonical_precision
 from memcallbacks._runtime.lifecycle import weak_method
 from memcallbacks._runtime.preflight_check import fake_step_running
 from memcallbacks.trackers import Trackers
 
-__all__ = ["refuse_shared_folder", "saved_state_of", "lightning_strategy", "accelerate_strategy", "precision_name", "rank_zero_trackers", "OptimizerHooks"]
+__all__ = ["check_plain_arguments", "saved_step", "phase_index", "refuse_shared_folder", "saved_state_of", "lightning_strategy", "accelerate_strategy", "precision_name", "rank_zero_trackers", "OptimizerHooks"]
 
 # Lightning's strategies by class name, in memcallbacks.estimate's names (others: detected from the model).
 _LIGHTNING_STRATEGIES = {
@@ -146,3 +149,32 @@ def saved_state_of(states: dict[str, Any], key: str, name: str, monitors: int, p
     if saved:
         log.info("%s(prefix=%r): the checkpoint has no state under %r (it has %s); the history starts afresh.", name, prefix, key, saved)
     return None
+
+
+def check_plain_arguments(owner: str, model: Any, optimizer: Any, log_fn: Any) -> None:
+    """A plain-loop monitor's arguments, checked before anything is set up (``TypeError`` naming ``owner``)."""
+    if model is not None and not isinstance(model, nn.Module):
+        raise TypeError(f"{owner}(model={type(model).__name__}) must be a torch.nn.Module or None.")
+    if optimizer is not None and not hasattr(optimizer, "step"):
+        raise TypeError(f"{owner}(optimizer={type(optimizer).__name__}) must be a torch optimizer or None.")
+    if log_fn is not None and not callable(log_fn):
+        raise TypeError(f"{owner}(log_fn={log_fn!r}) must be callable as log_fn(metrics, step) or None.")
+
+
+def saved_step(state: dict[str, Any], default: int, key: str) -> int:
+    """The step counter in a plain-loop monitor's saved state (``default`` when absent); not an integer: ``ValueError``."""
+    step = state.get("step", default)
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise ValueError(f"memcallbacks: the monitor state passed to {key} has step={step!r}, not an integer.")
+    return step
+
+
+_PHASE_INDEX = {name: i for i, name in enumerate(PHASES)}
+
+
+def phase_index(name: str) -> int:
+    """The phase ``Monitor.phase(name)`` names (``"forward"``, ...); any other name: ``ValueError``."""
+    index = _PHASE_INDEX.get(name)
+    if index is None:
+        raise ValueError(f"Monitor.phase(name={name!r}) is not one of {', '.join(PHASES)}; pass one of those.")
+    return index

@@ -29,14 +29,14 @@ sampled and takes no read is *quiet*: the monitor only counts it (``Session.begi
 from __future__ import annotations
 
 import collections
-import logging
 import math
 import time
 from typing import Any
 
 from memcallbacks._base.config import MonitorConfig
+from memcallbacks._runtime.ledger import LINGERING_SHARE, PARTS, BudgetGuard, Ledger
 
-__all__ = ["Cadence", "Ledger", "TRIP_MASK", "TRIP_EVERY", "COLD_FACTOR", "LINGERING_EVERY_STEP_UNTIL", "MARK_EVERY_SAMPLES", "DENSE_READ_STEPS", "QUIET_FROM"]
+__all__ = ["Cadence", "TRIP_MASK", "TRIP_EVERY", "COLD_FACTOR", "LINGERING_EVERY_STEP_UNTIL", "MARK_EVERY_SAMPLES", "DENSE_READ_STEPS", "QUIET_FROM"]
 
 # Lingering references are checked after every one of the first steps, then after every
 # MARK_EVERY_SAMPLES-th sampled step (a loop that keeps the previous step's batch or graph keeps
@@ -76,59 +76,7 @@ READ_SHARE = 0.5
 # with benchmarks/overhead.py on a ~1.4 ms CPU step (docs/benchmarks.md), a read or sampled step
 # slowed the fit by 2-3x what the monitor timed in itself; the budget counts twice the measured time.
 COLD_FACTOR = 2.0
-# The share of the budget the lingering check may take (its checks come after every
-# ``mark_every``-th sampled step: the budget widens that interval when a check is costly).
-LINGERING_SHARE = 0.25
-# The budget's guard: the monitor's measured own time over windows of at least this many steps
-# (after the first QUIET_FROM, whose every-step reads are taken whatever they cost). A window over
-# the budget doubles the interval of its most expensive part (the lingering check, sampling or the
-# reads), whichever it is: the intervals chosen from medians miss a cost that only some steps pay.
-CONTROL_STEPS = 32
-MAX_BACKOFF = 1024
-# what each part of the monitor's own time is called in report.json (summary.cadence.own_time_by_part_s)
-PARTS = ("read", "sample", "watch", "lingering", "tripwire", "gc", "findings")
 
-
-_PART_NAMES = {"lingering": "the lingering check", "read": "the memory reads", "sample": "sampled steps"}
-
-
-class Ledger:
-    """What the leak watch spends apart from the step's other work, for :class:`Cadence` to split a
-    step's own time by part: its lingering checks (each check's cost, for the interval between them)
-    and the censuses and holder searches that name a finding's holders. Picklable."""
-
-    __slots__ = ("lingering_s", "finding_s", "checks", "heap_scans", "check_costs", "budget", "step_s")
-
-    def __init__(self, budget: float = 0.01) -> None:
-        self.budget = budget
-        self.step_s = 0.0  # the median step time, once the cadence has measured it
-        self.lingering_s = 0.0
-        self.finding_s = 0.0
-        self.checks = 0
-        self.heap_scans = 0  # lingering checks that scanned the heap for a graph's root
-        self.check_costs: collections.deque[float] = collections.deque(maxlen=16)
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in self.__slots__}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        for k in self.__slots__:
-            setattr(self, k, state[k])
-
-    def lingering(self, seconds: float) -> None:
-        """One lingering check that found something alive, its holder searches excepted."""
-        self.lingering_s += seconds
-        self.checks += 1
-        self.check_costs.append(seconds)
-
-    def finding(self, seconds: float) -> None:
-        """A census or a holder search for a finding."""
-        self.finding_s += seconds
-
-    def affords(self, seconds: float, steps: int) -> bool:
-        """Whether ``seconds`` of work spread over ``steps`` steps fits the lingering check's share of
-        the budget (False while the step time is not measured yet)."""
-        return self.step_s > 0 and seconds <= steps * self.step_s * self.budget * LINGERING_SHARE
 
 
 def _aligned(every: int, log_every: int) -> int:
@@ -197,12 +145,7 @@ class Cadence:
         self._ledger_seen = (0.0, 0.0)  # (lingering_s, finding_s) already split off a charge
         self.parts: dict[str, float] = dict.fromkeys(PARTS, 0.0)
         self.mark_every = MARK_EVERY_SAMPLES  # sampled steps between two lingering marks
-        self.backoff = {"read": 1, "sample": 1, "lingering": 1}  # the guard's multipliers
-        self.backoffs: list[dict[str, Any]] = []  # each time the guard widened an interval
-        self.over_budget_windows = 0  # the guard's windows whose own time was above the budget
-        self._said: set[str] = set()  # what the guard has said in the log (each once)
-        self.announce: tuple[logging.Logger, str] | None = None  # (logger, owner): where the back-off is said, once
-        self._window: tuple[int, float, float, dict[str, float]] = (QUIET_FROM, 0.0, 0.0, {})
+        self.guard = BudgetGuard(self.budget, QUIET_FROM, MAX_INTERVAL)  # backs off the costliest part over the budget
         self._started: tuple[float, float] | None = None  # (own_s, step_s) once QUIET_FROM steps are done
 
     def configure(self, *, log_every: int, logs: bool, log_first_step: bool) -> None:
@@ -293,7 +236,7 @@ class Cadence:
         self._anchor = (count, now)
         if self._started is None and self.steps >= QUIET_FROM:
             self._started = (self.own_s - self.finding_s, self.step_s)
-            self._window = (self.steps, self.own_s - self.finding_s, self.step_s, dict(self.parts))  # the guard's first window
+            self.guard.window = (self.steps, self.own_s - self.finding_s, self.step_s, dict(self.parts))  # its first window
         if count >= self._next_choice:
             self._next_choice = count + CHOOSE_EVERY
             self.choose()  # first as soon as the measured steps are over, then every CHOOSE_EVERY
@@ -358,7 +301,8 @@ class Cadence:
         if not step > 0:
             return
         self.ledger.step_s = step
-        self._guard()
+        if self._started is not None:
+            self.guard.check(self)
         allowed = self.budget * step
         costs = self.ledger.check_costs
         if costs:
@@ -367,13 +311,13 @@ class Cadence:
             check = COLD_FACTOR * sum(costs) / len(costs)
             steps = check / (allowed * LINGERING_SHARE)
             every = max(MARK_EVERY_SAMPLES, math.ceil(steps / max(1, self.sample_every)))
-            self.mark_every = min(MAX_INTERVAL, every * self.backoff["lingering"])
+            self.mark_every = min(MAX_INTERVAL, every * self.guard.backoff["lingering"])
             allowed -= check / (self.mark_every * max(1, self.sample_every))
         watch = _median(self._watch_costs) if self._watch_costs else 0.0
         if self._read_costs:
             read = COLD_FACTOR * (_median(self._read_costs) + watch)
             every = max(1, min(MAX_READ_INTERVAL, math.ceil(read / (allowed * READ_SHARE))))
-            every = min(MAX_INTERVAL, every * self.backoff["read"])
+            every = min(MAX_INTERVAL, every * self.guard.backoff["read"])
             if self.logs:
                 # logged steps are sampled, and a sampled step's baseline is a read: reads in phase
                 # with them, at an interval that divides the logging interval, cost nothing on them
@@ -388,70 +332,12 @@ class Cadence:
         if self.logs:
             allowed -= sample / self.log_every
         every = max(1, min(MAX_INTERVAL, MAX_INTERVAL if allowed <= 0 else math.ceil(sample / allowed)))
-        every = min(MAX_INTERVAL, every * self.backoff["sample"])
+        every = min(MAX_INTERVAL, every * self.guard.backoff["sample"])
         if self.logs:
             # a sample a few steps from a logged one adds a busy step and little history: the budget
             # is a ceiling, and its samples go in phase with the logged steps (as the reads do)
             every = _aligned_samples(every, self.log_every)
         self.sample_every = every
-
-    def _guard(self) -> None:
-        """The budget's guard: over a window of at least :data:`CONTROL_STEPS` steps after the first
-        :data:`QUIET_FROM`, the own time measured (finding work excepted: it is once per cause and
-        bounded by ``census_time_budget_s``) against the budget; over it, the most expensive part
-        that has an interval (the lingering check, sampling, the reads) backs off: its interval
-        doubles. Said once in the log; every back-off is in report.json."""
-        start, own0, step0, parts0 = self._window
-        steps = self.steps
-        if self._started is None or steps < start + CONTROL_STEPS:
-            return
-        own = self.own_s - self.finding_s
-        elapsed = self.step_s - step0
-        spent = {k: self.parts[k] - parts0.get(k, 0.0) for k in self.parts}
-        self._window = (steps, own, self.step_s, dict(self.parts))
-        if elapsed <= 0:
-            return
-        rate = (own - own0) / elapsed
-        if rate <= self.budget:
-            return
-        # the parts whose interval the guard can widen (sampled steps beyond the logged ones, which are
-        # sampled whatever the interval; the reads between sampled steps; the lingering checks)
-        controllable = {"lingering": spent["lingering"]}
-        if self.read_every < MAX_INTERVAL:
-            controllable["read"] = spent["read"]
-        if not self.explicit and (not self.logs or self.sample_every < self.log_every):
-            controllable["sample"] = spent["sample"]
-        part = max(controllable, key=lambda k: controllable[k])
-        self.over_budget_windows += 1
-        if controllable[part] <= 0 or self.backoff[part] >= MAX_BACKOFF:
-            # what is left is the logged steps (sampled whatever the budget) and the tripwire
-            if self._say("floor"):
-                logger, owner = self.announce  # type: ignore[misc]
-                logger.info(
-                    "%s: its own time was %.2f%% of step time over the last %d steps, above overhead_budget=%g, "
-                    "and nothing it can sample less often is left: the rest is the logged steps (every %s), which "
-                    "log_every_n_steps sets.", owner, 100 * rate, steps - start, self.budget, self.log_every if self.logs else "-",
-                )
-            return
-        self.backoff[part] *= 2
-        self.backoffs.append({"step": steps, "part": part, "own_time": round(rate, 5), "factor": self.backoff[part]})
-        if len(self.backoffs) > 64:
-            del self.backoffs[:32]
-        if self._say("backoff"):
-            logger, owner = self.announce  # type: ignore[misc]
-            logger.info(
-                "%s: its own time was %.2f%% of step time over the last %d steps, above overhead_budget=%g; "
-                "the costliest part (%s: %.3g s of %.3g s) now runs half as often. Later back-offs are listed "
-                "in report.json (summary.cadence.backoffs).",
-                owner, 100 * rate, steps - start, self.budget, _PART_NAMES[part], spent[part], own - own0,
-            )
-
-    def _say(self, what: str) -> bool:
-        """Whether to say ``what`` now: once per run, on rank zero (where :attr:`announce` is set)."""
-        if self.announce is None or what in self._said:
-            return False
-        self._said.add(what)
-        return True
 
     # ------------------------------------------------------------------ what it says about itself
     @property
@@ -500,6 +386,6 @@ class Cadence:
             "lingering_heap_scans": self.ledger.heap_scans,
             "own_time_s": round(self.own_s, 4),
             "own_time_by_part_s": {k: round(v, 4) for k, v in self.parts.items()},
-            "backoffs": list(self.backoffs),
-            "over_budget_windows": self.over_budget_windows,
+            "backoffs": list(self.guard.backoffs),
+            "over_budget_windows": self.guard.over_budget_windows,
         }

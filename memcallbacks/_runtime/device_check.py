@@ -2,9 +2,38 @@
 
 from __future__ import annotations
 
+from typing import Any, Iterable
+
 import torch
 
-__all__ = ["unusable_device"]
+__all__ = ["unusable_device", "device_for"]
+
+
+def device_for(owner: str, device: Any, model: Any, optimizer: Any) -> torch.device:
+    """The device a monitor measures: ``device`` (checked here, a ``ValueError`` naming ``owner``
+    when it is not a usable torch device), else the model's, else the optimizer's parameters', else CPU."""
+    if device is not None:
+        try:
+            chosen = torch.device(device)
+        except (RuntimeError, TypeError, ValueError) as exc:
+            raise ValueError(
+                f"{owner}(device={device!r}) is not a torch device ({exc}); pass e.g. 'cpu', 'cuda' or "
+                "'cuda:0', or leave it out to use the model's device."
+            ) from None
+        reason = unusable_device(chosen)
+        if reason is not None:
+            raise ValueError(f"{owner}(device={device!r}) cannot be measured: {reason}. Pass the device your model "
+                             "is on (e.g. device='cpu'), or leave device out to use the model's device.")
+        return chosen
+    tensors: Iterable[torch.Tensor] = ()
+    if model is not None:
+        tensors = model.parameters()
+    elif optimizer is not None:
+        tensors = (p for group in getattr(optimizer, "param_groups", []) for p in group["params"])
+    for t in tensors:
+        if t.device.type != "meta":
+            return t.device
+    return torch.device("cpu")
 
 
 def unusable_device(device: torch.device) -> str | None:

@@ -22,7 +22,7 @@ import functools
 import logging
 from typing import Any, Callable, TypeVar
 
-from memcallbacks._base.errors import OutputDirError, SetupError, UsageError
+from memcallbacks._base.errors import OutputDirError, UsageError
 
 log = logging.getLogger(__name__)
 

@@ -60,7 +60,7 @@ class LeakWatch:
         """``charge``: told the seconds the garbage-collection callback spends reading memory;
         ``wake``: called when a large automatic collection makes the next step inspect the garbage;
         ``ledger``: told the seconds of each lingering check and of each census and holder search
-        (:class:`memcallbacks._runtime.cadence.Ledger`), so that the budget sees every part."""
+        (:class:`memcallbacks._runtime.ledger.Ledger`), so that the budget sees every part."""
         self.config = config
         self.ledger = ledger
         self._ignore = ignore  # our own objects, never reported as holders

@@ -34,7 +34,7 @@ class SessionResults:
         """One row per sampled optimizer step (pandas.DataFrame); columns in docs/metrics.md."""
         session = self._current_session()
         if session is None:
-            from memcallbacks._runtime.sampling import empty_history
+            from memcallbacks._runtime.readout import empty_history
 
             return empty_history()
         return session.history_frame()
@@ -44,7 +44,7 @@ class SessionResults:
         """One row per validation/test/predict run (pandas.DataFrame)."""
         session = self._current_session()
         if session is None:
-            from memcallbacks._runtime.sampling import empty_eval_history
+            from memcallbacks._runtime.readout import empty_eval_history
 
             return empty_eval_history()
         return session.engine.eval_frame()

@@ -1,7 +1,8 @@
 """How a session ends: exceptions recorded as events, the report, and the run's files and trackers.
 
-A mixin of :class:`~memcallbacks._runtime.session.Session` (kept apart so each file holds one concern):
-every method here runs at the end of a run or while an exception unwinds, and never raises.
+One composed part of :class:`~memcallbacks._runtime.session.Session` (``session.ending``), which
+delegates to it: every method here runs at the end of a run or while an exception unwinds, and
+never raises.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from typing import Any
 import torch
 
 from memcallbacks._base import distributed as _distributed
-from memcallbacks._runtime.end_write import DETACH_WRITER, wait_for_every_rank, write_detached
+from memcallbacks._runtime import end_write
+from memcallbacks._runtime.end_write import wait_for_every_rank, write_detached
 from memcallbacks._runtime.guard import safe_str
 from memcallbacks._files.outputs import REPORT_VERSION, write_outputs
 from memcallbacks._runtime.cadence import DENSE_READ_STEPS
@@ -34,18 +36,23 @@ def is_oom(exc: BaseException) -> bool:
 
 
 class RunEnd:
-    """The end of a run, for :class:`Session` (which provides every attribute used here)."""
+    """The end of a run, for one :class:`Session` (``session``: read through its public parts;
+    typed ``Any`` because the session module imports this one)."""
+
+    def __init__(self, session: Any) -> None:
+        self.session = session
 
     def record_exception(self, exc: BaseException, step: int) -> None:
         """Note an exception that is ending the run as an event (``"oom"`` or ``"exception"``); never raises."""
         try:
             self._record_exception(exc, step)
         except Exception as internal:
-            self.log.error("%s: could not record the run's exception (internal error); the run's own exception propagates.",
-                           self.owner, exc_info=internal)
+            self.session.log.error("%s: could not record the run's exception (internal error); the run's own exception propagates.",
+                                   self.session.owner, exc_info=internal)
 
     def _record_exception(self, exc: BaseException, step: int) -> None:
-        engine = self.engine
+        s = self.session
+        engine = s.engine
         oom = is_oom(exc)
         event = {
             "kind": "oom" if oom else "exception",
@@ -55,16 +62,16 @@ class RunEnd:
             "max_allocated_bytes": engine.max_allocated,
             "max_reserved_bytes": engine.max_reserved,
         }
-        if any(e.get("error") == event["error"] and e.get("step") == event["step"] for e in self.events):
+        if any(e.get("error") == event["error"] and e.get("step") == event["step"] for e in s.events):
             return  # the same exception seen by two hooks (a step context, then close)
-        self.events.append(event)
+        s.events.append(event)
         if not oom:
             return
-        if self.snap is not None:
-            self.snap.on_exception(exc, step)
-        self.log.error(
+        if s.snap is not None:
+            s.snap.on_exception(exc, step)
+        s.log.error(
             "%s: out of memory at step %d on rank %d; writing the memory report before the error propagates.",
-            self.owner,
+            s.owner,
             event["step"],
             engine.rank,
         )
@@ -73,52 +80,49 @@ class RunEnd:
         """What ``report.json`` holds: version, config, summary, findings, events and files."""
         from memcallbacks._base.version import __version__
 
+        s = self.session
         return {
             "version": REPORT_VERSION,
             "memcallbacks_version": __version__,
-            "framework": self.framework,
-            "config": self.config.to_dict(),
-            "summary": dict(self.engine.summary(), cadence=self.cadence.summary(), rank_figures=self.rank_figures()),
-            "findings": self.sink.to_list(),
-            "events": list(self.events),
-            "model_states": dict(self.state.info),
-            "preflight": self.preflight.report(),
-            "gc": list(self.watch.gc_results) if self.watch is not None else [],
-            "host": self.host.summary() if self.host is not None else None,
-            "snapshots": list(self.snap.records) if self.snap is not None else [],
-            "files": dict(self.files),
+            "framework": s.framework,
+            "config": s.config.to_dict(),
+            "summary": dict(s.engine.summary(), cadence=s.cadence.summary(), rank_figures=self.rank_figures()),
+            "findings": s.sink.to_list(),
+            "events": list(s.events),
+            **s.checks.report(),  # model_states, preflight, gc, host
+            "snapshots": list(s.snap.records) if s.snap is not None else [],
+            "files": dict(s.files),
         }
 
     def recorded_nothing(self) -> bool:
         """No training step, no evaluation loop and no event since the last reset."""
-        return self.engine.seen_steps == 0 and not self.engine.eval_rows and not self.events
+        s = self.session
+        return s.engine.seen_steps == 0 and not s.engine.eval_rows and not s.events
 
     def _finish_watch(self) -> None:
         """Work the leak watch still owes when the run ends (a growth finding's second census)."""
-        if self.watch is None or not self.engine.enabled:
+        s = self.session
+        watch, host = s.checks.watch, s.checks.host
+        if watch is None or not s.engine.enabled:
             return
         t0 = time.perf_counter()
         try:
-            for finding in self.watch.finish():
-                self.add_finding(finding)
+            for finding in watch.finish():
+                s.add_finding(finding)
         except Exception:
-            self.log.debug("the leak watch's last census failed", exc_info=True)
-        if self.host is not None:
-            for finding in self.host.finish():  # a host growth still waiting for its second census
-                self.add_finding(finding)
-        self.cadence.charge_other(time.perf_counter() - t0, "findings")
+            s.log.debug("the leak watch's last census failed", exc_info=True)
+        if host is not None:
+            for finding in host.finish():  # a host growth still waiting for its second census
+                s.add_finding(finding)
+        s.cadence.charge_other(time.perf_counter() - t0, "findings")
 
-    def finish(self, *, gather: bool) -> dict[str, str]:
-        """Close any open step and write this rank's files. ``gather`` (a collective: every rank must
-        call it) also puts every rank's summary into rank zero's ``report.json``.
-
-        A run that recorded nothing (a second ``fit`` that had no step left to run) writes no
-        files: the folder keeps the previous run's set rather than an empty history."""
+    def finish(self, gather: bool) -> dict[str, str]:
+        """``Session.finish`` after its observers heard of it: the files, with the gc watch off."""
+        s = self.session
         # the files' imports (pandas, matplotlib) run dozens of collections: the gc watch, which
         # reads the heap around each one it measures, is for training, and training is over
-        if self._observers:
-            self._notify("run_finishing")
-        collections = self.watch.collections if self.watch is not None else None
+        watch = s.checks.watch
+        collections = watch.collections if watch is not None else None
         if collections is not None:
             was_own, collections.own = collections.own, True
         try:
@@ -127,88 +131,96 @@ class RunEnd:
             if collections is not None:
                 collections.own = was_own
         if gather:  # no rank's fit() returns while another rank's files are still being written
-            wait_for_every_rank(self.engine.world_size, self.owner)
+            wait_for_every_rank(s.engine.world_size, s.owner)
         return files
 
     def _finish(self, gather: bool) -> dict[str, str]:
-        engine = self.engine
+        s = self.session
+        engine = s.engine
         try:
             if engine.in_step and engine.enabled:
                 engine.end_step()
-            self.step_open = False
+            s.step_open = False
             self._finish_watch()
-            if self.snap is not None:
-                self.snap.stop()  # writes a capture cut short by the end of training
+            if s.snap is not None:
+                s.snap.stop()  # writes a capture cut short by the end of training
             report = self.report()
             distributed = engine.world_size > 1 and _distributed.is_distributed()
             # one collective: every rank's summary, and its snapshot files for rank zero's trackers
-            payload = snapshot_payload(report["snapshots"], engine.rank) if self.config.log_to_trackers and engine.rank > 0 else None
+            payload = snapshot_payload(report["snapshots"], engine.rank) if s.config.log_to_trackers and engine.rank > 0 else None
             gathered = _distributed.gather_objects((report["summary"], payload), engine.device) if gather and distributed else None
             summaries = [g[0] for g in gathered] if gathered is not None else None
             if summaries is not None and engine.rank == 0:  # one rank's host or device memory standing apart
                 self._rank_imbalance(summaries)
-                report["findings"] = self.sink.to_list()
-            if not (self.config.write_files and self.output_dir is not None):
+                report["findings"] = s.sink.to_list()
+            if not (s.config.write_files and s.output_dir is not None):
                 self._to_trackers(report, gathered)
                 return {}
             if self.recorded_nothing():
-                self.log.warning("%s: this run recorded no training step and no evaluation loop; the files in %s are left "
-                                 "as they were.", self.owner, self.output_dir)
-                return self.files
-            title = self.title or f"{self.framework} on {report['summary'].get('device', {}).get('device', '?')}"
-            if engine.world_size > 1:
-                title += f", rank {engine.rank}"
-            self.files = write_detached(  # by a writer process of its own under distributed: see end_write.py
-                write_outputs,
-                self.output_dir,
-                rank=engine.rank,
-                world_size=engine.world_size,
-                history=self.history_frame(),
-                eval_history=engine.eval_frame(),
-                report=report,
-                plot=self.config.plot,
-                title=title,
-                ranks=summaries if summaries is not None and engine.rank == 0 else None,
-                detach=distributed and DETACH_WRITER,
-                owner=self.owner,
-            )
+                s.log.warning("%s: this run recorded no training step and no evaluation loop; the files in %s are left "
+                              "as they were.", s.owner, s.output_dir)
+                return s.files
+            s.files = self._write(report, summaries, distributed)
             if summaries is not None and engine.rank == 0:
-                report = dict(report, files=self.files, ranks=summaries)
+                report = dict(report, files=s.files, ranks=summaries)
             self._to_trackers(report, gathered)
         except OSError as exc:  # a full disk, a folder removed: the previous set stays whole
-            self.log.error("%s: could not write the memory files to %s (%s); the files there are left as they were.",
-                           self.owner, self.output_dir, exc.strerror or exc)
+            s.log.error("%s: could not write the memory files to %s (%s); the files there are left as they were.",
+                        s.owner, s.output_dir, exc.strerror or exc)
         except Exception as exc:
             engine.fail(exc, "writing outputs")
-        return self.files
+        return s.files
+
+    def _write(self, report: dict[str, Any], summaries: list[Any] | None, distributed: bool) -> dict[str, str]:
+        """This rank's files as one set (a writer process of its own under distributed: see end_write.py)."""
+        s = self.session
+        engine = s.engine
+        title = s.title or f"{s.framework} on {report['summary'].get('device', {}).get('device', '?')}"
+        if engine.world_size > 1:
+            title += f", rank {engine.rank}"
+        return write_detached(  # by a writer process of its own under distributed: see end_write.py
+            write_outputs,
+            s.output_dir,
+            rank=engine.rank,
+            world_size=engine.world_size,
+            history=s.history_frame(),
+            eval_history=engine.eval_frame(),
+            report=report,
+            plot=s.config.plot,
+            title=title,
+            ranks=summaries if summaries is not None and engine.rank == 0 else None,
+            detach=distributed and end_write.DETACH_WRITER,
+            owner=s.owner,
+        )
 
     def rank_figures(self) -> dict[str, float]:
         """This rank's figures for the per-rank comparison (host: docs/host.md; device: the run's peak)."""
+        s = self.session
         figures: dict[str, float] = {}
-        if self.device_kind != "cpu":  # on CPU the device is the host: one figure, one finding
-            figures["device_peak_allocated_bytes"] = float(self.engine.max_allocated)
-        if self.host is not None:
-            figures.update(self.host.growth.figures())
-            figures.update(self.host.workers.figures())
+        if s.device_kind != "cpu":  # on CPU the device is the host: one figure, one finding
+            figures["device_peak_allocated_bytes"] = float(s.engine.max_allocated)
+        figures.update(s.checks.host_figures() or {})
         return figures
 
     def _rank_imbalance(self, summaries: list[Any]) -> None:
-        if self.engine.seen_steps < DENSE_READ_STEPS:
+        s = self.session
+        if s.engine.seen_steps < DENSE_READ_STEPS:
             return  # a short run's figures are its warm-up (imports, loggers, rank zero's first files), not a rank apart
         try:
-            figures = [s.get("rank_figures") if isinstance(s, dict) else None for s in summaries]
-            for finding in find_imbalance(figures, step=self.current_step):
-                self.add_finding(finding)
+            figures = [x.get("rank_figures") if isinstance(x, dict) else None for x in summaries]
+            for finding in find_imbalance(figures, step=s.current_step):
+                s.add_finding(finding)
         except Exception:
-            self.log.debug("the per-rank comparison failed", exc_info=True)
+            s.log.debug("the per-rank comparison failed", exc_info=True)
 
     def _to_trackers(self, report: dict[str, Any], gathered: list[Any] | None) -> None:
         """Rank zero, after the files are written: the report, plot and every rank's snapshots to the trackers."""
-        if self.trackers is None or not self.config.log_to_trackers or self.engine.rank != 0:
+        s = self.session
+        if s.trackers is None or not s.config.log_to_trackers or s.engine.rank != 0:
             return
         snapshots = [dict(r, rank=0) for r in report.get("snapshots", [])]
-        snapshots += receive_snapshots([g[1] for g in gathered or []], self.output_dir)
+        snapshots += receive_snapshots([g[1] for g in gathered or []], s.output_dir)
         outputs = RunOutputs(
-            self.config.prefix, report, dict(self.files), snapshots, list(self.findings), self.format_report()
+            s.config.prefix, report, dict(s.files), snapshots, list(s.findings), s.format_report()
         )
-        self.trackers.finish(outputs, self.dashboard)
+        s.trackers.finish(outputs, s.dashboard)

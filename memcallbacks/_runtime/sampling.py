@@ -18,10 +18,11 @@ from memcallbacks._base import distributed as _distributed
 from memcallbacks._base.config import MonitorConfig
 from memcallbacks._base.units import GiB
 from memcallbacks._base.devices import MemoryBackend, host_rss_reader, select_backend
+from memcallbacks._runtime.readout import eval_frame, history_frame, step_keys, step_values, summarise
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MemoryEngine", "FORWARD", "BACKWARD", "OPTIMIZER", "OTHER", "PHASES", "COLUMNS", "EVAL_COLUMNS", "empty_history", "empty_eval_history"]
+__all__ = ["MemoryEngine", "FORWARD", "BACKWARD", "OPTIMIZER", "OTHER", "PHASES", "COLUMNS", "EVAL_COLUMNS"]
 
 STATE_VERSION = 1
 """Version of the checkpointed monitor state (``state_dict()``)."""
@@ -49,9 +50,6 @@ from memcallbacks._base.columns import (  # the row layout; re-exported for adap
     OPTIMIZER_STEPS,
     OTHER,
     PEAK_ALLOCATED,
-    PEAK_BACKWARD,
-    PEAK_FORWARD,
-    PEAK_OPTIMIZER,
     PEAK_RESERVED,
     PHASES,
     RESERVED,
@@ -289,43 +287,6 @@ class MemoryEngine:
         return row
 
     # ------------------------------------------------------------------ logging
-    def step_keys(self) -> list[str]:
-        p = self.config.prefix
-        keys = [
-            f"{p}/allocated_GiB",
-            f"{p}/reserved_GiB",
-            f"{p}/peak_forward_GiB",
-            f"{p}/peak_backward_GiB",
-            f"{p}/peak_optimizer_GiB",
-            f"{p}/peak_step_GiB",
-            f"{p}/peak_reserved_GiB",
-            f"{p}/max_allocated_GiB",
-            f"{p}/host_rss_GiB",
-            f"{p}/monitor_time_ms",
-        ]
-        if self.device_info.get("kind", "cpu") != "cpu":
-            keys += [f"{p}/alloc_retries", f"{p}/ooms", f"{p}/inactive_split_GiB"]
-        return keys
-
-    def step_values(self, row: list[Any] | None) -> list[float]:
-        if row is None or not self.enabled:
-            return [_NAN] * len(self.step_keys())
-        values = [
-            row[ALLOCATED] / GiB,
-            row[RESERVED] / GiB,
-            row[PEAK_FORWARD] / GiB,
-            row[PEAK_BACKWARD] / GiB,
-            row[PEAK_OPTIMIZER] / GiB,
-            row[PEAK_ALLOCATED] / GiB,
-            row[PEAK_RESERVED] / GiB,
-            self.max_allocated / GiB,
-            row[HOST_RSS] / GiB,
-            row[MONITOR_TIME_S] * 1e3,
-        ]
-        if self.device_info.get("kind", "cpu") != "cpu":
-            values += [float(row[ALLOC_RETRIES]), float(row[OOMS]), row[INACTIVE_SPLIT] / GiB]
-        return values
-
     def reduce(self, keys: list[str], values: list[float], rank_keys: tuple[str, ...] = ()) -> dict[str, float]:
         """Max over ranks in one collective (when distributed and configured); NaNs are dropped."""
         ranks: list[int] = []
@@ -342,7 +303,9 @@ class MemoryEngine:
         """The metrics to log for ``row`` (plus ``extra``, reduced the same way); every rank must call
         this on the same steps, with the same ``extra`` keys, when distributed."""
         p = self.config.prefix
-        keys, values = self.step_keys(), self.step_values(row)
+        kind = self.device_info.get("kind", "cpu")
+        keys = step_keys(p, kind)
+        values = [_NAN] * len(keys) if row is None or not self.enabled else step_values(row, self.max_allocated, kind)
         if extra:
             keys = keys + list(extra)
             values = values + [float(v) if self.enabled else _NAN for v in extra.values()]
@@ -358,29 +321,17 @@ class MemoryEngine:
             values = [row[E_ALLOCATED] / GiB, row[E_PEAK_ALLOCATED] / GiB, row[E_PEAK_RESERVED] / GiB]
         return self.reduce(keys, values, (keys[1],))
 
-    # ------------------------------------------------------------------ results
+    # ------------------------------------------------------------------ results (readout.py)
     def history_frame(self) -> Any:
-        import pandas as pd
-
-        frame = pd.DataFrame(self.rows, columns=list(COLUMNS))
-        if not frame.empty:
-            for col in ("step", "epoch", "batch_idx", "micro_batches", "optimizer_steps"):
-                if frame[col].notna().all():  # never lose the files over one unreadable row
-                    frame[col] = frame[col].astype("int64")
-            if self.device_info.get("kind", "cpu") == "cpu":
-                frame = frame.drop(columns=["alloc_retries", "ooms", "inactive_split"])
-        return frame
+        return history_frame(self.rows, self.device_info.get("kind", "cpu"))
 
     def eval_frame(self) -> Any:
-        import pandas as pd
-
-        return pd.DataFrame(self.eval_rows, columns=list(EVAL_COLUMNS))
+        return eval_frame(self.eval_rows)
 
     def summary(self) -> dict[str, Any]:
         """Per-phase maxima, lifetime peaks and the monitor's own cost, as plain JSON-able values."""
-        rows = self.rows
-        out: dict[str, Any] = {
-            "steps_recorded": len(rows),
+        counts: dict[str, Any] = {
+            "steps_recorded": len(self.rows),
             "steps_seen": self._seen_steps,
             "steps_sampled": self._sampled_steps,
             "history_stride": self._stride,
@@ -390,34 +341,7 @@ class MemoryEngine:
             "world_size": self.world_size,
             "disabled_after_error": self.failed,
         }
-        if self.device_info:
-            out["device"] = dict(self.device_info)
-            out["capacity_bytes"] = self.capacity
-        # peaks on CPU are RSS high-water marks, so their baseline is RSS ("reserved"), not the heap
-        base = 6 if self.device_info.get("peak_source") == "rss_high_water_mark" else 5
-        for i, phase in enumerate(PHASES):
-            vals = [r[8 + i] for r in rows if r[8 + i] == r[8 + i]]
-            out[f"peak_{phase}_bytes"] = int(max(vals)) if vals else None
-            deltas = [r[8 + i] - r[base] for r in rows if r[8 + i] == r[8 + i] and r[base] == r[base]]
-            out[f"peak_{phase}_above_baseline_bytes"] = int(max(deltas)) if deltas else None
-        if rows:
-            out["first_allocated_bytes"] = int(rows[0][5])
-            out["last_allocated_bytes"] = int(rows[-1][5])
-            cost = sorted(r[18] for r in rows)
-            out["monitor_time_per_step_us"] = {
-                "median": cost[len(cost) // 2] * 1e6,
-                "mean": sum(cost) / len(cost) * 1e6,
-            }
-            times = sorted(r[17] for r in rows)
-            out["step_time_median_s"] = times[len(times) // 2]
-        evals = {}
-        for r in self.eval_rows:
-            e = evals.setdefault(r[0], {"runs": 0, "peak_allocated_bytes": 0, "peak_reserved_bytes": 0})
-            e["runs"] += 1
-            e["peak_allocated_bytes"] = max(e["peak_allocated_bytes"], int(r[5]))
-            e["peak_reserved_bytes"] = max(e["peak_reserved_bytes"], int(r[6]))
-        out["eval"] = evals
-        return out
+        return summarise(counts, self.rows, self.eval_rows, self.device_info, self.capacity)
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:
@@ -451,16 +375,3 @@ class MemoryEngine:
         self.max_allocated = max(self.max_allocated, read["max_allocated"])
         self.max_reserved = max(self.max_reserved, read["max_reserved"])
         return read
-
-
-def empty_history() -> Any:
-    """The history of a monitor that has not run: no rows, every column."""
-    import pandas as pd
-
-    return pd.DataFrame(columns=list(COLUMNS))
-
-
-def empty_eval_history() -> Any:
-    import pandas as pd
-
-    return pd.DataFrame(columns=list(EVAL_COLUMNS))

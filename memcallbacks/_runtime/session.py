@@ -1,4 +1,4 @@
-"""The session every adapter drives: one run's step protocol (begin_step, boundary, end_step), orchestrating the plan, the engine, the watch and the files.
+"""The session every adapter drives: one run's step protocol (begin_step, boundary, end_step), orchestrating the plan, the engine, the checks and the run's end.
 
 Adapters (Lightning, Accelerate, Transformers, the plain-loop ``Monitor``) own one
 :class:`Session` and only translate their framework's events into its calls. Nothing here
@@ -8,29 +8,24 @@ imports a framework.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 from memcallbacks._base.config import MonitorConfig
-from memcallbacks._runtime.cadence import LINGERING_EVERY_STEP_UNTIL, Cadence
-from memcallbacks._base.columns import E_STAGE, MONITOR_TIME_S, OPTIMIZER, PEAK_RESERVED
-from memcallbacks._runtime.extras import extra_metrics
-from memcallbacks._runtime.finding_sink import FindingSink
-from memcallbacks._runtime.plan import StepPlan
-from memcallbacks._runtime.sampling import MemoryEngine
+from memcallbacks._base.columns import OPTIMIZER
 from memcallbacks._base.findings import Finding
-from memcallbacks._files.outputs import check_writable
-from memcallbacks._runtime.lifecycle import claim_folder, release_folder
-from memcallbacks._runtime.preflight_check import PreflightCheck
-from memcallbacks._runtime.run_end import RunEnd, is_oom
 from memcallbacks._runtime.auto_snapshot import AutoSnapshot
-from memcallbacks._runtime.state_check import StateCheck
-from memcallbacks.leaks.census import format_top_holders
-from memcallbacks._runtime.leak_watch import LeakWatch
-from memcallbacks.host.channel import HostChannel
-from memcallbacks.leaks.search_failure import search_or_note
+from memcallbacks._runtime.cadence import LINGERING_EVERY_STEP_UNTIL, Cadence
+from memcallbacks._runtime.checks import StepChecks
+from memcallbacks._runtime.finding_sink import FindingSink
+from memcallbacks._runtime.evaluation import begin_eval, end_eval, eval_batch
+from memcallbacks._runtime.plan import StepPlan
+from memcallbacks._runtime.run_end import RunEnd, is_oom
+from memcallbacks._runtime.run_start import reset_run, restore_state, saved_state, start_run, stop_run
+from memcallbacks._runtime.sampling import MemoryEngine
+from memcallbacks._runtime.step_begin import begin_quiet, begin_sampled, begin_watched, micro_batch
+from memcallbacks._runtime.step_end import close_step
 from memcallbacks.trackers import Dashboard, Trackers
 
 log = logging.getLogger(__name__)
@@ -43,9 +38,10 @@ LogFn = Callable[[dict[str, float], int], None]
 _KEEP: Any = object()  # attach(): a part not given keeps its current value
 
 
-class Session(RunEnd):
+class Session:
     """One process's monitor state: what a step does (the plan), the measurements (the engine),
-    the leak watch, the findings and the files. Every method is safe to call when disabled.
+    the checks (leak watch, host, theory, pre-flight: :attr:`checks`), the findings, and the
+    run's end (:attr:`ending`). Every method is safe to call when disabled.
 
     Adapters configure it with :meth:`attach` and drive it with the step protocol:
     ``begin_step`` → ``boundary`` (per phase) → ``end_step``, ``begin_eval``/``eval_batch``/
@@ -54,9 +50,7 @@ class Session(RunEnd):
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state["log_fn"] = None  # adapters attach it again when they start
-        state["watch"] = None  # detectors hold weak references; start() builds new ones
-        state["snap"] = None
-        state["host"] = None
+        state["snap"] = None  # the checks drop their leak watch and host channel the same way
         state["trackers"] = None
         state["_observers"] = []
         return state
@@ -74,21 +68,20 @@ class Session(RunEnd):
         self.files: dict[str, str] = {}
         self.events: list[dict[str, Any]] = []
         self.sink = FindingSink(owner, self.log, self._rank)
-        self.watch: LeakWatch | None = None
-        self.host: HostChannel | None = None  # the host channel: Python objects, private memory, DataLoader workers
-        self.state = StateCheck(config)
-        # preflight=True: the first batch's step predicted, then compared
-        self.preflight = PreflightCheck(config, self.engine, owner, self.log, self.sink.add, self._current_step)
+        self.checks = StepChecks(config, self.engine, self.plan, owner, self.log, self.sink.add, self._current_step)
+        self.ending = RunEnd(self)
         self.snap: AutoSnapshot | None = None
         self.trackers: Trackers | None = None  # rank zero's trackers (TensorBoard, W&B, MLflow)
         self._observers: list[Any] = []
-        self._lingering_due = False
+        self.lingering_due = False
+        """A step opened with ``defer_lingering=True`` still owes its lingering check."""
         self.title = ""
         self._warned: set[str] = set()
-        self._fast_s: float | None = None  # an unsampled step's own time so far (None: sampled, or not open)
-        self._fast_typical = True
-        self._marks = False  # this step's end leaves marks for the lingering check
-        self._samples_unmarked = 0
+        # read and set by step_begin.py and step_end.py:
+        self.fast_s: float | None = None  # an unsampled step's own time so far (None: sampled, or not open)
+        self.fast_typical = True  # the unsampled step found nothing (its cost chooses the intervals)
+        self.marks = False  # this step's end leaves marks for the lingering check
+        self.samples_unmarked = 0
         self.quiet_step = False
         """The open step is quiet: adapters may skip its other hooks (end_step and boundary do nothing)."""
         self.step_open = False
@@ -122,8 +115,8 @@ class Session(RunEnd):
             self.trackers = trackers
         if title is not _KEEP and title is not None:
             self.title = title
-        if model is not _KEEP:
-            self.set_training_objects(model, optimizer, precision=precision, strategy=strategy, world_size=world_size)
+        if model is not _KEEP:  # what the census and the theory check look at
+            self.checks.set_objects(model, optimizer, precision=precision, strategy=strategy, world_size=world_size)
 
     def observe(self, observer: Any) -> None:
         """Call ``observer`` at the step protocol's points (the pytest plugin's probe): its
@@ -136,14 +129,8 @@ class Session(RunEnd):
             getattr(observer, event)(*args)
 
     def reset(self) -> None:
-        self.engine.reset()
-        self.files = {}
-        self.events = []
-        self.sink.reset()
-        self.state = StateCheck(self.config)
-        self.preflight.reset()
-        self.step_open = self.quiet_step = False
-        self.plan.quiet_until = 0
+        """A new fit: no rows, events, findings or open step (run_start.py)."""
+        reset_run(self)
 
     # ------------------------------------------------------------------ findings
     @property
@@ -162,122 +149,34 @@ class Session(RunEnd):
         """An internal error in an adapter's hook: logged once, and the monitor turns itself off."""
         self.engine.fail(exc, where)
 
-    def _state_finding(self, step: int, baseline: int, batch: Any) -> Finding | None:
-        """The theory check, isolated: an estimate that cannot be made is logged, never fatal."""
-        try:
-            finding = self.state.check(step, baseline, self.engine.start_allocated, self.engine.backend.kind, batch)  # type: ignore[union-attr]
-        except Exception as exc:
-            self.state.done = True
-            self.log.info("%s: no model-state estimate for this run (%s: %s); the rest of the monitor goes on.", self.owner, type(exc).__name__, exc)
-            return None
-        watch = self.watch
-        census = search_or_note(finding, lambda: watch.census(batch), None) if finding is not None and watch is not None else None
-        if census is not None:  # a census that fails costs the holders only (the finding says why)
-            finding.holders = format_top_holders(census, 5)  # type: ignore[union-attr]
-            finding.details["census"] = {k: int(v) for k, v in census.bytes_by_category.items()}  # type: ignore[union-attr]
-        return finding
-
     def check_lingering(self, batch: Any = None) -> None:
         """Run the lingering check deferred by ``begin_step(defer_lingering=True)`` (once per step)."""
-        if not self._lingering_due:
+        if not self.lingering_due:
             return
-        self._lingering_due = False
-        if self.watch is not None and self.engine.enabled:
+        self.lingering_due = False
+        watch = self.checks.watch
+        if watch is not None and self.engine.enabled:
             t0 = time.perf_counter()
             try:
-                for finding in self.watch.check_lingering(self.current_step, batch):
+                for finding in watch.check_lingering(self.current_step, batch):
                     self.add_finding(finding)
             except Exception as exc:
                 self.engine.fail(exc, "lingering check")
             self.cadence.charge_other(time.perf_counter() - t0, "lingering")  # outside the step's timed parts
 
-    def set_training_objects(
-        self, model: Any, optimizer: Any, *, precision: str | None = None, strategy: str | None = None, world_size: int | None = None
-    ) -> None:
-        """What the census and the theory check look at (see :meth:`attach`)."""
-        if self.watch is not None:
-            self.watch.model, self.watch.optimizer = model, optimizer
-        self.preflight.set_objects(model, optimizer, precision=precision, strategy=strategy, world_size=world_size)
-        try:
-            self.state.set_objects(
-                model, optimizer, precision=precision, strategy=strategy, world_size=world_size, allocated_now=self._allocated_now
-            )
-        except Exception as exc:
-            self.log.info("%s: model-state estimate unavailable (%s)", self.owner, exc)
-            self.state.model = None
-
     def explain(self, batch: Any = None) -> Any:
         """Take a census now: live tensors by category, and who holds the suspicious ones."""
-        watch = self.watch or LeakWatch(self.config, lambda: None, ignore=[self])
-        return watch.census(batch)
+        return self.checks.explain(batch, ignore=[self])
 
-    def _allocated_now(self) -> int | None:
-        # the watch's read where there is one: the same number as backend.current()[0], without the
-        # RSS read that comes with it on CPU
-        now = self.plan.allocated_now()
-        if now is not None or self.plan.read is not None:
-            return now
-        backend = self.engine.backend
-        return backend.current()[0] if backend is not None else None
+    # ------------------------------------------------------------------ start and stop (run_start.py)
+    def start(self, device: Any, **options: Any) -> None:
+        """Choose the device backend, the output folder and the intervals: :func:`~memcallbacks._runtime.run_start.start_run`
+        (its keyword options; ``PermissionError`` for a folder the run cannot write or must not share)."""
+        start_run(self, device, **options)
 
-    # ------------------------------------------------------------------ start
-    def start(
-        self,
-        device: Any,
-        *,
-        rank: int | None = None,
-        world_size: int | None = None,
-        default_output_dir: str | os.PathLike[str] | None = None,
-        framework_log_every: int | None = None,
-        logs: bool = True,
-        log_first_step: bool = False,
-        expected_steps: int | None = None,
-    ) -> None:
-        """Choose the device backend, the output folder and the sampling/logging intervals.
-
-        Raises ``PermissionError`` for an unwritable output folder, or one another live monitor
-        writes to: environment problems must stop the run before training, not during it. Any
-        other fault here is contained (logged once; the monitor disables itself).
-        ``expected_steps``: the run's length when the framework knows it (``max_steps``); the
-        cadence samples the first steps of every run, so a short one (``fast_dev_run``) still has rows.
-        """
-        config = self.config
-        if config.write_files:
-            folder = output_folder(config.output_dir, default_output_dir)
-            claim_folder(folder, self, self.owner)
-            self.output_dir = check_writable(folder, self.owner)
-            if config.auto_snapshot:
-                check_writable(os.path.join(folder, "snapshots"), "auto_snapshot")
-        self.live = True
-        # the plan first: even a monitor whose start fails below must agree with the other ranks on logged steps
-        log_every = config.log_every_n_steps or max(int(framework_log_every or 50), 1)
-        # a later stage of the same run (fit, then test) keeps the training cadence
-        self.plan.configure(log_every=log_every, logs=logs, log_first_step=log_first_step, keep=self.engine.seen_steps > 0)
-        try:
-            self._start_parts(device, rank, world_size)
-        except Exception as exc:  # backend selection, the first reads, the leak watch: never fatal
-            self.engine.fail(exc, "monitor start")
-
-    def _start_parts(self, device: Any, rank: int | None, world_size: int | None) -> None:
-        config = self.config
-        self.engine.start(device, rank=rank, world_size=world_size)
-        if self.watch is not None:
-            self.watch.stop()
-        self.plan.arm(self.engine.backend)
-        self.cadence.announce = (self.log, self.owner) if self.engine.rank == 0 else None  # the budget's back-off, said once
-        self.watch = LeakWatch(config, self._allocated_now, ignore=[self], charge=self.cadence.charge_other, wake=self.plan.wake,
-                               ledger=self.cadence.ledger)
-        self.watch.start()
-        if self.host is not None:
-            self.host.close()
-        self.host = HostChannel(device_is_host=self.device_kind == "cpu") if config.watch_host else None
-        if self.snap is not None:
-            self.snap.stop()
-            self.snap = None
-        if config.auto_snapshot and self.output_dir is not None and self.engine.backend is not None:
-            engine = self.engine
-            self.snap = AutoSnapshot.for_backend(config, engine.backend, self.output_dir, engine.rank, engine.world_size, self.log)
-            self.snap.start()
+    def stop(self) -> None:
+        """Undo everything the session changed in the process; each part on its own, safe to call twice."""
+        stop_run(self)
 
     # ------------------------------------------------------------------ what adapters read
     @property
@@ -305,23 +204,13 @@ class Session(RunEnd):
     def detailed_step(self) -> bool:
         """True when the open step is sampled or lingering references are checked after it:
         adapters skip their per-step extras (output hooks, loss capture) otherwise."""
-        return self.engine.sampling or self._marks or self.lingering_wants_mark
-
-    @property
-    def lingering_due(self) -> bool:
-        """A step opened with ``defer_lingering=True`` still owes its lingering check."""
-        return self._lingering_due
-
-    @property
-    def lingering_wants_mark(self) -> bool:
-        """The last lingering check could not tell yet: the open step leaves marks for the next one."""
-        lingering = self.watch.lingering if self.watch is not None else None
-        return lingering is not None and lingering.wants_mark
+        return self.engine.sampling or self.marks or self.checks.lingering_wants_mark
 
     @property
     def lingering_pending(self) -> bool:
         """The previous step left marks (batch references, a marked graph) for the lingering check."""
-        lingering = self.watch.lingering if self.watch is not None else None
+        watch = self.checks.watch  # not checks.lingering_pending: no extra call on the plain loop's step path
+        lingering = watch.lingering if watch is not None else None
         return lingering is not None and lingering.pending
 
     @property
@@ -338,15 +227,15 @@ class Session(RunEnd):
     @property
     def preflight_due(self) -> bool:
         """``preflight=True`` and the prediction has not run yet in this fit."""
-        return self.preflight.due
+        return self.checks.preflight.due
 
     def run_preflight(self, batch: Any, **kwargs: Any) -> None:
         """Predict this batch's step on fake tensors before it runs (:meth:`PreflightCheck.run`)."""
-        self.preflight.run(batch, **kwargs)
+        self.checks.preflight.run(batch, **kwargs)
 
     def watch_first_forward(self, model: Any) -> None:
         """Plain loops: the pre-flight predicts the step at ``model``'s first training forward."""
-        self.preflight.watch_first_forward(model)
+        self.checks.preflight.watch_first_forward(model)
 
     @property
     def rows(self) -> list[list[Any]]:
@@ -362,7 +251,7 @@ class Session(RunEnd):
     def wants_sample(self, count: int, log: bool) -> bool:
         """Whether the step after ``count`` steps is measured in full: logged steps, every
         ``sample_every``-th step (see :class:`Cadence`), and the step where the theory check is due."""
-        return self.plan.wants_sample(count, log) or (self.state.wanted and self.engine.optimizer_steps_total > 0)
+        return self.plan.wants_sample(count, log) or (self.checks.state.wanted and self.engine.optimizer_steps_total > 0)
 
     # ------------------------------------------------------------------ steps
     def begin_step(
@@ -381,17 +270,17 @@ class Session(RunEnd):
         if self._observers:
             self._notify("step_beginning", self.step_open)
         if self.step_open:
-            self._micro_batch()
+            micro_batch(self)
             return
         n = step if count is None else count
         self.current_step, self.current_count = step, n
         if not log and not sample and self.plan.quiet(n):
-            self._begin_quiet(step)
+            begin_quiet(self, step)
             return
         self.quiet_step = False
         self.step_open = True
-        self._lingering_due = defer_lingering
-        self._marks = n < LINGERING_EVERY_STEP_UNTIL
+        self.lingering_due = defer_lingering
+        self.marks = n < LINGERING_EVERY_STEP_UNTIL
         # decided even when disabled, so that every rank agrees on which steps join a collective
         self.log_this_step = log = self.will_log(n) if log is None else log
         engine = self.engine
@@ -405,86 +294,11 @@ class Session(RunEnd):
             self.cadence.step_started(n)
             self.plan.read_s = 0.0
             if self.wants_sample(n, log) if sample is None else sample:
-                self._begin_sampled(step, epoch, batch_idx, batch, defer_lingering)
+                begin_sampled(self, step, epoch, batch_idx, batch, defer_lingering)
             else:
-                self._begin_watched(step, epoch, batch_idx, batch, defer_lingering)
+                begin_watched(self, step, epoch, batch_idx, batch, defer_lingering)
         except Exception as exc:
             engine.fail(exc, "step start")
-
-    def _micro_batch(self) -> None:
-        if self.engine.enabled:
-            try:
-                self.engine.micro_batch()
-            except Exception as exc:
-                self.engine.fail(exc, "micro-batch boundary")
-
-    def _begin_quiet(self, step: int) -> None:
-        """Open a quiet step, for the adapters' bookkeeping: nothing is measured."""
-        self.quiet_step = self.step_open = True
-        self.log_this_step = self._lingering_due = False
-        self.engine.quiet_step()
-        if self.snap is not None:
-            self.snap.step = step
-
-    def _begin_watched(self, step: int, epoch: int, batch_idx: int, batch: Any, defer_lingering: bool) -> None:
-        """An unsampled step: the leak watch only (the lingering check, a memory read on some steps)."""
-        t0 = time.perf_counter()
-        found: list[Finding] = []
-        if self.watch is not None:
-            found = self.watch.before_baseline(step, batch, lingering=not defer_lingering)
-            found += self._watch(batch)
-        found += self._host_read(step)
-        self.engine.begin_step(step, epoch, batch_idx, False)
-        self._fast_s = time.perf_counter() - t0 - self.plan.read_s  # charged at step end, with the end's own time
-        self._fast_typical = not found
-        for finding in found:
-            self.add_finding(finding)
-
-    def _begin_sampled(self, step: int, epoch: int, batch_idx: int, batch: Any, defer_lingering: bool) -> None:
-        """A sampled step: the watch, then the baseline (which is also the watch's read), then the theory check."""
-        engine, watch = self.engine, self.watch
-        self._fast_s = None
-        self._marks = self._marks or self._samples_unmarked + 1 >= self.cadence.mark_every
-        t0 = time.perf_counter()
-        found = watch.before_baseline(step, batch, lingering=not defer_lingering) if watch is not None else []
-        check_state = self.state.wanted and engine.optimizer_steps_total > 0
-        spent = time.perf_counter() - t0
-        engine.begin_step(step, epoch, batch_idx, True)
-        t1 = time.perf_counter()
-        baseline = engine.step_baseline
-        found += self._watch(batch, baseline)
-        found += self._host_read(step)
-        if check_state and baseline is not None:
-            finding = self._state_finding(step, baseline, batch)
-            if finding is not None:
-                found.append(finding)
-        for finding in found:
-            self.add_finding(finding)
-        engine.add_own_time(spent + time.perf_counter() - t1)
-
-    def _watch(self, batch: Any, value: int | None = None) -> list[Finding]:
-        """Growth detection fed with ``value`` (a sampled step's baseline) or, on the steps the plan
-        reads memory, with the watch's own read."""
-        count = self.current_count
-        if self.watch is None or self.plan.read is None:
-            return []
-        if value is None:
-            value = self.plan.take_read(count)
-            if value is None:
-                return []
-        self.plan.after_read(count, value)
-        return self.watch.after_baseline(count, value, batch)
-
-    def _host_read(self, step: int) -> list[Finding]:
-        """The host channel at a step that is not quiet (docs/host.md): its read is part of the
-        step's own time; a census after suspicion is reported apart, with the other censuses."""
-        host = self.host
-        if host is None:
-            return []
-        census_s = host.census_seconds
-        found = host.on_read(step)
-        self.cadence.ledger.finding(host.census_seconds - census_s)  # split out of the step's charge, as the watch's censuses
-        return found
 
     def count_quiet(self, steps: int) -> None:
         """``steps`` quiet steps an adapter skipped without calling :meth:`begin_step` (Lightning)."""
@@ -514,90 +328,14 @@ class Session(RunEnd):
         ``batch``, ``loss`` (the step's last) and ``outputs`` (the model's outputs the adapter saw)
         are handed to leak detection as weak references."""
         if not self._observers:
-            return self._end_step(closing, log_step, batch, loss, outputs)
+            return close_step(self, closing, log_step, batch, loss, outputs)
         was_open = self.step_open
         if was_open:
             self._notify("phase_closed", closing)
-        row = self._end_step(closing, log_step, batch, loss, outputs)
+        row = close_step(self, closing, log_step, batch, loss, outputs)
         if was_open:
             self._notify("step_ended", batch, loss)
         return row
-
-    def _end_step(self, closing: int, log_step: int | None, batch: Any, loss: Any, outputs: Any) -> list[Any] | None:
-        if self.quiet_step:
-            self.quiet_step = self.step_open = False
-            return None
-        engine = self.engine
-        row = None
-        if self._lingering_due:
-            self.check_lingering(batch)  # charged on its own (charge_other), so timed before t_end
-        t_end = time.perf_counter()
-        if engine.enabled:
-            try:
-                row = self._close_row(closing, t_end, batch, loss, outputs)
-            except Exception as exc:
-                engine.fail(exc, "step end")
-        self.step_open = False
-        self._plan_quiet()
-        if self.log_this_step and (row is not None or engine.world_size > 1):
-            try:
-                metrics = engine.log_values(row, self._extra_metrics(row))
-                self.emit(metrics, self.current_step if log_step is None else log_step)
-            except Exception as exc:
-                engine.fail(exc, "logging")
-        return row
-
-    def _close_row(self, closing: int, t_end: float, batch: Any, loss: Any, outputs: Any) -> list[Any] | None:
-        """The engine's row, the lingering marks, the tripwire, the pre-flight comparison, the budget, snapshots."""
-        engine = self.engine
-        sampled = engine.sampling
-        row = engine.end_step(closing)
-        # lingering references: every step at first (leaky loops leak from step 1), then after every
-        # cadence.mark_every-th sampled step (weak references and graph marks, ~2-45 µs, and a check
-        # at the next step start, which then is not quiet)
-        if self.watch is not None and (self._marks or self.lingering_wants_mark):
-            t0 = time.perf_counter()
-            self.watch.end_step(self.current_step, batch, loss, outputs)
-            if row is not None:
-                row[MONITOR_TIME_S] += time.perf_counter() - t0
-            self._samples_unmarked = 0
-        elif sampled:
-            self._samples_unmarked += 1
-        self._marks = False
-        if row is not None:
-            if self.plan.rebase(row[PEAK_RESERVED], pinned=not getattr(engine.backend, "resets_hwm", False)):
-                self.log.debug("memcallbacks: the resident-set high-water mark is pinned above the resident set; the RSS tripwire reads statm")
-            self.preflight.compare(row)
-            self.cadence.charge(row[MONITOR_TIME_S], sampled=True)
-        elif self._fast_s is not None:  # an unsampled step: its start and its end, as one cost
-            self.cadence.charge(self._fast_s + time.perf_counter() - t_end, sampled=False, typical=self._fast_typical)
-        self._fast_s = None
-        if self.snap is not None and (row is not None or self.sink.new):
-            new = self.sink.take_new()
-            if row is not None:
-                self.snap.after_row(self.current_step, row, new)
-            else:  # a watched step found something: the finding triggers, not the row
-                self.snap.after_findings(self.current_step, new)
-        return row
-
-    def _plan_quiet(self) -> None:
-        """After a step: the quiet stretch that follows, unless something needs the next step."""
-        watch = self.watch
-        busy = (
-            not self.engine.enabled or self._lingering_due or self.lingering_pending or self.state.wanted or self.preflight.due
-            or (self.snap is not None and self.snap.busy)
-            or (watch is not None and watch.collections is not None and watch.collections.due)
-        )
-        self.plan.plan_after(self.current_count, busy=busy, reads=watch is not None)
-
-    def _extra_metrics(self, row: list[Any] | None) -> dict[str, float]:
-        dashboard = self.dashboard
-        return extra_metrics(
-            self.config, row, findings=self.sink.problems(), overhead=self.cadence.overhead, preflight=self.preflight,
-            capacity=self.engine.capacity if dashboard.capacity else None, state=self.state, snap=self.snap,
-            last_gc=self.watch.last_gc if self.watch is not None else None,
-            host={**self.host.growth.figures(), **self.host.workers.figures()} if self.host is not None else None,
-        )
 
     @property
     def dashboard(self) -> Dashboard:
@@ -610,71 +348,17 @@ class Session(RunEnd):
             if self.trackers is not None and self.config.log_to_trackers:
                 self.trackers.on_log(self.findings, self.dashboard)
 
-    # ------------------------------------------------------------------ evaluation
+    # ------------------------------------------------------------------ evaluation (evaluation.py)
     def begin_eval(self, stage: str, step: int, epoch: int = 0) -> None:
-        engine = self.engine
-        if self.config.log_validation and engine.enabled:
-            try:
-                engine.begin_eval(stage, step, epoch)
-            except Exception as exc:
-                engine.fail(exc, f"{stage} start")
+        begin_eval(self, stage, step, epoch)
 
     def eval_batch(self) -> None:
-        if self.engine.enabled:
-            try:
-                self.engine.eval_batch()
-            except Exception as exc:
-                self.engine.fail(exc, "evaluation batch")
+        eval_batch(self)
 
     def end_eval(self, *, log_step: int, emit: bool = True) -> list[Any] | None:
-        engine = self.engine
-        if not self.config.log_validation:
-            return None
-        row = None
-        if engine.enabled:
-            try:
-                row = engine.end_eval()
-            except Exception as exc:
-                engine.fail(exc, "evaluation end")
-        stage = row[E_STAGE] if row is not None else "validate"
-        if not emit or stage == "sanity_check" or (row is None and engine.world_size <= 1):
-            return row
-        try:
-            self.emit(engine.eval_log_values(row, stage), log_step)
-        except Exception as exc:
-            engine.fail(exc, "evaluation logging")
-        return row
+        return end_eval(self, log_step, emit)
 
-    def stop(self) -> None:
-        """Undo everything the session changed in the process; each part on its own, safe to call twice."""
-        self.live = False
-        release_folder(self.output_dir, self)
-        if self.host is not None:
-            try:
-                self.host.close()
-            except Exception:
-                self.log.exception("%s: could not close its host channel; continuing.", self.owner)
-        parts: list[tuple[str, Any]] = [("snapshots", self.snap), ("leak watch", self.watch)]
-        for what, part in parts:
-            if part is None:
-                continue
-            try:
-                part.stop()
-            except Exception:
-                self.log.exception("%s: could not stop its %s; continuing.", self.owner, what)
-        if self.watch is not None:
-            self.watch.model = self.watch.optimizer = None
-        self.state.model = self.state.optimizer = None
-        try:
-            self.preflight.release()
-        except Exception:
-            self.log.exception("%s: could not release the pre-flight model copy; continuing.", self.owner)
-        try:
-            self.engine.stop()
-        except Exception:
-            self.log.exception("%s: could not close its device backend; continuing.", self.owner)
-            self.engine.backend = None
-
+    # ------------------------------------------------------------------ results
     def format_report(self) -> str:
         from memcallbacks._files.report import format_report
 
@@ -682,28 +366,32 @@ class Session(RunEnd):
 
     def history_frame(self) -> Any:
         """The engine's history, with the pre-flight's predicted columns when there is a prediction."""
-        return self.preflight.add_columns(self.engine.history_frame())
+        return self.checks.preflight.add_columns(self.engine.history_frame())
 
-    # ------------------------------------------------------------------ checkpointing
+    # ------------------------------------------------------------------ the run's end (run_end.py)
+    def record_exception(self, exc: BaseException, step: int) -> None:
+        """Note an exception that is ending the run as an event (``"oom"`` or ``"exception"``); never raises."""
+        self.ending.record_exception(exc, step)
+
+    def finish(self, *, gather: bool) -> dict[str, str]:
+        """Close any open step and write this rank's files. ``gather`` (a collective: every rank must
+        call it) also puts every rank's summary into rank zero's ``report.json``.
+
+        A run that recorded nothing (a second ``fit`` that had no step left to run) writes no
+        files: the folder keeps the previous run's set rather than an empty history."""
+        if self._observers:
+            self._notify("run_finishing")
+        return self.ending.finish(gather)
+
+    def report(self) -> dict[str, Any]:
+        """What ``report.json`` holds: version, config, summary, findings, events and files."""
+        return self.ending.report()
+
+    # ------------------------------------------------------------------ checkpointing (run_start.py)
     def state_dict(self) -> dict[str, Any]:
         """The engine's checkpointed state plus the run's events and findings."""
-        state = self.engine.state_dict()
-        state["events"] = list(self.events)
-        state["findings"] = self.sink.to_list()
-        return state
+        return saved_state(self)
 
     def load_state_dict(self, state: dict[str, Any], key: str = "state_dict") -> None:
         """Restore a checkpointed state; a bad one raises one ``ValueError`` naming ``key`` (see saved_state.py)."""
-        read = self.engine.load_state_dict(state, key)
-        if read is None:
-            return
-        self.events = read["events"]
-        self.sink.restore(read["findings"])
-
-
-def output_folder(output_dir: Any, default: Any) -> str:
-    """The one rule for where a run's files go: ``output_dir``, else the adapter's default (the
-    framework's log folder), else ``memcallbacks_output`` in the working directory (not
-    ``./memcallbacks``: run from a source checkout, that is the package itself). Absolute and
-    with links resolved, once, at start: a later ``chdir`` must not move the files."""
-    return os.path.realpath(output_dir or default or os.path.join(os.getcwd(), "memcallbacks_output"))
+        restore_state(self, state, key)

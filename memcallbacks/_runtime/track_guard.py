@@ -1,4 +1,4 @@
-"""One running ``track()`` loop per monitor: a ``track()`` inside it is ignored, with one warning.
+"""``track()``'s bookkeeping: one running loop per monitor (a ``track()`` inside it is ignored, with one warning), and the gradient-accumulation window.
 
 A nested ``for x in monitor.track(inner):`` inside ``for batch in monitor.track(outer):`` used to
 record every inner item as a training row of its own. The loop running is the ``track()``
@@ -15,7 +15,7 @@ from typing import Any, Iterator
 
 log = logging.getLogger("memcallbacks.monitor")
 
-__all__ = ["TrackGuard"]
+__all__ = ["TrackGuard", "AccumulationWindow"]
 
 
 class TrackGuard:
@@ -39,3 +39,25 @@ class TrackGuard:
     def started(self, items: Iterator[Any]) -> Iterator[Any]:
         self._running = weakref.ref(items)
         return items
+
+
+class AccumulationWindow:
+    """``track()``'s gradient-accumulation window: the batches since the last row that ended with an
+    optimizer step, and whether a batch without one continues the open step."""
+
+    def __init__(self, accumulates: bool) -> None:
+        # True when a batch that ends without an optimizer step is gradient accumulation (the next
+        # batch continues the open step): an optimizer is known, given to the monitor or seen stepping
+        # by the global hooks. False again after a window overflowed (see Monitor.max_micro_batches)
+        # until the next optimizer step. The Accelerate adapter sets it too.
+        self.accumulates = accumulates
+        self.size = 0  # track()ed batches since the last row that ended with an optimizer step
+        self.longest = 0  # the most batches seen between two optimizer steps (Monitor._end updates both)
+
+    def overflows(self, limit: int) -> bool:
+        """This many batches without an optimizer step is not accumulation (the optimizer is idle): the
+        open step ends, and each item is a row of its own until an optimizer step is seen again."""
+        if self.size >= limit and self.size >= 2 * self.longest:
+            self.accumulates = False
+            return True
+        return False

@@ -10,7 +10,8 @@ from typing import Any, Callable, Iterable, Iterator
 
 from memcallbacks._base.units import format_bytes
 from memcallbacks.pytest_plugin.limits import PHASE_NAMES, Limits
-from memcallbacks.pytest_plugin.probe import Probe, Timeline, host_growth_bytes
+from memcallbacks.pytest_plugin.probe import Probe, host_growth_bytes
+from memcallbacks.pytest_plugin.timeline import Timeline
 
 log = logging.getLogger(__name__)
 

@@ -103,7 +103,7 @@ def test_leak_detection_marks_the_loss_given_to_accelerator_backward() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     model, optimizer = accelerator.prepare(model, optimizer)
     monitor = AccelerateMemoryMonitor(accelerator, model, write_files=False, **CPU)
-    lingering = monitor._session.watch.lingering
+    lingering = monitor._session.checks.watch.lingering
     for x in monitor.track(list(loader(4))):
         loss = model(x).pow(2).mean()
         accelerator.backward(loss)

@@ -55,7 +55,7 @@ def scratch(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("docs")
     for name in SNAPSHOTS:
         shutil.copy(ROOT / "tests" / "data" / "cuda_like_snapshot.pickle", folder / name)
-    for name in ("examples", "benchmarks", "tests"):
+    for name in ("examples", "benchmarks", "tests", "scripts"):
         (folder / name).symlink_to(ROOT / name)
     return folder
 

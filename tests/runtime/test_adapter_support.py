@@ -178,7 +178,7 @@ def test_hooks_are_skipped_during_the_preflight_fake_step(tmp_path, model_and_op
         session.watch_first_forward(model)  # the plain loop's pre-flight: at the first training forward
         assert not preflight_check.fake_step_running()
         model(torch.randn(4, 8))  # runs the pre-flight's fake steps, then this forward
-        assert session.preflight.status == "predicted", session.preflight.info
+        assert session.checks.preflight.status == "predicted", session.checks.preflight.info
         assert raw and all(raw)  # the fake optimizer steps fired the global hooks, with the guard up
         assert calls == []  # ... and OptimizerHooks left them out
         assert not preflight_check.fake_step_running()  # lowered after the prediction

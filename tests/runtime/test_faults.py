@@ -18,10 +18,11 @@ from torch.optim import optimizer as optim_module
 from helpers import BoringModel, RandomDataModule, TemporaryNet, trainer_kwargs
 from memcallbacks import MemoryMonitor, Monitor
 from memcallbacks._files import outputs
-from memcallbacks._runtime import sampling, session as session_module
+from memcallbacks._runtime import checks as checks_module, run_end, sampling, session as session_module
 from memcallbacks._base.devices import CpuBackend
 from memcallbacks._files.fileset import fingerprint
 from memcallbacks._runtime.guard import safe_str
+from memcallbacks._runtime.model_hooks import ModelHooks
 from memcallbacks._files.report import load_output_dir
 from memcallbacks._runtime.sampling import MemoryEngine
 from memcallbacks._runtime.state_check import StateCheck
@@ -43,7 +44,7 @@ def _no_figure(*args: Any, **kwargs: Any) -> Any:
 FAULTS: dict[str, tuple[Any, str, Callable[..., Any]]] = {
     "start: backend selection": (sampling, "select_backend", _boom),
     "start: host RSS reader": (sampling, "host_rss_reader", _boom),
-    "start: leak watch construction": (session_module, "LeakWatch", _boom),
+    "start: leak watch construction": (checks_module, "LeakWatch", _boom),
     "start: model-state objects": (StateCheck, "set_objects", _boom),
     "step start": (MemoryEngine, "begin_step", _boom),
     "phase boundary (forward/backward/optimizer hooks)": (CpuBackend, "interval", _boom),
@@ -175,7 +176,7 @@ def test_internal_fault_never_stops_training(tmp_path: Path, monkeypatch: pytest
 
 FAILURE_PATH_FAULTS = {
     "none": None,
-    "recording the exception": (session_module.Session, "_record_exception"),
+    "recording the exception": (run_end.RunEnd, "_record_exception"),
     "writing the files": (session_module.Session, "finish"),
     "closing the backend": (MemoryEngine, "stop"),
 }
@@ -215,9 +216,10 @@ def test_every_framework_hook_is_guarded() -> None:
     cases = [
         (MemoryMonitor, L.Callback, ("setup", "teardown", "on_exception")),
         (MemoryMonitorCallback, TrainerCallback, ("record_exception", "close")),
-        (Monitor, None, ("_forward_pre", "_forward_post", "_backward_start", "_backward_end", "_optimizer_pre", "_optimizer_post",
+        (Monitor, None, ("_forward_pre", "_optimizer_pre", "_optimizer_post",
                          "close", "record_exception", "open_step", "end_phase", "close_step", "_track_item", "_track_end", "_step_enter")),
         (AccelerateMemoryMonitor, None, ("close", "_backward_starts", "_backward_ends", "_step_complete", "_hook_prepared_models")),
+        (ModelHooks, None, ("_forward_post", "_backward_start", "_backward_end")),  # the plain loop's model hooks
     ]
     unguarded = []
     for cls, base, extra in cases:

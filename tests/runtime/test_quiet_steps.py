@@ -206,7 +206,7 @@ def test_the_gc_watch_reads_nothing_while_the_run_end_files_are_written(tmp_path
         model(x).pow(2).mean().backward()
         optimizer.step()
         optimizer.zero_grad()
-    watch = monitor._session.watch.collections
+    watch = monitor._session.checks.watch.collections
     measured, during = watch.measured, []
     counter = lambda phase, info: during.append(info["generation"]) if phase == "stop" else None  # noqa: E731
     gc.callbacks.append(counter)

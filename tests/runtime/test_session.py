@@ -22,7 +22,8 @@ from torch import nn
 from memcallbacks import MonitorConfig
 from memcallbacks._base.columns import BACKWARD, FORWARD, MICRO_BATCHES, OPTIMIZER, STEP
 from memcallbacks._runtime.adapter_support import rank_zero_trackers
-from memcallbacks._runtime.session import Session, output_folder
+from memcallbacks._runtime.run_start import output_folder
+from memcallbacks._runtime.session import Session
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -111,10 +112,10 @@ def test_attach_sets_what_is_given_and_keeps_the_rest(tmp_path, sessions):
     s.start(torch.device("cpu"))
     tiny = Tiny()
     s.attach(model=tiny.model, optimizer=tiny.optimizer)
-    assert s.state.model is tiny.model and s.state.optimizer is tiny.optimizer
-    assert s.watch is not None and s.watch.model is tiny.model and s.watch.optimizer is tiny.optimizer
+    assert s.checks.state.model is tiny.model and s.checks.state.optimizer is tiny.optimizer
+    assert s.checks.watch is not None and s.checks.watch.model is tiny.model and s.checks.watch.optimizer is tiny.optimizer
     s.attach(log_fn=log_fn)  # the model is kept
-    assert s.state.model is tiny.model and s.watch.model is tiny.model and s.log_fn is log_fn
+    assert s.checks.state.model is tiny.model and s.checks.watch.model is tiny.model and s.log_fn is log_fn
 
 
 def test_attach_with_a_model_sets_the_training_objects_together(tmp_path, sessions):
@@ -125,11 +126,11 @@ def test_attach_with_a_model_sets_the_training_objects_together(tmp_path, sessio
     s.start(torch.device("cpu"))
     tiny = Tiny()
     s.attach(model=tiny.model, optimizer=tiny.optimizer, precision="bf16-mixed")
-    assert s.state.optimizer is tiny.optimizer and s.state.precision == "bf16-mixed"
+    assert s.checks.state.optimizer is tiny.optimizer and s.checks.state.precision == "bf16-mixed"
     s.attach(title="kept")  # no model: the training objects are kept
-    assert s.state.optimizer is tiny.optimizer and s.state.precision == "bf16-mixed"
+    assert s.checks.state.optimizer is tiny.optimizer and s.checks.state.precision == "bf16-mixed"
     s.attach(model=tiny.model)
-    assert s.state.optimizer is None and s.state.precision is None
+    assert s.checks.state.optimizer is None and s.checks.state.precision is None
 
 
 # ---------------------------------------------------------------------- the step protocol

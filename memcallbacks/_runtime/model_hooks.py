@@ -1,0 +1,139 @@
+"""The plain loop's model hooks: the forward hooks a ``Monitor`` puts on its models (on only while they do something), the step's output tensors they keep, and the backward boundaries they mark.
+
+Every hook registered here is a :class:`~memcallbacks._runtime.lifecycle.WeakHook` (lifecycle.py:
+pickled and copied models reference that class), made anew for each registration; the monitor
+owns its :class:`ModelHooks`, which holds the monitor's own pre-hook weakly, so a monitor dropped
+without ``close()`` is still freed at once and its hooks go inert.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from memcallbacks._base.columns import BACKWARD, FORWARD
+from memcallbacks._runtime.guard import entry_point
+from memcallbacks._runtime.lifecycle import weak_method
+
+__all__ = ["ModelHooks", "first_grad_tensors", "remove_all"]
+
+
+class ModelHooks:
+    """The plain loop's hooks on its models, on only while they do something: the monitor's forward
+    pre-hook (``pre``, a bound method: it opens steps in auto mode), and the forward hook, the
+    output tensors' hook and the backward-end callback here, which keep the step's output graph
+    tensors (leak detection) and, on sampled steps, mark where backward begins and ends.
+
+    Always on in auto mode; under track()/step() only on steps that use them (sampled, or with
+    lingering marks to check), since any module hook sends every forward through torch's slower
+    hooked call path."""
+
+    def __init__(self, session: Any, pre: Callable[..., Any]) -> None:
+        self._session = session  # the guard (entry_point) hands a fault to it
+        self._pre = weakref.WeakMethod(pre)
+        self.models: list[nn.Module] = []
+        self.handles: list[Any] = []  # the cleanup holds this very list (it is emptied, never replaced)
+        self.on = True
+        self.evaluating = False  # inside Monitor.evaluate(): a forward is an evaluation batch
+        self.backward_open = False
+        self.output: Any = None  # a graph tensor of this step's forward, held until the step ends
+        self.outputs: list[torch.Tensor] = []  # the tensors of this step's forward outputs (leak detection)
+        self._weak_backward_start = weak_method(self._backward_start)
+
+    def add(self, model: nn.Module) -> None:
+        """Watch ``model``'s forward passes (its hooks are installed now unless they are off)."""
+        self.models.append(model)
+        if self.on:
+            self._register(model)
+
+    def _register(self, model: nn.Module) -> None:
+        pre = self._pre()
+        if pre is None:  # pragma: no cover - the monitor is gone
+            return
+        self.handles.append(model.register_forward_pre_hook(weak_method(pre)))
+        self.handles.append(model.register_forward_hook(weak_method(self._forward_post)))
+
+    def set(self, on: bool) -> None:
+        """Install or remove the models' forward hooks (a few µs, only when the need changes)."""
+        if on == self.on:
+            return
+        self.on = on
+        if on:
+            for model in self.models:
+                self._register(model)
+        else:
+            remove_all(self.handles)
+
+    def evaluation(self, on: bool, was_on: bool = True) -> bool:
+        """Enter (``on``) or leave ``Monitor.evaluate()``: inside, the hooks are on and a forward is one
+        evaluation batch; leaving restores ``was_on``. Returns whether the hooks were on."""
+        before = self.on
+        self.evaluating = on and bool(self.models)
+        self.set(True if on else was_on)
+        return before
+
+    def release(self) -> None:
+        """``close()``: the hooks off and the models forgotten."""
+        self.set(False)
+        self.models = []
+
+    # ------------------------------------------------------------------ hooks (never raise)
+    @entry_point("forward hook")
+    def _forward_post(self, module: nn.Module, args: Any, output: Any) -> None:
+        session = self._session
+        if self.evaluating or not session.step_open or not session.enabled or not session.detailed_step or not torch.is_grad_enabled():
+            return
+        try:
+            tensors = first_grad_tensors(output)
+            if tensors and self.output is None:
+                self.output = tensors[0]  # its graph is what a kept loss would keep alive
+            if len(self.outputs) < 8:
+                self.outputs.extend(tensors[: 8 - len(self.outputs)])  # a kept `logits` is watched
+            if session.sampling:  # backward boundaries matter only on sampled steps
+                for tensor in tensors:
+                    tensor.register_hook(self._weak_backward_start)  # weak: a kept output must not keep the monitor
+        except Exception as exc:
+            session.fail(exc, "forward hook")
+
+    @entry_point("backward hook")
+    def _backward_start(self, grad: torch.Tensor) -> None:
+        # fires once per output tensor; only the first one of a backward pass is a boundary
+        if self.backward_open or not self._session.step_open:
+            return
+        self.backward_open = True
+        self._session.boundary(FORWARD)
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
+        except Exception as exc:  # pragma: no cover - private API moved
+            self._session.fail(exc, "backward hook")
+
+    @entry_point("backward-end callback")
+    def _backward_end(self) -> None:
+        self.backward_open = False
+        self._session.boundary(BACKWARD)
+
+
+def first_grad_tensors(output: Any, limit: int = 8) -> list[torch.Tensor]:
+    """Tensors with a grad_fn in a model's output (tensor, tuple/list, dict, HF ModelOutput), bounded."""
+    found: list[torch.Tensor] = []
+    stack = [output]
+    while stack and len(found) < limit:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            if item.grad_fn is not None:
+                found.append(item)
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return found
+
+
+def remove_all(handles: list[Any]) -> None:
+    """Remove hook handles, emptying the same list (the cleanup holds it)."""
+    for handle in handles:
+        handle.remove()
+    handles.clear()
