@@ -30,13 +30,21 @@ class RiseTracker:
     A *rise* is a block minimum above the floor of the last rise by more than the tolerance: twice
     the step-to-step noise (the median within-block range), and at least ``min_rate_bytes``. A floor
     that drops below the last rise's (memory freed) moves the reference down with it.
+
+    Thinned reads (the watch's cadence backed off, the host's Python-object count on a stride): a
+    block that holds one read has no within-block range, so it adds nothing to the noise estimate
+    (zeros would shrink the tolerance to ``min_rate_bytes`` and make the allocator's slow creep over
+    a long gap a "rise"), and its rise counts only when the floor climbed by at least half of
+    ``min_rate_bytes`` per step since the last rise (the same rate :meth:`GrowthDetector._growing`
+    asks of a read): a leak does, a full cache creeping by a few KiB between reads does not.
     """
 
-    __slots__ = ("min_rate_bytes", "anchor", "last_rise", "start", "_ranges", "_last_add", "read_gap")
+    __slots__ = ("min_rate_bytes", "anchor", "anchor_step", "last_rise", "start", "_ranges", "_last_add", "read_gap")
 
     def __init__(self, min_rate_bytes: int) -> None:
         self.min_rate_bytes = min_rate_bytes
         self.anchor: int | None = None  # the floor at the last rise
+        self.anchor_step = 0  # the step the anchor was set at
         self.last_rise: int | None = None
         self.start: int = 0  # where the growth under test began (the trend's first block)
         self._ranges: collections.deque[int] = collections.deque(maxlen=16)
@@ -49,23 +57,26 @@ class RiseTracker:
         noise = ranges[len(ranges) // 2] if ranges else 0
         return max(2.0 * noise, float(self.min_rate_bytes))
 
-    def add(self, step: int, lo: int, spread: int) -> None:
+    def add(self, step: int, lo: int, spread: int, reads: int = 2) -> None:
+        """One closed block: its last step, its minimum, its range and the reads it holds."""
         if self._last_add is not None and step > self._last_add:
             self.read_gap = step - self._last_add
         self._last_add = step
-        self._ranges.append(spread)
+        if reads > 1:
+            self._ranges.append(spread)
         if self.anchor is None:
-            self.anchor = lo
+            self.anchor, self.anchor_step = lo, step
             return
         tolerance = self.tolerance
         if lo > self.anchor + tolerance:
-            self.anchor, self.last_rise = lo, step
+            if reads > 1 or lo - self.anchor >= self.min_rate_bytes / 2 * (step - self.anchor_step):
+                self.anchor, self.anchor_step, self.last_rise = lo, step, step
         elif lo < self.anchor - tolerance:
-            self.anchor = lo
+            self.anchor, self.anchor_step = lo, step
 
     def rose(self, step: int, lo: int, since: int) -> None:
         """A strict climb ending at ``step`` (the fast test): the floor rose now."""
-        self.anchor, self.last_rise = lo, step
+        self.anchor, self.anchor_step, self.last_rise = lo, step, step
         self.started(since)
 
     def started(self, since: int) -> None:
@@ -258,8 +269,8 @@ class GrowthDetector:
         if step + gap - fine.step0 < fine.size:
             return None
         fine.blocks.append((fine.step0, fine.lo, fine.hi))
+        self.rises.add(step, fine.lo, fine.hi - fine.lo, fine.n)
         fine.n = 0
-        self.rises.add(step, fine.lo, fine.hi - fine.lo)
         found = self._block_closed(step)
         if found is None and self.last is not None and self.last.state == "open":
             return self._maybe_settle(step)
