@@ -71,6 +71,10 @@ class HostGrowth:
         self.private = _Series(GrowthDetector(**kwargs), _KEEP_READS)
         self.first: HostReading | None = None
         self.last: HostReading | None = None
+        self.baseline: HostReading | None = None
+        """The first read after warm-up (the detectors' ``warmup_steps`` reads): growth figures start here."""
+        self._python_baseline: int | None = None  # the first Python-object read at or after it
+        self._reads = 0
         self.seconds = 0.0
         """Time spent in the block reads this test took itself (after a resident-memory climb)."""
         self.findings: dict[str, Finding] = {}
@@ -83,9 +87,14 @@ class HostGrowth:
         if self.first is None:
             self.first = reading
         self.last = reading
+        self._reads += 1
+        if self.baseline is None and self._reads > self.warmup_steps:
+            self.baseline = reading
         out: Finding | None = None
         if reading.python_blocks is not None:
             value = reading.python_blocks * self.bytes_per_block
+            if self.baseline is not None and self._python_baseline is None:
+                self._python_baseline = value
             self.python.reads.append((step, value))
             hit = self.python.detector.update(step, value)
             if hit is not None:
@@ -228,16 +237,20 @@ class HostGrowth:
         return out
 
     def figures(self) -> dict[str, float]:
-        """This process's host figures for the per-rank gather (:func:`memcallbacks.host.ranks.find_imbalance`)."""
-        if self.last is None or self.first is None:
+        """This process's host figures for the per-rank gather (:func:`memcallbacks.host.ranks.find_imbalance`).
+
+        Growth figures run from the first read after warm-up (:attr:`baseline`), as the growth test
+        does: what a rank allocates in its first steps (rank zero setting up a logger) is not growth."""
+        if self.last is None:
             return {}
         out: dict[str, float] = {
             "host_rss_bytes": float(self.last.rss_bytes),
             "host_private_bytes": float(self.last.private_bytes),
-            "host_private_growth_bytes": float(self.last.private_bytes - self.first.private_bytes),
         }
+        if self.baseline is not None:
+            out["host_private_growth_bytes"] = float(self.last.private_bytes - self.baseline.private_bytes)
         if self.python.reads:
-            first = self.python.reads[0][1] if self.first.python_blocks is None else self.first.python_blocks * self.bytes_per_block
             out["host_python_bytes"] = float(self.python.reads[-1][1])
-            out["host_python_growth_bytes"] = float(self.python.reads[-1][1] - first)
+            if self._python_baseline is not None:
+                out["host_python_growth_bytes"] = float(self.python.reads[-1][1] - self._python_baseline)
         return out
