@@ -1,4 +1,4 @@
-"""Host growth: the leak test of :mod:`memcallbacks.leaks.growth` on two host series, and a settle rule.
+"""Host growth: the leak test of :mod:`memcallbacks.leaks.growth` on two host series, with its lifecycle (raised, settled, re-opened).
 
 Two :class:`~memcallbacks.leaks.growth.GrowthDetector` instances (composition, same test, same
 latency): one on the Python-object series (``sys.getallocatedblocks()`` x
