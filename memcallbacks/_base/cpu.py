@@ -261,22 +261,60 @@ class CpuBackend(MemoryBackend):
 
 
 class StatmReader:
-    """RSS from ``/proc/self/statm`` through a kept-open descriptor; reopened after fork or unpickling."""
+    """``/proc/<pid>/statm`` through a kept-open descriptor (``pid`` None: this process).
 
-    def __init__(self) -> None:
+    ``reader()`` is the resident set in bytes (the CPU backend's and the tripwire's read);
+    ``reader.read()`` is ``(resident, private)`` in bytes, private = resident - shared (the anonymous
+    pages: the Python heap, malloc's heap, tensors on CPU), or ``(0, 0)`` where ``/proc`` cannot be
+    read. Both are one ``pread``: the descriptor is reopened after a fork (``_fork_generation``, no
+    ``getpid`` per read) or unpickling, and closed by :meth:`close`."""
+
+    __slots__ = ("pid", "_page", "_generation", "_fd")
+
+    def __init__(self, pid: int | None = None) -> None:
+        self.pid = pid
         self._page = os.sysconf("SC_PAGE_SIZE")
         self._generation = -1
         self._fd: int | None = None
 
+    def _open(self) -> int:
+        """The descriptor, (re)opened in this process (forked or fresh: /proc/self was resolved at open time)."""
+        self.close()
+        self._fd = fd = os.open(f"/proc/{self.pid or 'self'}/statm", os.O_RDONLY)
+        self._generation = _fork_generation
+        return fd
+
     def __call__(self) -> int:
-        if self._generation != _fork_generation:  # forked (or fresh): /proc/self was resolved at open time
-            if self._fd is not None:
-                os.close(self._fd)
-            self._fd, self._generation = os.open("/proc/self/statm", os.O_RDONLY), _fork_generation
-        return int(os.pread(self._fd, 128, 0).split()[1]) * self._page  # type: ignore[arg-type]
+        fd = self._fd if self._generation == _fork_generation else self._open()  # a global, not getpid()
+        return int(os.pread(fd, 128, 0).split()[1]) * self._page  # type: ignore[arg-type]
+
+    def read(self) -> tuple[int, int]:
+        """``(resident, private)`` bytes; ``(0, 0)`` where it cannot be read (not Linux, no such process)."""
+        try:
+            fd = self._fd if self._generation == _fork_generation else self._open()
+            fields = os.pread(fd, 128, 0).split()  # type: ignore[arg-type]
+        except OSError:
+            return 0, 0
+        resident = int(fields[1])
+        return resident * self._page, (resident - int(fields[2])) * self._page
+
+    def close(self) -> None:
+        fd, self._fd = getattr(self, "_fd", None), None
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def __del__(self) -> None:
+        self.close()
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"_page": self._page, "_generation": -1, "_fd": None}
+        return {"pid": self.pid, "_page": self._page, "_generation": -1, "_fd": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for name, value in state.items():
+            setattr(self, name, value)
 
 
 class HwmReader:

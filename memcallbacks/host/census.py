@@ -32,15 +32,13 @@ from typing import Any, Iterable
 
 from memcallbacks._base.findings import Finding
 from memcallbacks._base.units import format_bytes
-from memcallbacks.leaks.paths import render_chain
+from memcallbacks.host.holders import deep_size, holder_paths, new_entries
 from memcallbacks.leaks.roots import PACKAGE_DIR, Roots
-from memcallbacks.leaks.search import ReferenceSearch
 
 __all__ = ["HolderGrowth", "HostCensus", "HostExplanation", "TracemallocWindow", "explain_host_growth", "take_host_census"]
 
 _CONTAINERS = (dict, list, set, collections.deque, collections.OrderedDict, collections.defaultdict)
 _CONTAINER_SET = frozenset(_CONTAINERS)
-_SKIP_DEEP = (type, type(sys), type(len), type(lambda: 0))
 _CHUNK = 1 << 16
 
 
@@ -222,69 +220,38 @@ class HostExplanation:
         )
 
 
-def _deep_size(values: list[Any], budget: int = 20_000) -> int:
-    """Bytes of ``values`` and what they refer to (not types, modules or functions), each object once."""
-    seen: set[int] = set()
-    total = 0
-    stack = list(values)
-    while stack and budget > 0:
-        obj = stack.pop()
-        i = id(obj)
-        if i in seen or isinstance(obj, _SKIP_DEEP):
-            continue
-        seen.add(i)
-        budget -= 1
-        total += sys.getsizeof(obj, 0)
-        stack.extend(gc.get_referents(obj))
-    return total
+def _grown_containers(before: HostCensus, after: HostCensus, min_entries: int) -> list[tuple[bool, int, int]]:
+    """``(listed at the first census, entries gained, id)`` of the containers that gained ``min_entries``
+    or more: those the first census listed first (a container made in between, or under
+    ``min_container_len`` then, has all its entries counted as growth), largest gain first."""
+    own = {id(before.by_type), id(before.containers)}
+    grown = []
+    for i, (name, n) in after.containers.items():
+        n0 = before.containers.get(i)
+        known = n0 is not None and n0[0] == name
+        if n - (n0[1] if known else 0) >= min_entries and i not in own:
+            grown.append((known, n - (n0[1] if known else 0), i))
+    grown.sort(reverse=True)
+    return grown
 
 
-def _new_entries(obj: Any, grown: int) -> list[Any]:
-    """The entries most likely added last (dicts keep insertion order; lists and deques append)."""
-    if isinstance(obj, dict):
-        values = list(obj.values())
-        return values[-grown:] if grown < len(values) else values
-    if isinstance(obj, (list, collections.deque)):
-        items = list(obj)
-        return items[-grown:] if grown < len(items) else items
-    return list(itertools.islice(iter(obj), grown))
-
-
-class _ObjectSearch(ReferenceSearch):
-    """The tensor census's breadth-first search, with object ids as targets instead of storages."""
-
-    def _visit_special(self, frontier: list[Any], remaining: set[Any], depth: int) -> list[tuple[Any, Any]]:
-        hits = remaining.intersection(map(id, frontier))
-        if hits:
-            for obj in frontier:
-                if id(obj) in hits:
-                    self.found[id(obj)] = (obj, depth)  # type: ignore[index]
-            remaining -= hits
-        return []
-
-
-def _holder_paths(targets: list[Any], ignore: Iterable[Any], deadline: float) -> dict[int, str]:
-    roots = Roots()
-    out: dict[int, str] = {}
-    wanted: set[int] = set()
-    for obj in targets:
-        label, where = roots.label(obj)
-        if label != type(obj).__name__:  # a global or a frame's local itself
-            out[id(obj)] = f"{label} {where}".strip()
-        else:
-            wanted.add(id(obj))
-    if wanted:
-        search = _ObjectSearch(roots, list(ignore) + [targets], deadline)
-        search.run(wanted)  # type: ignore[arg-type]
-        found = list(search.found.values())
-        chains = search.chains([(t, d) for t, d in found])
-        for t, _ in found:
-            chain = chains.get(id(t))
-            if chain is not None:
-                out[id(t)] = render_chain(chain, roots)[0]
-        search.release()
-    roots.release()
-    return out
+def _holder_growth(obj: Any, n: int, known: bool, path: str | None) -> HolderGrowth:
+    """One container that gained ``n`` entries: the type most of them are, and their deep size."""
+    new = new_entries(obj, n)
+    kinds = collections.Counter(map(type, new))
+    tp, count = kinds.most_common(1)[0] if kinds else (object, 0)
+    sample = new[-256:]
+    per_entry = deep_size(sample) / max(1, len(sample))
+    own_bytes = sys.getsizeof(obj, 0) * n / max(1, len(obj))
+    return HolderGrowth(
+        path=path or f"(no root: a {type(obj).__name__} held outside Python's roots)",
+        container=_type_name(type(obj)),
+        grown_by=n,
+        value_type=_type_name(tp),
+        value_count=int(count * n / max(1, len(new))),
+        nbytes=int(per_entry * n + own_bytes),
+        was_small=not known,
+    )
 
 
 def explain_host_growth(
@@ -308,44 +275,17 @@ def explain_host_growth(
     keep: dict[int, Any] = {}
     min_len = min(min_entries, min(before.containers.values(), key=lambda v: v[1])[1]) if before.containers else min_entries
     after = _census(5_000_000, time_budget_s, max(1, min_len), keep, step)
-    own = {id(before.by_type), id(before.containers)}
-    grown = []
-    for i, (name, n) in after.containers.items():
-        n0 = before.containers.get(i)
-        known = n0 is not None and n0[0] == name
-        if n - (n0[1] if known else 0) >= min_entries and i not in own:
-            # containers listed at the first census and grown since come first: a container made
-            # in between (or under min_container_len then) has all its entries counted as growth
-            grown.append((known, n - (n0[1] if known else 0), i))
-    grown.sort(reverse=True)
-    grown = grown[: 3 * top]
+    grown = _grown_containers(before, after, min_entries)[: 3 * top]
     targets = [keep[i] for _, _, i in grown]
     keep.clear()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        paths = _holder_paths(targets, ignore, time.perf_counter() + time_budget_s)
+        paths = holder_paths(targets, ignore, time.perf_counter() + time_budget_s)
     # a container no stable root reaches (the census's own, a framework's internals) says nothing
     picked = [(g, t) for g, t in zip(grown, targets) if g[2] in paths] or list(zip(grown, targets))
-    holders: list[HolderGrowth] = []
-    for (known, n, i), obj in picked[:top]:
-        new = _new_entries(obj, n)
-        kinds = collections.Counter(map(type, new))
-        tp, count = kinds.most_common(1)[0] if kinds else (object, 0)
-        sample = new[-256:]
-        per_entry = _deep_size(sample) / max(1, len(sample))
-        own_bytes = sys.getsizeof(obj, 0) * n / max(1, len(obj))
-        holders.append(HolderGrowth(
-            path=paths.get(i, f"(no root: a {type(obj).__name__} held outside Python's roots)"),
-            container=_type_name(type(obj)),
-            grown_by=n,
-            value_type=_type_name(tp),
-            value_count=int(count * n / max(1, len(new))),
-            nbytes=int(per_entry * n + own_bytes),
-            was_small=not known,
-        ))
+    holders = [_holder_growth(obj, n, known, paths.get(i)) for (known, n, i), obj in picked[:top]]
     holders.sort(key=lambda h: (h.was_small, -h.nbytes))
-    obj = None
-    del targets, picked, obj
+    del targets, picked  # no reference to the heap's containers outlives the call
     return HostExplanation(
         before=before,
         after=after,

@@ -82,7 +82,11 @@ class HostChannel:
         t0 = time.perf_counter()
         result = explain_host_growth(before, step=step, time_budget_s=self.census_time_budget_s)
         self.census_seconds += time.perf_counter() - t0
-        return [result.finding(step)]
+        finding = result.finding(step)
+        growth = self.growth.findings.get(finding.key)
+        if growth is not None:
+            finding.state = growth.state  # the census names the holders; it does not re-open a settled growth
+        return [finding]
 
     def finish(self) -> list[Finding]:
         if not self.enabled or self._before is None:

@@ -25,6 +25,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
+from memcallbacks._base.cpu import StatmReader
+
 __all__ = [
     "BYTES_PER_BLOCK",
     "HostReader",
@@ -44,9 +46,6 @@ lists: 57-114 bytes per block (pymalloc blocks are 8-512 bytes; a larger object 
 from ``malloc``). Findings report bytes from the census (``sys.getsizeof``) and from the private
 resident memory, not from this estimate."""
 
-_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-
-
 class HostReading(NamedTuple):
     """One host read at step start."""
 
@@ -63,45 +62,6 @@ class HostReading(NamedTuple):
 def python_object_blocks() -> int:
     """Memory blocks CPython's object allocator has handed out and not freed (all Python objects)."""
     return sys.getallocatedblocks()
-
-
-class StatmReader:
-    """``(resident, private)`` bytes from ``/proc/<pid>/statm`` through a kept-open descriptor.
-
-    Reopened when the process has forked (a DataLoader worker must not read its parent's file).
-    Returns ``(0, 0)`` where there is no ``/proc`` (not Linux)."""
-
-    def __init__(self, pid: int | None = None) -> None:
-        self.pid = pid
-        self._fd: int | None = None
-        self._owner = -1
-
-    def __call__(self) -> tuple[int, int]:
-        me = os.getpid()
-        if self._fd is None or self._owner != me:
-            self._fd = None
-            try:
-                self._fd = os.open(f"/proc/{self.pid or 'self'}/statm", os.O_RDONLY)
-            except OSError:
-                return 0, 0
-            self._owner = me
-        try:
-            fields = os.pread(self._fd, 128, 0).split()
-        except OSError:
-            return 0, 0
-        resident, shared = int(fields[1]), int(fields[2])
-        return resident * _PAGE, (resident - shared) * _PAGE
-
-    def close(self) -> None:
-        fd, self._fd = self._fd, None
-        if fd is not None and self._owner == os.getpid():
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-
-    def __del__(self) -> None:
-        self.close()
 
 
 _ROLLUP_FIELDS = {b"Rss": "rss", b"Pss": "pss", b"Private_Clean": "private_clean", b"Private_Dirty": "private_dirty",
@@ -195,7 +155,7 @@ class HostReader:
 
     def read(self, step: int) -> HostReading:
         t0 = time.perf_counter()
-        rss, private = self._statm()
+        rss, private = self._statm.read()
         blocks: int | None = None
         if self.calls % self.blocks_every == 0:
             t1 = time.thread_time()  # CPU time: a read preempted on a shared machine is not a slow read
@@ -229,7 +189,7 @@ def measure_costs(repeat: int = 200) -> dict[str, float]:
     slow = max(3, repeat // 10)
     statm = StatmReader()
     costs = {
-        "statm (kept-open fd)": _time_us(statm, repeat),
+        "statm (kept-open fd)": _time_us(statm.read, repeat),
         "sys.getallocatedblocks": _time_us(sys.getallocatedblocks, repeat),
         "smaps_rollup (USS/PSS)": _time_us(smaps_rollup, slow),
         "sys._debugmallocstats (arena bytes)": _time_us(pymalloc_arena_bytes, slow),

@@ -3,19 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
-import gc
 import time
 import warnings
 from dataclasses import dataclass, field
-from itertools import compress
 from typing import Any, Iterable
 
 import torch
 
-from memcallbacks._base.storage import StorageKey, storage_keys
+from memcallbacks._base.storage import StorageKey
 from memcallbacks._base.units import format_bytes
+from memcallbacks.leaks.classify import StorageClassifier, as_list, scan_heap, unique
 from memcallbacks.leaks.holders import HolderPath, search_paths
-from memcallbacks.leaks.tensors import describe_tensor, graph_tensors, iter_tensors
 
 __all__ = [
     "CATEGORIES",
@@ -26,6 +24,7 @@ __all__ = [
     "HolderDelta",
     "TensorRecord",
     "format_top_holders",
+    "scan_heap",
     "take_census",
 ]
 
@@ -235,16 +234,16 @@ def take_census(
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         n_objects, tensors, modules, optimizers = scan_heap()
-        modules = _unique(_as_list(model) + modules, torch.nn.Module)
-        optimizers = _unique(_as_list(optimizer) + optimizers, torch.optim.Optimizer)
-        sorter = _Classifier()
+        modules = unique(as_list(model) + modules, torch.nn.Module)
+        optimizers = unique(as_list(optimizer) + optimizers, torch.optim.Optimizer)
+        sorter = StorageClassifier()
         sorter.mark_model_states(modules, optimizers, tensors)
         sorter.mark_batches(current_batch, previous_batches)
         sorter.mark_graph_held(tensors)
         sorter.mark_other(tensors)
         target_keys = sorter.mark_targets(targets)
         del tensors
-        records = sorter.records()
+        records = _records(sorter)
         del sorter
         scanned, truncated, paths = n_objects, False, []
         if find_paths:
@@ -266,145 +265,12 @@ def take_census(
     )
 
 
-def _as_list(obj: Any) -> list[Any]:
-    if obj is None:
-        return []
-    if isinstance(obj, (list, tuple, set)):
-        return list(obj)
-    return [obj]
-
-
-def _unique(objs: list[Any], kind: type) -> list[Any]:
-    """The objects of type ``kind``, each once, in first-seen order."""
-    return list({id(o): o for o in objs if isinstance(o, kind)}.values())
-
-
-def scan_heap() -> tuple[int, list[torch.Tensor], list[torch.nn.Module], list[Any]]:
-    """One pass over ``gc.get_objects()``: (object count, tensors, modules, optimizers)."""
-    tensors: list[torch.Tensor] = []
-    modules: list[torch.nn.Module] = []
-    optimizers: list[Any] = []
-    Tensor, Module, Optimizer = torch.Tensor, torch.nn.Module, torch.optim.Optimizer
-    kind_of: dict[type, int] = {}
-    objects = gc.get_objects()
-    n_objects = len(objects)
-    for tp in set(map(type, objects)):
-        kind_of[tp] = (
-            1 if issubclass(tp, Tensor) else 2 if issubclass(tp, Module) else 3 if issubclass(tp, Optimizer) else 0
-        )
-    for o in compress(objects, map(kind_of.__getitem__, map(type, objects))):
-        k = kind_of[type(o)]
-        (tensors if k == 1 else modules if k == 2 else optimizers).append(o)
-    del objects
-    return n_objects, tensors, modules, optimizers
-
-
-class _Classifier:
-    """Gives each storage the first category that applies; call the ``mark_*`` methods in :data:`CATEGORIES` order."""
-
-    def __init__(self) -> None:
-        self.category: dict[StorageKey, str] = {}
-        self.info: dict[StorageKey, tuple[int, str]] = {}  # key -> (bytes, shape of the first tensor seen)
-
-    def mark(self, t: Any, cat: str) -> None:
-        if not isinstance(t, torch.Tensor):
-            return
-        category = self.category
-        for key, nbytes in storage_keys(t):
-            if key not in category:
-                category[key] = cat
-                self.info[key] = (nbytes, describe_tensor(t))
-
-    def mark_model_states(self, modules: list[torch.nn.Module], optimizers: list[Any], tensors: list[torch.Tensor]) -> None:
-        """Parameters, their gradients, optimizer state, buffers."""
-        params = _parameters(modules, optimizers, tensors)
-        for p in params:
-            self.mark(p, "parameters")
-        for p in params:
-            try:
-                self.mark(p.grad, "gradients")
-            except Exception:
-                pass
-        for opt in optimizers:
-            try:
-                for state in list(opt.state.values()):
-                    for t in iter_tensors(state):
-                        self.mark(t, "optimizer state")
-            except Exception:
-                pass
-        for m in modules:
-            try:
-                for b in m._buffers.values():
-                    self.mark(b, "buffers")
-            except Exception:
-                pass
-
-    def mark_batches(self, current_batch: Any, previous_batches: Iterable[Any]) -> None:
-        for t in iter_tensors(current_batch):
-            self.mark(t, "current batch")
-        for batch in previous_batches or ():
-            for t in iter_tensors(batch):
-                self.mark(t, "previous batches")
-
-    def mark_graph_held(self, tensors: list[torch.Tensor]) -> None:
-        """Leaves and saved tensors of the autograd graphs of live tensors (and the leaves' grads)."""
-        with_graph = []
-        for t in tensors:
-            try:
-                if t.grad_fn is not None:
-                    with_graph.append(t)
-            except Exception:
-                pass
-        for t, _how in graph_tensors(with_graph):
-            self.mark(t, "graph-held")
-            try:
-                if t.is_leaf:
-                    self.mark(t.grad, "graph-held")
-            except Exception:
-                pass
-
-    def mark_other(self, tensors: list[torch.Tensor]) -> None:
-        for t in tensors:
-            self.mark(t, "other")
-            try:
-                if t.is_leaf and t.requires_grad:
-                    self.mark(t.grad, "other")
-            except Exception:
-                pass
-
-    def mark_targets(self, targets: Iterable[torch.Tensor]) -> set[StorageKey]:
-        """Mark the explicit targets (as "other" unless already known); return their storage keys."""
-        target_keys: set[StorageKey] = set()
-        for t in targets:
-            for key, _ in storage_keys(t):
-                target_keys.add(key)
-            self.mark(t, "other")
-        return target_keys
-
-    def records(self) -> dict[StorageKey, TensorRecord]:
-        out: dict[StorageKey, TensorRecord] = {}
-        for key, cat in self.category.items():
-            nbytes, shape = self.info[key]
-            out[key] = TensorRecord(device=str(key[0]), data_ptr=key[1], nbytes=nbytes, shape=shape, category=cat)
-        return out
-
-
-def _parameters(modules: list[torch.nn.Module], optimizers: list[Any], tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Parameters of the modules, every ``nn.Parameter`` in the heap, and the optimizers' params."""
-    params: list[torch.Tensor] = []
-    for m in modules:
-        try:
-            params.extend(p for p in m._parameters.values() if p is not None)
-        except Exception:
-            pass
-    params.extend(t for t in tensors if isinstance(t, torch.nn.Parameter))
-    for opt in optimizers:
-        try:
-            for group in opt.param_groups:
-                params.extend(p for p in group.get("params", ()) if isinstance(p, torch.Tensor))
-        except Exception:
-            pass
-    return params
+def _records(sorter: StorageClassifier) -> dict[StorageKey, TensorRecord]:
+    out: dict[StorageKey, TensorRecord] = {}
+    for key, cat in sorter.category.items():
+        nbytes, shape = sorter.info[key]
+        out[key] = TensorRecord(device=str(key[0]), data_ptr=key[1], nbytes=nbytes, shape=shape, category=cat)
+    return out
 
 
 def _attribute(

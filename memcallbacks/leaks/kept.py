@@ -1,4 +1,4 @@
-"""Kept outputs: weak references to the storages of a step's model outputs (``logits``, ``outputs``).
+"""Kept outputs: weak references to the storages of a step's model outputs (``logits``, ``outputs``), and to its batch's tensors.
 
 A loop variable that holds the previous step's forward output through the next step costs its
 storage (often several MiB of logits). The lingering detector watches the outputs the adapters
@@ -17,7 +17,7 @@ import torch
 
 from memcallbacks.leaks.tensors import describe_tensor, is_parameter, iter_tensors
 
-__all__ = ["OutputRef", "output_refs", "alive_outputs", "storage_tensor"]
+__all__ = ["OutputRef", "output_refs", "alive_outputs", "batch_weakrefs", "storage_tensor"]
 
 MAX_OUTPUT_TENSORS = 16
 
@@ -76,3 +76,26 @@ def alive_outputs(refs: list[OutputRef], current: set[int]) -> list[tuple[Any, O
 def storage_tensor(storage: Any) -> torch.Tensor:
     """A byte tensor on ``storage``: what :func:`~memcallbacks.leaks.find_holders` matches by storage."""
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+def batch_weakrefs(batch: Any, max_tensors: int) -> list[weakref.ref[torch.Tensor]]:
+    """Weak references to the batch's tensors (parameters excepted), at most ``max_tensors``."""
+    ref = weakref.ref
+    refs: list[weakref.ref[torch.Tensor]] = []
+    tp = type(batch)
+    plain = tp is dict or tp is list or tp is tuple
+    if plain:  # fast path: a flat dict/list/tuple of plain tensors
+        for v in batch.values() if tp is dict else batch:
+            if type(v) is torch.Tensor:
+                refs.append(ref(v))
+            else:
+                plain = False
+                break
+    if not plain and batch is not None:
+        refs = []
+        for t in iter_tensors(batch):
+            if not is_parameter(t):
+                refs.append(ref(t))
+                if len(refs) >= max_tensors:
+                    break
+    return refs if len(refs) <= max_tensors else refs[:max_tensors]

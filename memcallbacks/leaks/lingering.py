@@ -2,46 +2,24 @@
 
 from __future__ import annotations
 
-import logging
 import weakref
 from typing import Any
 
 import torch
 
 from memcallbacks._base.findings import Finding
-from memcallbacks._base.torch_private import node_metadata
 from memcallbacks._base.storage import storage_keys
-from memcallbacks._base.units import MiB, format_bytes
+from memcallbacks._base.units import MiB
 from memcallbacks.leaks.chains import GraphChains
-from memcallbacks.leaks.marks import METADATA_KEY, find_graph_root
-from memcallbacks.leaks.kept import OutputRef, alive_outputs, output_refs, storage_tensor
+from memcallbacks.leaks.marks import METADATA_KEY, Sentinel, find_graph_root, mark_graphs
+from memcallbacks.leaks.kept import OutputRef, alive_outputs, batch_weakrefs, output_refs, storage_tensor
+from memcallbacks.leaks.lingering_text import lingering_finding
 from memcallbacks.leaks.tensors import graph_freed, graph_tensors, is_parameter, iter_tensors
-
-log = logging.getLogger(__name__)
 
 __all__ = ["METADATA_KEY", "LingeringDetector", "find_graph_root"]  # find_graph_root: from marks.py
 
-
-
-class _Sentinel:
-    """Lives in ``grad_fn.metadata``: dies exactly when the autograd node dies."""
-
-    __slots__ = ("step", "loss_ref", "__weakref__")
-    step: int
-    loss_ref: Any  # a weak reference to the marked loss: the chain's root without a heap scan
-
-
 _Tensor = torch.Tensor
-_MARKABLE: dict[type, bool] = {}
 
-
-def _markable(node_type: type) -> bool:
-    """Whether a node may carry the sentinel: not AccumulateGrad, which can outlive the graph
-    (DDP keeps references to them)."""
-    ok = _MARKABLE.get(node_type)
-    if ok is None:
-        ok = _MARKABLE[node_type] = node_type.__name__ != "AccumulateGrad"
-    return ok
 
 
 class LingeringDetector:
@@ -90,7 +68,7 @@ class LingeringDetector:
         self._older_output_refs: list[OutputRef] | None = None
         self._output_targets: list[Any] = []  # weak references to the storages behind the last finding
         self.chains = GraphChains()
-        self._sentinel_ref: weakref.ref[_Sentinel] | None = None
+        self._sentinel_ref: weakref.ref[Sentinel] | None = None
         self._from_step: int | None = None
         self._targets: list[weakref.ref[torch.Tensor]] = []
         self._root_ref: weakref.ref[torch.Tensor] | None = None
@@ -115,7 +93,7 @@ class LingeringDetector:
         ``outputs``: the step's model outputs (tensors or containers of them); their storages are
         watched (a kept ``logits``) and their graphs marked like the loss's (a running sum of them)."""
         self.wants_mark = False
-        self._batch_refs = self._batch_weakrefs(batch)
+        self._batch_refs = batch_weakrefs(batch, self.max_tensors)
         self._from_step = step
         self._loss_ref = None
         self._sentinel_ref = None
@@ -133,45 +111,10 @@ class LingeringDetector:
         )
         if not graphs:
             return
-        sentinel = _Sentinel()
-        sentinel.step = step
-        sentinel.loss_ref = weakref.ref(graphs[0])
-        try:
-            for i, t in enumerate(graphs[:8]):
-                fn = t.grad_fn
-                node_metadata(fn)[METADATA_KEY] = sentinel
-                if i == 0:  # the loss: also its next nodes (a framework may hand over loss / n)
-                    for nxt, _ in fn.next_functions:
-                        if nxt is not None and _markable(type(nxt)):
-                            node_metadata(nxt)[METADATA_KEY] = sentinel
-        except Exception:  # exotic node types without metadata
-            log.debug("could not mark the loss graph of step %s", step, exc_info=True)
+        sentinel = mark_graphs(step, graphs)
         self._sentinel_ref = weakref.ref(sentinel)
         self._loss_ref = weakref.ref(graphs[0])
         self.chains.mark(step, sentinel)
-
-    def _batch_weakrefs(self, batch: Any) -> list[weakref.ref[torch.Tensor]]:
-        """Weak references to the batch's tensors (parameters excepted), at most ``max_tensors``."""
-        ref = weakref.ref
-        refs: list[weakref.ref[torch.Tensor]] = []
-        tp = type(batch)
-        plain = tp is dict or tp is list or tp is tuple
-        if plain:  # fast path: a flat dict/list/tuple of plain tensors
-            for v in batch.values() if tp is dict else batch:
-                if type(v) is _Tensor:
-                    refs.append(ref(v))
-                else:
-                    plain = False
-                    break
-        if not plain and batch is not None:
-            refs = []
-            limit = self.max_tensors
-            for t in iter_tensors(batch):
-                if not is_parameter(t):
-                    refs.append(ref(t))
-                    if len(refs) >= limit:
-                        break
-        return refs if len(refs) <= self.max_tensors else refs[: self.max_tensors]
 
     @property
     def pending(self) -> bool:
@@ -215,55 +158,42 @@ class LingeringDetector:
         step: int,
         batch_refs: list[Any],
         older: list[Any] | None,
-        sentinel: _Sentinel | None,
+        sentinel: Sentinel | None,
         current_batch: Any,
         output_refs_: list[OutputRef] = (),  # type: ignore[assignment]
         older_outputs: list[OutputRef] | None = None,
     ) -> Finding | None:
         current_tensors = list(iter_tensors(current_batch)) if current_batch is not None else []
         current = {id(t) for t in current_tensors}
-        current_ptrs = set()
-        for t in current_tensors:
-            try:
-                current_ptrs.add(t.untyped_storage().data_ptr())
-            except Exception:
-                pass
         batch = [t for t in (r() for r in batch_refs) if t is not None and id(t) not in current]
-        outputs = alive_outputs(list(output_refs_), current_ptrs)
+        outputs = alive_outputs(list(output_refs_), _storage_ptrs(current_tensors))
         graph = sentinel is not None
         if not batch and not graph and not outputs:
             return None
         # The situation seen (before measuring) decides whether to measure: once reported, or
         # while backing off after a measurement below min_bytes, it is only counted.
         seen_key = "seen:" + "+".join(k for k, v in (("batch", batch), ("graph", graph), ("outputs", outputs)) if v)
-        self.occurrences[seen_key] = self.occurrences.get(seen_key, 0) + 1
+        self._count(seen_key)
         if seen_key in self._reported or step < self._next_measure.get(seen_key, -1):
             return None
         older_alive = not older or any(t is not None and id(t) not in current for t in (r() for r in older))
         watched = {(st.device, st.data_ptr()) for st, _ in outputs}
         too_early = bool(outputs) and not older_outputs
         if outputs:
-            # an output whose counterpart of two steps ago is alive too is kept by a list, a cache or
-            # a chain (retention, the growth detector's), or it is too early to tell
-            retained = set() if too_early else _retained(output_refs_, older_outputs)  # type: ignore[arg-type]
-            kept = [(st, ref) for st, ref in outputs if not too_early and id(ref) not in retained]
-            if len(kept) < len(outputs):
-                self.occurrences["retained:outputs"] = self.occurrences.get("retained:outputs", 0) + 1
-            outputs = kept
-
+            outputs = self._kept_outputs(outputs, output_refs_, older_outputs, too_early)
         held: dict[Any, int] = {}
         targets: list[torch.Tensor] = []
         output_keys: set[Any] = set()
-        for st, ref in outputs:
+        for st, _ref in outputs:
             output_keys.add((st.device, st.data_ptr()))
             held[(st.device, st.data_ptr())] = int(st.nbytes())
         self._root_ref = None
         self._root_unknown = False
-        if too_early and graph and not self._graph_root_cheap(sentinel):
+        if too_early and graph and not self._graph_root_cheap(sentinel):  # type: ignore[arg-type]
             # what the graph holds is measured at the next check, which can tell: a heap scan for its
             # root now would be spent on a check that cannot conclude
             self.wants_mark = True
-            self.occurrences["too_early"] = self.occurrences.get("too_early", 0) + 1
+            self._count("too_early")
             return None
         graph_seen = graph
         if graph:
@@ -279,6 +209,26 @@ class LingeringDetector:
         key = "lingering:" + "+".join(k for k, v in (("batch", batch), ("graph", graph), ("outputs", outputs)) if v)
         if key in self._reported or not (batch or graph_seen or outputs):
             return None
+        return self._conclude(step, key, seen_key, batch, graph, outputs, held, targets, output_keys, too_early)
+
+    def _count(self, situation: str) -> None:
+        self.occurrences[situation] = self.occurrences.get(situation, 0) + 1
+
+    def _kept_outputs(self, outputs: list[Any], output_refs_: list[OutputRef], older_outputs: list[OutputRef] | None,
+                      too_early: bool) -> list[Any]:
+        """The alive outputs that count: an output whose counterpart of two steps ago is alive too is
+        kept by a list, a cache or a chain (retention, the growth detector's), or it is too early to tell."""
+        retained = set() if too_early else _retained(output_refs_, older_outputs)  # type: ignore[arg-type]
+        kept = [(st, ref) for st, ref in outputs if not too_early and id(ref) not in retained]
+        if len(kept) < len(outputs):
+            self._count("retained:outputs")
+        return kept
+
+    def _conclude(
+        self, step: int, key: str, seen_key: str, batch: list[torch.Tensor], graph: bool, outputs: list[Any],
+        held: dict[Any, int], targets: list[torch.Tensor], output_keys: set[Any], too_early: bool,
+    ) -> Finding | None:
+        """Measure what lingers (the batch's storages added to ``held``) and report it, or back off."""
         batch_keys: set[Any] = set()
         for t in batch:
             _add_storages(t, held, targets)
@@ -294,7 +244,7 @@ class LingeringDetector:
                 # step that follows leaves marks too (after the first steps, marks are sparse and the
                 # check before this one saw none, so without them every check would be too early)
                 self.wants_mark = True
-                self.occurrences["too_early"] = self.occurrences.get("too_early", 0) + 1
+                self._count("too_early")
             else:
                 self._back_off(seen_key, step)
             return None
@@ -344,7 +294,7 @@ class LingeringDetector:
         loose = [t for t in batch if id(t) not in in_graph_ids]
         if loose and older_alive:
             # Kept with older batches (dataset in memory, a cache) or too early to tell.
-            self.occurrences["retained:batch"] = self.occurrences.get("retained:batch", 0) + 1
+            self._count("retained:batch")
             loose = []
         return in_graph + loose
 
@@ -360,67 +310,10 @@ class LingeringDetector:
         self, step: int, key: str, batch: list[torch.Tensor], graph: bool, batch_bytes: int, total: int,
         outputs: list[str] = (), output_bytes: int = 0,  # type: ignore[assignment]
     ) -> Finding:
-        graph_bytes = total - batch_bytes - output_bytes
         from_step = self._from_step if self._from_step is not None else step - 1
-        what = []
-        n = len(batch)
-        if batch:
-            what.append(f"{n} tensor{'s' if n != 1 else ''} of its batch ({format_bytes(batch_bytes)})")
-        if outputs:
-            what.append(f"model output{'s' if len(outputs) != 1 else ''} {', '.join(outputs[:3])} ({format_bytes(output_bytes)})")
-        if graph:
-            what.append(f"its autograd graph (holding {format_bytes(graph_bytes)} more)" if what else f"autograd graph (holding {format_bytes(graph_bytes)})")
-        verb = "were" if len(what) > 1 or n > 1 or len(outputs) > 1 else "was"
-        if outputs and not graph:
-            cause = (
-                "Something keeps the forward output from one step to the next, usually a loop variable "
-                "(`logits = model(x)`, `outputs = model(**batch)`) that lives until the next step rebinds "
-                "it, so two steps' outputs are alive at the next forward. `del logits` (or `del outputs`) "
-                "once the loss is computed, or keep only what you need (`preds = logits.argmax(-1)`)."
-            )
-        else:
-            cause = (
-                "Something keeps them from one step to the next, usually "
-                "a loss returned with its graph and kept by the loop until the next step rebinds the "
-                "variable (`return {\"loss\": loss}`, `outputs = train_one_step(batch)`): the graph holds "
-                "the inputs that require grad and their gradients. Return `loss.item()` (or "
-                "`loss.detach()`), or `del outputs, batch` at the end of the loop body."
-            )
-        message = (
-            f"Step {from_step}'s {' and '.join(what)} {verb} still alive when step {step} started, "
-            f"{format_bytes(total)} in all. {cause} The holders show where the reference lives."
-        )
-        # One step's outputs, kept by a loop variable until the next step rebinds it: the outputs of
-        # two steps ago were dead (retention is the growth detector's), so this is bounded, not a
-        # leak; what it costs is its size on top of the next forward's peak.
-        advice = bool(outputs) and not graph and not batch
-        if advice:
-            message = (
-                f"Advice (not a leak): step {from_step}'s {' and '.join(what)} {verb} still alive when step {step} "
-                f"started and through its forward, adding {format_bytes(total)} to that step's peak. It is one step "
-                "of retention, freed when the loop rebinds the variable, so memory does not grow. "
-                + cause.replace("Something keeps", "The loop keeps", 1) + " The holders show where the reference lives."
-            )
-        return Finding(
-            kind="lingering",
-            step=step,
-            key=key,
-            bytes=int(total),
-            message=message,
-            severity="advice" if advice else "problem",
-            details={
-                "peak_cost_bytes": int(total),
-                "from_step": from_step,
-                "batch_tensors_alive": len(batch),
-                "graph_alive": graph,
-                "batch_bytes": int(batch_bytes),
-                "graph_bytes": int(graph_bytes),
-                "outputs_alive": len(outputs),
-                "output_bytes": int(output_bytes),
-            },
-        )
+        return lingering_finding(step, from_step, key, len(batch), graph, batch_bytes, total, list(outputs), output_bytes)
 
-    def _graph_root(self, sentinel: _Sentinel) -> Any:
+    def _graph_root(self, sentinel: Sentinel) -> Any:
         """A live tensor of the marked graph (only called when the graph is alive)."""
         loss = self._loss_ref() if self._loss_ref is not None else None
         if loss is not None:
@@ -438,7 +331,7 @@ class LingeringDetector:
             root = find_graph_root(sentinel)
         return root
 
-    def _graph_root_cheap(self, sentinel: _Sentinel) -> bool:
+    def _graph_root_cheap(self, sentinel: Sentinel) -> bool:
         """Whether the marked graph's root is at hand without a heap scan."""
         loss = self._loss_ref() if self._loss_ref is not None else None
         return loss is not None or find_graph_root(sentinel, heap=False) is not None
@@ -451,6 +344,17 @@ class LingeringDetector:
         """The lingering tensors behind the last finding (for :func:`find_holders`), if still alive."""
         tensors = [t for t in (r() for r in self._targets) if t is not None]
         return tensors + [storage_tensor(st) for st in (r() for r in self._output_targets) if st is not None]
+
+
+def _storage_ptrs(tensors: list[torch.Tensor]) -> set[int]:
+    """The data pointers of the tensors' storages (those that have one)."""
+    ptrs = set()
+    for t in tensors:
+        try:
+            ptrs.add(t.untyped_storage().data_ptr())
+        except Exception:
+            pass
+    return ptrs
 
 
 def _retained(refs: list[OutputRef], older: list[OutputRef]) -> set[int]:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import gc
+import logging
 import os
+import weakref
 import sys
 import types
 import warnings
@@ -14,12 +16,51 @@ import torch
 from memcallbacks._base.torch_private import node_metadata
 from memcallbacks.leaks.roots import PACKAGE_DIR, frame_locals
 
-__all__ = ["METADATA_KEY", "find_graph_root"]
+log = logging.getLogger(__name__)
+
+__all__ = ["METADATA_KEY", "Sentinel", "find_graph_root", "mark_graphs"]
 
 METADATA_KEY = "memcallbacks"
 """Key of the sentinel memcallbacks puts into ``grad_fn.metadata``."""
 
 _Tensor = torch.Tensor
+_MARKABLE: dict[type, bool] = {}
+
+
+class Sentinel:
+    """Lives in ``grad_fn.metadata``: dies exactly when the autograd node dies."""
+
+    __slots__ = ("step", "loss_ref", "__weakref__")
+    step: int
+    loss_ref: Any  # a weak reference to the marked loss: the chain's root without a heap scan
+
+
+def _markable(node_type: type) -> bool:
+    """Whether a node may carry the sentinel: not AccumulateGrad, which can outlive the graph
+    (DDP keeps references to them)."""
+    ok = _MARKABLE.get(node_type)
+    if ok is None:
+        ok = _MARKABLE[node_type] = node_type.__name__ != "AccumulateGrad"
+    return ok
+
+
+def mark_graphs(step: int, graphs: list[torch.Tensor]) -> Sentinel:
+    """Put one :class:`Sentinel` for ``step`` into ``grad_fn.metadata`` of the first 8 ``graphs``'
+    nodes, and of the loss's (``graphs[0]``) next nodes: a framework may hand over ``loss / n``."""
+    sentinel = Sentinel()
+    sentinel.step = step
+    sentinel.loss_ref = weakref.ref(graphs[0])
+    try:
+        for i, t in enumerate(graphs[:8]):
+            fn = t.grad_fn
+            node_metadata(fn)[METADATA_KEY] = sentinel
+            if i == 0:
+                for nxt, _ in fn.next_functions:
+                    if nxt is not None and _markable(type(nxt)):
+                        node_metadata(nxt)[METADATA_KEY] = sentinel
+    except Exception:  # exotic node types without metadata
+        log.debug("could not mark the loss graph of step %s", step, exc_info=True)
+    return sentinel
 _ModuleType = types.ModuleType
 _PACKAGE_PREFIX = PACKAGE_DIR + os.sep
 

@@ -280,10 +280,9 @@ def test_dataloader_copy_on_access_is_found_with_its_fix(tmp_path, adapter, mode
 # ---------------------------------------------------------------------- 4. warm up, then flat: no open finding
 @pytest.mark.parametrize("adapter,scenario,steps", [
     ("plain", "lru", 200),
-    # deque(maxlen=1000), full at step 50; settles 96 steps after its last confirmation (docs/host.md). Passed in the
-    # earlier full runs, still open at the end of the last one (00:02 UTC): the same settle defect as the memo cache
-    # below (session note), not strict until it is fixed
-    pytest.param("lightning", "deque", 240, marks=pytest.mark.xfail(strict=False, reason="host settle defect after the growth lifecycle merge (flaky)")),
+    # deque(maxlen=1000), full at step 50: settled after a plateau as long as its climb and 4 read intervals
+    # (docs/findings.md, "The lifecycle"); with reads ~32 steps apart that is ~200 steps
+    ("lightning", "deque", 240),
     ("accelerate", "fill", 200),
     ("transformers", "log_history", 160),
 ])
@@ -293,11 +292,9 @@ def test_host_memory_that_warms_up_then_stays_flat_leaves_no_open_finding(tmp_pa
     assert still_open == [], out["findings"]
 
 
-@pytest.mark.xfail(strict=False, reason="after the growth lifecycle (issue 24) merged, a memo cache that fills for 60 steps "
-                   "stays open to the end of a 420-step run (re-confirmed at step 299): open defect, see the session note")
 def test_bounded_cache_that_fills_for_60_steps_is_found_then_settled(tmp_path):
-    # 512 Spec objects a step into lru_cache(maxsize=512 * 60), steps 10-69; settles ~200 steps later
-    # (measured at 274 on a quiet machine; under a loaded full suite still open at 299 of 320): 420 steps
+    # 512 Spec objects a step into lru_cache(maxsize=512 * 60), steps 10-69; settled after a plateau as long as the
+    # climb and 4 read intervals (docs/findings.md, "The lifecycle"): with reads 50 steps apart, ~200 flat steps: 420 steps
     out = run(tmp_path, "plain", "memo", 420)
     found = [f for f in host(out) if f["key"] == "host_growth"]
     assert len(found) == 1 and host(out) == found, out["findings"]

@@ -35,6 +35,22 @@ def test_rank_1_only_host_leak_is_found_and_the_rank_named(tmp_path):
     assert not [f for f in r0["findings"] if f["details"].get("open")], r0["findings"]
 
 
+def test_a_rank_0_warm_up_is_not_growth_and_raises_no_imbalance(tmp_path):
+    """Rank 0 alone keeps ~50 MiB of Python objects in its first 5 steps, then nothing; no rank leaks.
+    The growth figures start after the host channel's warm-up (10 reads), so rank 0 does not stand apart."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("MASTER_PORT", None)
+    proc = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path), "--steps", "60", "--leak-rank", "-1", "--warmup-rank", "0"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    # the plant is large enough that a baseline at step 0 would have named rank 0 (32 MiB and 25% of rank 1's growth)
+    assert r0["private_growth_from_step_0"] - r1["private_growth_from_step_0"] >= 32 * MiB, (r0, r1)
+    assert r0["imbalance"] == [], r0["imbalance"]
+    assert abs(r0["figures"][0]["host_private_growth_bytes"] - r0["figures"][1]["host_private_growth_bytes"]) < 16 * MiB, r0["figures"]
+    assert not [f for r in (r0, r1) for f in r["findings"] if f["details"].get("open")], (r0["findings"], r1["findings"])
+
+
 def test_one_rank_apart_is_named_and_a_spread_is_not():
     base = {"host_private_bytes": 2000 * MiB, "peak_allocated_bytes": 10_000 * MiB}
     ranks = [dict(base) for _ in range(8)]

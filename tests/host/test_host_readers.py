@@ -16,11 +16,11 @@ linux = pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs
 @linux
 def test_private_memory_follows_touched_pages():
     statm = StatmReader()
-    rss0, private0 = statm()
+    rss0, private0 = statm.read()
     buf = bytearray(64 * MiB)  # zeroed by the kernel: resident only once written
     for i in range(0, len(buf), 4096):
         buf[i] = 1
-    rss1, private1 = statm()
+    rss1, private1 = statm.read()
     assert private1 - private0 >= 60 * MiB and rss1 - rss0 >= 60 * MiB
     del buf
     statm.close()

@@ -1,7 +1,10 @@
 """2-rank gloo DDP on CPU where only rank 1 leaks Python objects; each rank runs the host reader
 and growth test, the figures are gathered and rank 0 looks for the rank that stands apart.
 
-    python tests/scripts/host_ranks.py OUT_DIR [--steps 160] [--leak-rank 1] [--monitor]
+    python tests/scripts/host_ranks.py OUT_DIR [--steps 160] [--leak-rank 1] [--warmup-rank R] [--monitor]
+
+``--warmup-rank R``: rank R alone keeps ~50 MiB of Python objects in its first 5 steps (a rank-0-only
+warm-up: a logger, a metrics table), then nothing; ``--leak-rank -1``: no rank leaks.
 
 ``--monitor``: the same loop watched by a plain ``memcallbacks.Monitor`` at defaults instead of the
 host parts by hand: each rank's findings and rank zero's report.json come back.
@@ -35,9 +38,30 @@ class Spec:
 
 
 KEPT: dict = {}
+WARM: list = []
+WARMUP_STEPS = 5
+"""Steps of the ``--warmup-rank``'s warm-up: inside the host channel's warm-up (10 reads)."""
 
 
-def worker(rank: int, world: int, port: int, out: str, steps: int, leak_rank: int) -> None:
+def work(rank: int, step: int, leak_rank: int, warmup_rank: int) -> None:
+    """What a rank keeps at ``step``: 512 objects a step on the leaking rank, 24,000 a step for
+    :data:`WARMUP_STEPS` steps on the warming-up rank."""
+    if rank == leak_rank:
+        for i in range(512):
+            KEPT[(step, i)] = Spec(f"p{step}.{i}", (step, i, 3), (1, step, i), [step, i], step)
+    if rank == warmup_rank and step < WARMUP_STEPS:
+        WARM.extend(Spec(f"w{step}.{i}", (step, i, 3), (1, step, i), [step, i], step) for i in range(24_000))
+
+
+def teardown() -> None:
+    """Before the DDP model (its reducer holds the process group) and the process group go: a barrier.
+    While it waits, with the GIL released, gloo's worker threads finish dropping the last collective's
+    tensors; a ProcessGroupGloo destroyed with one still pending deadlocks (its destructor joins the
+    thread that waits for the GIL): the monitored run hung at exit in 4 of 6 tries without it."""
+    dist.barrier()
+
+
+def worker(rank: int, world: int, port: int, out: str, steps: int, leak_rank: int, warmup_rank: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -55,20 +79,22 @@ def worker(rank: int, world: int, port: int, out: str, steps: int, leak_rank: in
             opt.zero_grad()
             loss.backward()
             opt.step()
-            if rank == leak_rank:
-                for i in range(512):
-                    KEPT[(step, i)] = Spec(f"p{step}.{i}", (step, i, 3), (1, step, i), [step, i], step)
+            work(rank, step, leak_rank, warmup_rank)
         figures = gather_figures(growth.figures())
-        result = {"rank": rank, "found": found, "findings": [f.to_dict() for f in growth.findings.values()], "figures": figures}
+        assert growth.first is not None and growth.last is not None
+        result = {"rank": rank, "found": found, "findings": [f.to_dict() for f in growth.findings.values()], "figures": figures,
+                  "private_growth_from_step_0": growth.last.private_bytes - growth.first.private_bytes}
         if rank == 0:
             result["imbalance"] = [f.to_dict() for f in find_imbalance(figures or [], step=steps)]
         with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
             json.dump(result, fh)
+        teardown()
+        del model, opt
     finally:
         dist.destroy_process_group()
 
 
-def monitored(rank: int, world: int, port: int, out: str, steps: int, leak_rank: int) -> None:
+def monitored(rank: int, world: int, port: int, out: str, steps: int, leak_rank: int, warmup_rank: int) -> None:
     from memcallbacks import Monitor
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -84,12 +110,12 @@ def monitored(rank: int, world: int, port: int, out: str, steps: int, leak_rank:
             opt.zero_grad()
             loss.backward()
             opt.step()
-            if rank == leak_rank:
-                for i in range(512):
-                    KEPT[(step, i)] = Spec(f"p{step}.{i}", (step, i, 3), (1, step, i), [step, i], step)
+            work(rank, step, leak_rank, warmup_rank)
         monitor.close()
         with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
             json.dump({"rank": rank, "findings": [f.to_dict() for f in monitor.findings]}, fh)
+        teardown()
+        del model, opt, monitor
     finally:
         dist.destroy_process_group()
 
@@ -99,12 +125,13 @@ def main() -> None:
     parser.add_argument("out")
     parser.add_argument("--steps", type=int, default=160)
     parser.add_argument("--leak-rank", type=int, default=1)
+    parser.add_argument("--warmup-rank", type=int, default=-1)
     parser.add_argument("--monitor", action="store_true")
     args = parser.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(monitored if args.monitor else worker, args=(2, port, args.out, args.steps, args.leak_rank), nprocs=2, join=True)
+    mp.spawn(monitored if args.monitor else worker, args=(2, port, args.out, args.steps, args.leak_rank, args.warmup_rank), nprocs=2, join=True)
     print("done", file=sys.stderr)
 
 
