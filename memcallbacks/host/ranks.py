@@ -10,10 +10,10 @@ that stands apart is named, on 2 ranks as on 64.
 from __future__ import annotations
 
 import statistics
-from typing import Any, Mapping, Sequence
+from typing import Mapping, Sequence
 
-import torch
 
+from memcallbacks._base.distributed import gather_objects
 from memcallbacks._base.findings import Finding
 from memcallbacks._base.units import MiB, format_bytes
 
@@ -30,13 +30,11 @@ _LABELS = {
 
 
 def gather_figures(figures: Mapping[str, float]) -> list[dict[str, float]] | None:
-    """Every rank's figures on every rank (``all_gather_object``; a collective: every rank calls it).
-    ``[figures]`` when not distributed."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return [dict(figures)]
-    out: list[Any] = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(out, dict(figures))
-    return out
+    """Every rank's figures on every rank (a collective: every rank calls it). ``[figures]`` when not
+    distributed. Through :func:`memcallbacks._base.distributed.gather_objects`, not torch's
+    ``all_gather_object``: it gathers on the monitored device's collective device and keeps its
+    tensors alive past the collective (gloo's teardown deadlock, see ``_LAST_COLLECTIVE`` there)."""
+    return gather_objects(dict(figures))
 
 
 def find_imbalance(
