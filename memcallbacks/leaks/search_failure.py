@@ -11,7 +11,7 @@ the holders are unknown, and the monitor goes on (it no longer switches itself o
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, TypeVar
+from typing import Callable, TypeVar
 
 from memcallbacks._base.findings import Finding, with_holders_note
 

@@ -17,7 +17,6 @@ PARAMS, GRADS, OPTIMIZER, INPUTS = "params", "grads", "optimizer_state", "inputs
 # categories given to storages made during the step once their fate is known
 ACTIVATIONS, TEMPORARIES = "activations", "temporaries"
 CATEGORIES = (PARAMS, GRADS, OPTIMIZER, INPUTS, ACTIVATIONS, TEMPORARIES)
-from memcallbacks._base.columns import TRAINING_PHASES as PHASES
 
 
 @dataclasses.dataclass
