@@ -5,10 +5,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 
+from memcallbacks._base.columns import TRAINING_PHASES as PHASES
 from memcallbacks.preflight._tracking import (
     ACTIVATIONS,
     CATEGORIES,
-    PHASES,
     TEMPORARIES,
     Allocation,
     StorageTracker,
