@@ -34,12 +34,18 @@ class MemoryBackend:
 
     kind: str = "unknown"
     peak_source: str = PEAK_SAMPLED
+    heap_cost_s: float = 0.0
+    """What reading ``allocated`` costs, a running estimate in seconds: 0 where it is an allocator's
+    counter (read on every sampled step); the CPU backend measures its heap read (glibc's
+    ``mallinfo2``), which the step plan reads only on the steps it names (``StepPlan.heap_due``)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
 
-    def baseline(self) -> tuple[int, int, int, int]:
-        """Return ``(allocated, reserved, peak_allocated, peak_reserved)`` and reset the peaks."""
+    def baseline(self, allocated: bool = True) -> tuple[int, int, int, int]:
+        """Return ``(allocated, reserved, peak_allocated, peak_reserved)`` and reset the peaks.
+        ``allocated=False``: a backend whose ``allocated`` read is costly (:attr:`heap_cost_s`) may
+        skip it and return NaN in its place; the others read it anyway."""
         raise NotImplementedError
 
     def interval(self) -> tuple[int, int]:

@@ -43,7 +43,7 @@ class CudaBackend(MemoryBackend):
         self._last: dict[str, Any] = {}
         self._capacity: int | None = None
 
-    def baseline(self) -> tuple[int, int, int, int]:
+    def baseline(self, allocated: bool = True) -> tuple[int, int, int, int]:
         stats = self._read()
         self._reset()
         self._last = stats
@@ -123,7 +123,7 @@ class AcceleratorBackend(MemoryBackend):
         a = int(allocated()) if allocated else 0
         return a, int(reserved()) if reserved else a
 
-    def baseline(self) -> tuple[int, int, int, int]:
+    def baseline(self, allocated: bool = True) -> tuple[int, int, int, int]:
         if self._stats_fn is not None:
             stats = self._stats_fn()
             self._reset_fn()  # type: ignore[misc]

@@ -141,6 +141,16 @@ def plot_history(history: Any, path: Path, *, title: str = "", peak_source: str 
     return path
 
 
+def _line(ax: Any, x: Any, y: Any, **style: Any) -> None:
+    """``y`` over ``x`` as one line through its values that are not NaN (matplotlib leaves a gap at
+    every NaN, which turns a series read every few steps into scattered dots)."""
+    import numpy as np
+
+    y = np.asarray(y, dtype=float)
+    keep = ~np.isnan(y)
+    ax.plot(np.asarray(x)[keep], y[keep], **style)
+
+
 def history_figure(history: Any, *, title: str = "", peak_source: str = "") -> Any:
     """The memory plot as a matplotlib ``Figure`` (None without matplotlib)."""
     global _warned_no_matplotlib
@@ -165,7 +175,8 @@ def history_figure(history: Any, *, title: str = "", peak_source: str = "") -> A
             ax.plot(x, history[col].to_numpy() / gib, label=f"{label} peak", color=color, linewidth=1.4)
         if f"predicted_{col}" in history:  # pre-flight's prediction, in the same frame as the measured peak
             ax.plot(x, history[f"predicted_{col}"].to_numpy() / gib, label=f"{label} predicted", color=color, linestyle="--", linewidth=1.0)
-    ax.plot(x, history["allocated"].to_numpy() / gib, label="allocated at step start", color="black", linewidth=1.4)
+    # on CPU a sampled step may leave the heap unread (NaN, docs/metrics.md): a line through the read ones
+    _line(ax, x, history["allocated"].to_numpy() / gib, label="allocated at step start", color="black", linewidth=1.4)
     ax.plot(x, history["reserved"].to_numpy() / gib, label="reserved at step start", color="tab:gray", linestyle="--", linewidth=1.2)
     if "host_rss" in history and peak_source != "rss_high_water_mark":
         ax.plot(x, history["host_rss"].to_numpy() / gib, label="host RSS", color="tab:purple", linestyle=":", linewidth=1.2)
@@ -179,9 +190,9 @@ def history_figure(history: Any, *, title: str = "", peak_source: str = "") -> A
     base = history[base_col].to_numpy()
     for col, label, color in phases:
         if col in history and history[col].notna().any():
-            ax2.plot(x, (history[col].to_numpy() - base) / mib, label=label, color=color, linewidth=1.4)
+            _line(ax2, x, (history[col].to_numpy() - base) / mib, label=label, color=color, linewidth=1.4)
         if f"predicted_{col}" in history:
-            ax2.plot(x, (history[f"predicted_{col}"].to_numpy() - base) / mib, color=color, linestyle="--", linewidth=1.0)
+            _line(ax2, x, (history[f"predicted_{col}"].to_numpy() - base) / mib, color=color, linestyle="--", linewidth=1.0)
     ax2.axhline(0, color="black", linewidth=0.8)
     ax2.set_ylabel(f"peak above {base_col}\nat step start (MiB)")
     ax2.set_xlabel("optimizer step")

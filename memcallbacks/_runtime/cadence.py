@@ -80,12 +80,13 @@ COLD_FACTOR = 2.0
 
 
 def _aligned(every: int, log_every: int) -> int:
-    """The read interval at or above ``every`` that puts reads on logged steps: the smallest divisor
-    of ``log_every`` (when the budget allows a read at least every ``log_every`` steps, and never
-    more than :data:`MAX_READ_INTERVAL` apart unless that is the logging interval itself)."""
-    if every >= log_every or log_every > 2 * MAX_READ_INTERVAL:
-        return every if log_every > 2 * MAX_READ_INTERVAL else log_every
-    return _divisor_from(every, log_every)
+    """The read interval that puts reads on logged steps: the smallest divisor of ``log_every`` at or
+    above ``every``, or where the budget's ``every`` is longer than the logging interval the largest
+    multiple of ``log_every`` at or below it (a logged step's heap read is not free: the plan takes
+    it on the steps it names, ``StepPlan.heap_due``). Not aligned past ``2 * MAX_READ_INTERVAL``."""
+    if log_every > 2 * MAX_READ_INTERVAL:
+        return every
+    return every // log_every * log_every if every >= log_every else _divisor_from(every, log_every)
 
 
 def _divisor_from(every: int, log_every: int) -> int:
@@ -276,6 +277,11 @@ class Cadence:
         self.parts["read"] += seconds
         self._read_costs.append(seconds)
 
+    def note_read_cost(self, seconds: float) -> None:
+        """A sampled step's baseline reads the heap at about this cost (charged with the step): at a
+        small logging interval every step is sampled and no watched step times a read for :meth:`choose`."""
+        self._read_costs.append(seconds)
+
     def charge_other(self, seconds: float, part: str = "gc") -> None:
         """Own time outside the timed part of a step: the garbage-collection callback's reads
         (``"gc"``), a lingering check deferred into the step (``"lingering"``: plain loops under
@@ -322,7 +328,7 @@ class Cadence:
                 # logged steps are sampled, and a sampled step's baseline is a read: reads in phase
                 # with them, at an interval that divides the logging interval, cost nothing on them
                 every = _aligned(every, self.log_every)
-                allowed -= read * (1 / every - 1 / self.log_every)
+                allowed -= read * (1 / every - 1 / self.log_every) if every <= self.log_every else read / every
             else:
                 allowed -= read / every
             self.read_every = every

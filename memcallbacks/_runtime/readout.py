@@ -105,8 +105,10 @@ def summarise(
         deltas = [r[8 + i] - r[base] for r in rows if r[8 + i] == r[8 + i] and r[base] == r[base]]
         out[f"peak_{phase}_above_baseline_bytes"] = int(max(deltas)) if deltas else None
     if rows:
-        out["first_allocated_bytes"] = int(rows[0][5])
-        out["last_allocated_bytes"] = int(rows[-1][5])
+        # rows whose allocated was read (on CPU a sampled step may leave the heap unread: NaN)
+        read = [r[ALLOCATED] for r in rows if r[ALLOCATED] == r[ALLOCATED]]
+        out["first_allocated_bytes"] = int(read[0]) if read else None
+        out["last_allocated_bytes"] = int(read[-1]) if read else None
         cost = sorted(r[18] for r in rows)
         out["monitor_time_per_step_us"] = {
             "median": cost[len(cost) // 2] * 1e6,

@@ -147,10 +147,11 @@ class MemoryEngine:
         if sample[-1] > self.max_reserved:
             self.max_reserved = sample[-1]
 
-    def begin_step(self, step: int, epoch: int = 0, batch_idx: int = 0, sample: bool = True) -> None:
+    def begin_step(self, step: int, epoch: int = 0, batch_idx: int = 0, sample: bool = True, heap: bool = True) -> None:
         """Start a training step. A sampled step takes the baseline and measures every phase; an
         unsampled one only counts, at almost no cost (its peaks still reach ``max_allocated`` at
-        the next sample, since nothing resets the device's peak counter in between)."""
+        the next sample, since nothing resets the device's peak counter in between). ``heap=False``:
+        the baseline may leave ``allocated`` unread (NaN; the CPU heap, ``StepPlan.heap_due``)."""
         if self._open:  # the previous step never ended (e.g. an exception was swallowed)
             self.end_step()
         self._open = True
@@ -163,7 +164,7 @@ class MemoryEngine:
         row[STEP], row[EPOCH], row[BATCH_IDX], row[MICRO_BATCHES], row[OPTIMIZER_STEPS] = step, epoch, batch_idx, 1, 0
         row[STEP_TIME_S] = t0
         self._row = row
-        sample_ = self.backend.baseline()  # type: ignore[union-attr]
+        sample_ = self.backend.baseline(heap)  # type: ignore[union-attr]
         self._peaks(sample_)
         row[ALLOCATED], row[RESERVED] = sample_[0], sample_[1]
         row[HOST_RSS] = sample_[1] if self.backend.kind == "cpu" else self._host_rss()  # type: ignore[union-attr,misc]
@@ -252,9 +253,21 @@ class MemoryEngine:
 
     @property
     def step_baseline(self) -> int | None:
-        """Allocated bytes at the start of the open step, if it is sampled."""
+        """Allocated bytes at the start of the open step, if it is sampled and they were read."""
         row = self._row
-        return int(row[ALLOCATED]) if row is not None and self._sampling else None
+        return int(row[ALLOCATED]) if row is not None and self._sampling and row[ALLOCATED] == row[ALLOCATED] else None
+
+    @property
+    def step_reserved(self) -> float:
+        """Reserved bytes (the resident set on CPU) at the start of the open sampled step (NaN: none)."""
+        row = self._row
+        return row[RESERVED] if row is not None and self._sampling else _NAN
+
+    def fill_baseline(self, allocated: int | None) -> int | None:
+        """The open sampled step's unread ``allocated``, read after all (the watch's read): into its row."""
+        if allocated is not None and self._row is not None and self._sampling:
+            self._row[ALLOCATED] = allocated
+        return allocated
 
     def add_own_time(self, seconds: float) -> None:
         """Charge work done for the open step outside the engine (detection) to its ``monitor_time_s``."""

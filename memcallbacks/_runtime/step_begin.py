@@ -49,19 +49,29 @@ def begin_watched(session: Any, step: int, epoch: int, batch_idx: int, batch: An
 
 
 def begin_sampled(session: Any, step: int, epoch: int, batch_idx: int, batch: Any, defer_lingering: bool) -> None:
-    """A sampled step: the watch, then the baseline (which is also the watch's read), then the theory check."""
-    engine, checks = session.engine, session.checks
+    """A sampled step: the watch, then the baseline (which is also the watch's read), then the theory check.
+
+    The baseline's ``allocated`` is read on the steps the plan names (``StepPlan.heap_due``: always
+    where it is cheap, the watch's read steps, the theory check's step); on the others it stays
+    NaN, unless the resident set has risen as far as the tripwire's threshold (``heap_skipped``)."""
+    engine, checks, plan = session.engine, session.checks, session.plan
     watch = checks.watch
+    count = session.current_count
     session.fast_s = None
     session.marks = session.marks or session.samples_unmarked + 1 >= session.cadence.mark_every
     t0 = time.perf_counter()
     found = watch.before_baseline(step, batch, lingering=not defer_lingering) if watch is not None else []
     check_state = checks.state.wanted and engine.optimizer_steps_total > 0
+    heap = plan.heap_due(count, check_state)
     spent = time.perf_counter() - t0
-    engine.begin_step(step, epoch, batch_idx, True)
+    engine.begin_step(step, epoch, batch_idx, True, heap)
     t1 = time.perf_counter()
     baseline = engine.step_baseline
-    found += checks.read(session.current_count, batch, baseline)
+    if heap:
+        plan.heap_rss = engine.step_reserved
+    elif baseline is None and plan.heap_skipped(count, engine.step_reserved):
+        baseline = engine.fill_baseline(plan.take_read(count))  # charged as a read (plan.read_s)
+    found += checks.read(count, batch, baseline)
     found += checks.host_read(step)
     if check_state and baseline is not None:
         finding = checks.state_finding(step, baseline, batch)
@@ -69,4 +79,4 @@ def begin_sampled(session: Any, step: int, epoch: int, batch_idx: int, batch: An
             found.append(finding)
     for finding in found:
         session.add_finding(finding)
-    engine.add_own_time(spent + time.perf_counter() - t1)
+    engine.add_own_time(spent + time.perf_counter() - t1 - plan.read_s)
