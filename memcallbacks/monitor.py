@@ -19,20 +19,18 @@ from torch import nn
 
 from memcallbacks._base.config import MonitorConfig, resolve_config
 from memcallbacks._base.columns import OPTIMIZER, OTHER
-from memcallbacks._runtime.adapter_support import OptimizerHooks, check_plain_arguments, phase_index, saved_step
+from memcallbacks._runtime.adapter_support import OptimizerHooks, check_plain_arguments, phase_index
 from memcallbacks._runtime.device_check import device_for
 from memcallbacks._runtime.guard import entry_point
-from memcallbacks._runtime.lifecycle import Cleanup
-from memcallbacks._runtime.model_hooks import ModelHooks, remove_all
-from memcallbacks._runtime.results import SessionResults
+from memcallbacks._runtime.model_hooks import ModelHooks
+from memcallbacks._runtime.plain_support import PlainControls, plain_cleanup
 from memcallbacks._runtime.session import LogFn, Session
 from memcallbacks._runtime.track_guard import AccumulationWindow, TrackGuard
 
-log = logging.getLogger(__name__)
-
 __all__ = ["Monitor"]
 
-class Monitor(SessionResults):
+
+class Monitor(PlainControls):
     """Per-phase memory of a plain PyTorch training loop.
 
     Args:
@@ -80,8 +78,6 @@ class Monitor(SessionResults):
         self.config = resolve_config(config, kwargs, type(self).__name__)
         self._session = Session(self.config, self.framework, self._public_name or type(self).__name__, logging.getLogger(type(self).__module__))
         self._session.attach(log_fn=log_fn)
-        self._model_ref = weakref.ref(model) if model is not None else None
-        self._handles: list[Any] = []  # the global optimizer hooks
         self._model_hooks = ModelHooks(self._session, self._forward_pre)  # the forward hooks, the step's outputs
         self._step = 0
         self._stepped = False  # an optimizer step happened in the open step
@@ -89,15 +85,11 @@ class Monitor(SessionResults):
         self._batch: Any = None  # the item track() yielded, held until the step ends
         self._closed = False
         self._explicit = False  # track() or step() marks boundaries; the forward hook then leaves steps alone
-        self._warned_closed = False
         self._track_guard = TrackGuard(type(self).__name__)  # a track() inside a running track() is ignored
         device = device_for(type(self).__name__, device, model, optimizer)
         # what this monitor changes in the process is undone by close(), or by this finalizer when
         # the monitor is dropped without close() (an exception in the loop body): see lifecycle.py
-        self._cleanup = Cleanup(self._public_name or type(self).__name__)
-        self._cleanup.add("stop the session", self._session.stop)
-        forward_handles = self._model_hooks.handles
-        self._cleanup.add("remove its forward hooks", lambda: remove_all(forward_handles))
+        self._cleanup = plain_cleanup(self._public_name or type(self).__name__, self._session, self._model_hooks.handles)
         self._start(device)
         self._finalizer = weakref.finalize(self, self._cleanup.abandoned)
         self._session.attach(model=model, optimizer=optimizer)
@@ -109,8 +101,7 @@ class Monitor(SessionResults):
 
     def _install_hooks(self, model: nn.Module | None) -> None:
         # torch's global hook table holds the monitor weakly: one dropped without close() can be collected
-        self._handles.extend(OptimizerHooks(self._optimizer_pre, self._optimizer_post).install())
-        self._cleanup.handles.extend(self._handles)
+        self._cleanup.handles.extend(OptimizerHooks(self._optimizer_pre, self._optimizer_post).install())
         if model is not None:
             self._hook_model(model)
 
@@ -118,12 +109,6 @@ class Monitor(SessionResults):
         """Watch ``model``'s forward passes (its hooks are installed now unless they are off)."""
         self._session.watch_first_forward(model)  # preflight=True: predicted at its first training forward
         self._model_hooks.add(model)
-
-    def _explicit_step_opened(self) -> None:
-        """track()/step() opened a step: forward hooks only where they do something (sampled steps,
-        the first steps, a step whose start checks the previous step's marks)."""
-        session = self._session
-        self._model_hooks.set(session.detailed_step or session.lingering_pending)
 
     # ------------------------------------------------------------------ hooks (never raise)
     @entry_point("forward pre-hook")
@@ -222,7 +207,7 @@ class Monitor(SessionResults):
             # the caller's loop variable still holds the previous batch until this yield returns:
             # check for lingering references at the step's first forward/optimizer hook instead
             self._begin(batch_idx=batch_idx, batch=item, defer_lingering=True)
-            self._explicit_step_opened()
+            self._model_hooks.explicit_step()
 
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:
@@ -246,7 +231,7 @@ class Monitor(SessionResults):
         if self._session.step_open:
             self._end()
         self._begin()
-        self._explicit_step_opened()
+        self._model_hooks.explicit_step()
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -278,86 +263,9 @@ class Monitor(SessionResults):
             self._model_hooks.evaluation(False, was_on)
             self._session.end_eval(log_step=self._step)
 
-    @entry_point("record_exception()", unwinding=True)
-    def record_exception(self, exc: BaseException) -> None:
-        """Record an exception that is ending training as an event in ``report.json`` (``"oom"``
-        or ``"exception"``) and write the files. Never raises: the caller's exception propagates."""
-        if self._closed:
-            return
-        self._session.record_exception(exc, self._step)
-        self._session.finish(gather=False)
-
-    @entry_point("close()")
-    def close(self, gather: bool = True) -> None:
-        """End the open step, remove every hook and write the files. Safe to call twice.
-
-        Under torch.distributed every rank must call it (rank summaries are gathered into rank
-        zero's report), unless ``gather=False`` (e.g. when only this rank is failing)."""
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            self._end()
-            self._cleanup.remove_handles()
-            self._handles = []
-            self._model_hooks.release()
-            self._session.finish(gather=gather)
-        finally:
-            self._restore()
-
-    def _restore(self) -> None:
-        """Undo what this monitor changed in the process (hooks, gc, allocator history, its folder)."""
-        self._closed = True
-        self._finalizer.detach()
-        self._cleanup.run()  # each part on its own: one that fails does not keep the others
-
-    def _used_after_close(self, method: str) -> bool:
-        if self._closed and not self._warned_closed:
-            self._warned_closed = True
-            log.warning("%s.%s() was called after close(): nothing more is recorded. Create a new %s for a new run.",
-                        type(self).__name__, method, type(self).__name__)
-        return self._closed
-
-    def __enter__(self) -> "Monitor":
-        return self
-
-    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
-        if exc is None:
-            self.close()
-        else:
-            self._exit_failing(exc)
-
-    @entry_point("__exit__", unwinding=True)
-    def _exit_failing(self, exc: BaseException) -> None:
-        self._session.record_exception(exc, self._step)
-        self.close(gather=False)  # a failing rank must not wait for the others
-
     # ------------------------------------------------------------------ driven steps
     # For adapters whose framework announces steps itself (the Transformers callback): the
     # framework's events open and close steps; the model hooks still find forward and backward.
-
-    @property
-    def closed(self) -> bool:
-        """True after :meth:`close` (or an adapter's abandon): the hooks are gone."""
-        return self._closed
-
-    @property
-    def step_open(self) -> bool:
-        return self._session.step_open
-
-    def attach(self, *, log_fn: LogFn | None = None, title: str | None = None, trackers: Any = None) -> None:
-        """Where logged metrics go (``log_fn(metrics, step)``), the title of the report and plot, and
-        the run's own trackers (:class:`memcallbacks.trackers.Trackers`) that get the dashboard and files."""
-        self._session.attach(log_fn=log_fn, title=title, **({"trackers": trackers} if trackers is not None else {}))
-
-    def set_training_objects(self, model: Any, optimizer: Any, **strategy: Any) -> None:
-        """The model and optimizer the census and the theory check look at (``precision``,
-        ``strategy``, ``world_size`` as in :func:`memcallbacks.estimate.estimate`)."""
-        self._session.attach(model=model, optimizer=optimizer, **strategy)
-
-    def will_log(self, count: int) -> bool:
-        """Whether the step after ``count`` steps is a logged step (see ``Session.will_log``)."""
-        return self._session.will_log(count)
 
     @entry_point("open_step()")
     def open_step(self, step: int, epoch: int = 0, batch_idx: int = 0, *, log: bool | None = None) -> None:
@@ -388,13 +296,3 @@ class Monitor(SessionResults):
         session.end_step(OTHER, log_step=log_step, loss=output, outputs=outputs)
         del output, outputs
         return logged
-
-    def state_dict(self) -> dict[str, Any]:
-        state = self._session.state_dict()
-        state["step"] = self._step
-        return state
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        key = f"{type(self).__name__}.load_state_dict"
-        self._session.load_state_dict(state, key)
-        self._step = saved_step(state, self._step, key)

@@ -67,6 +67,12 @@ class ModelHooks:
         else:
             remove_all(self.handles)
 
+    def explicit_step(self) -> None:
+        """track()/step() opened a step: the hooks on only where they do something (sampled steps,
+        the first steps, a step whose start checks the previous step's marks)."""
+        session = self._session
+        self.set(session.detailed_step or session.lingering_pending)
+
     def evaluation(self, on: bool, was_on: bool = True) -> bool:
         """Enter (``on``) or leave ``Monitor.evaluate()``: inside, the hooks are on and a forward is one
         evaluation batch; leaving restores ``was_on``. Returns whether the hooks were on."""

@@ -23,6 +23,7 @@ from memcallbacks._base.devices import CpuBackend
 from memcallbacks._files.fileset import fingerprint
 from memcallbacks._runtime.guard import safe_str
 from memcallbacks._runtime.model_hooks import ModelHooks
+from memcallbacks._runtime.plain_support import PlainControls
 from memcallbacks._files.report import load_output_dir
 from memcallbacks._runtime.sampling import MemoryEngine
 from memcallbacks._runtime.state_check import StateCheck
@@ -217,7 +218,8 @@ def test_every_framework_hook_is_guarded() -> None:
         (MemoryMonitor, L.Callback, ("setup", "teardown", "on_exception")),
         (MemoryMonitorCallback, TrainerCallback, ("record_exception", "close")),
         (Monitor, None, ("_forward_pre", "_optimizer_pre", "_optimizer_post",
-                         "close", "record_exception", "open_step", "end_phase", "close_step", "_track_item", "_track_end", "_step_enter")),
+                         "open_step", "end_phase", "close_step", "_track_item", "_track_end", "_step_enter", "_phase_enter")),
+        (PlainControls, None, ("close", "record_exception", "_exit_failing")),  # Monitor's base: its end of run
         (AccelerateMemoryMonitor, None, ("close", "_backward_starts", "_backward_ends", "_step_complete", "_hook_prepared_models")),
         (ModelHooks, None, ("_forward_post", "_backward_start", "_backward_end")),  # the plain loop's model hooks
     ]

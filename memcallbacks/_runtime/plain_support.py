@@ -1,0 +1,146 @@
+"""What the plain loop's ``Monitor`` does besides translating its loop's events: its status, the calls that configure its session, its saved state, and its end (``close()``, a recorded exception, the context manager, undoing what it changed in the process).
+
+:class:`PlainControls` is the base of :class:`~memcallbacks.Monitor` (``monitor.py``), as
+:class:`~memcallbacks._runtime.results.SessionResults` is the base of every adapter: its methods
+are Monitor's public API and read the monitor's own state (``_session``, ``_closed``, ``_step``,
+``_model_hooks``, ``_cleanup``, ``_finalizer``), set by ``Monitor.__init__``. Nothing here runs
+on the step path (``track()``'s items, ``step()``, the hooks).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from memcallbacks._runtime.adapter_support import saved_step
+from memcallbacks._runtime.guard import entry_point
+from memcallbacks._runtime.lifecycle import Cleanup
+from memcallbacks._runtime.model_hooks import remove_all
+from memcallbacks._runtime.results import SessionResults
+
+if TYPE_CHECKING:  # pragma: no cover
+    import weakref
+
+    from memcallbacks._runtime.model_hooks import ModelHooks
+    from memcallbacks._runtime.session import LogFn, Session
+
+log = logging.getLogger("memcallbacks.monitor")  # the name users filter on (Monitor's module)
+
+__all__ = ["PlainControls", "plain_cleanup"]
+
+_Self = TypeVar("_Self", bound="PlainControls")
+
+
+def plain_cleanup(owner: str, session: Session, forward_handles: list[Any]) -> Cleanup:
+    """What a plain-loop monitor changes in the process, to be undone by ``close()`` or by the
+    finalizer of a monitor dropped without it: the session stopped, the forward hooks removed (the
+    optimizer hooks' handles join ``Cleanup.handles``). It holds the session and the very list of
+    forward hook handles, never the monitor."""
+    cleanup = Cleanup(owner)
+    cleanup.add("stop the session", session.stop)
+    cleanup.add("remove its forward hooks", lambda: remove_all(forward_handles))
+    return cleanup
+
+
+class PlainControls(SessionResults):
+    """The plain loop's ``Monitor`` besides its loop's events: status, session configuration,
+    saved state, and the end of the run."""
+
+    _session: Session
+    _closed: bool
+    _step: int
+    _model_hooks: ModelHooks
+    _cleanup: Cleanup
+    _finalizer: weakref.finalize
+    _warned_closed = False  # the used-after-close warning was given (once per monitor)
+
+    def _end(self) -> None:  # pragma: no cover - Monitor's: end the open step
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ the end of the run
+    @entry_point("record_exception()", unwinding=True)
+    def record_exception(self, exc: BaseException) -> None:
+        """Record an exception that is ending training as an event in ``report.json`` (``"oom"``
+        or ``"exception"``) and write the files. Never raises: the caller's exception propagates."""
+        if self._closed:
+            return
+        self._session.record_exception(exc, self._step)
+        self._session.finish(gather=False)
+
+    @entry_point("close()")
+    def close(self, gather: bool = True) -> None:
+        """End the open step, remove every hook and write the files. Safe to call twice.
+
+        Under torch.distributed every rank must call it (rank summaries are gathered into rank
+        zero's report), unless ``gather=False`` (e.g. when only this rank is failing)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._end()
+            self._cleanup.remove_handles()
+            self._model_hooks.release()
+            self._session.finish(gather=gather)
+        finally:
+            self._restore()
+
+    def _restore(self) -> None:
+        """Undo what this monitor changed in the process (hooks, gc, allocator history, its folder)."""
+        self._closed = True
+        self._finalizer.detach()
+        self._cleanup.run()  # each part on its own: one that fails does not keep the others
+
+    def _used_after_close(self, method: str) -> bool:
+        if self._closed and not self._warned_closed:
+            self._warned_closed = True
+            log.warning("%s.%s() was called after close(): nothing more is recorded. Create a new %s for a new run.",
+                        type(self).__name__, method, type(self).__name__)
+        return self._closed
+
+    def __enter__(self: _Self) -> _Self:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        if exc is None:
+            self.close()
+        else:
+            self._exit_failing(exc)
+
+    @entry_point("__exit__", unwinding=True)
+    def _exit_failing(self, exc: BaseException) -> None:
+        self._session.record_exception(exc, self._step)
+        self.close(gather=False)  # a failing rank must not wait for the others
+
+    # ------------------------------------------------------------------ status and configuration
+    @property
+    def closed(self) -> bool:
+        """True after :meth:`close` (or an adapter's abandon): the hooks are gone."""
+        return self._closed
+
+    @property
+    def step_open(self) -> bool:
+        return self._session.step_open
+
+    def attach(self, *, log_fn: LogFn | None = None, title: str | None = None, trackers: Any = None) -> None:
+        """Where logged metrics go (``log_fn(metrics, step)``), the title of the report and plot, and
+        the run's own trackers (:class:`memcallbacks.trackers.Trackers`) that get the dashboard and files."""
+        self._session.attach(log_fn=log_fn, title=title, **({"trackers": trackers} if trackers is not None else {}))
+
+    def set_training_objects(self, model: Any, optimizer: Any, **strategy: Any) -> None:
+        """The model and optimizer the census and the theory check look at (``precision``,
+        ``strategy``, ``world_size`` as in :func:`memcallbacks.estimate.estimate`)."""
+        self._session.attach(model=model, optimizer=optimizer, **strategy)
+
+    def will_log(self, count: int) -> bool:
+        """Whether the step after ``count`` steps is a logged step (see ``Session.will_log``)."""
+        return self._session.will_log(count)
+
+    def state_dict(self) -> dict[str, Any]:
+        state = self._session.state_dict()
+        state["step"] = self._step
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        key = f"{type(self).__name__}.load_state_dict"
+        self._session.load_state_dict(state, key)
+        self._step = saved_step(state, self._step, key)
