@@ -254,6 +254,12 @@ def _rank_main(rank: int, world_size: int, port: int, out: str) -> None:
     monitor = AccelerateMemoryMonitor(accelerator, log_every_n_steps=1, plot=False, **CPU)
     run_loop(accelerator, model, optimizer, data, monitor)
     monitor.close()
+    # gloo's teardown can deadlock when the process group goes (with the DDP model, at return) while its
+    # worker thread still drops a finished all_gather's tensors: memcallbacks keeps its own gathers'
+    # tensors alive (_base/distributed.py), but a rank still hung here once after that (a collective
+    # of Accelerate's or DDP's, not identified); the barrier lets the worker thread finish first
+    # (before end_training, which destroys the process group)
+    torch.distributed.barrier()
     accelerator.end_training()
 
 

@@ -77,7 +77,9 @@ def test_report_shows_the_host_section_of_a_real_run(tmp_path: Path, capsys: Any
     text = "\n".join(section)
     assert section[0] == "  host (docs/host.md)", text
     assert any(line.startswith("    private memory           ") and "change +" in line for line in section), text
-    assert any(line.startswith("    Python objects           ~") and "change +" in line for line in section), text
+    # the Python-object change runs from the first block read after the warm-up (host/growth.py figures): in an
+    # 80-step run whose block reads are on a cost-chosen stride there may be none yet, so the change is optional
+    assert any(line.startswith("    Python objects           ~") for line in section), text
     assert any(line.startswith("    DataLoader workers       2 live: ") and "private (USS)" in line for line in section), text
     assert any(line.startswith("    host findings            ") for line in section), text
     growth = [line for line in section if line.startswith("      [host_growth] host_growth step ")]

@@ -40,4 +40,4 @@ def test_watch_host_false_builds_no_host_channel():
     assert report["config"]["watch_host"] is False
     assert logged and not HOST_KEYS & set(logged[-1])
     assert not any(k.startswith("host_") for k in report["summary"]["rank_figures"])
-    assert monitor._current_session().host is None
+    assert monitor._current_session().checks.host is None

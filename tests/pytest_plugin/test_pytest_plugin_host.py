@@ -97,5 +97,5 @@ def test_cache_fills_then_stops_fail_on_settled(train_memory):
         "train_memory: test_host.py::test_cache_fills_then_stops_fail_on_settled failed 1 memory check",
         "Python objects on the host grew by * (host growth, settled)*",
         "    held by: module test_host: global SPECS (dict) grew by * Spec objects / * MiB",
-        "    fix: Host memory grew from step * then stayed flat for * steps*",
+        "    fix: Settled: host memory grew from step * then stayed flat for * steps*",
     ])
