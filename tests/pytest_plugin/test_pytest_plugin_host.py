@@ -12,8 +12,12 @@ import pytest
 
 pytest_plugins = ["pytester"]
 
+# sympy (and mpmath) are imported up front: torch imports them lazily, and when that happens between the
+# plugin's two host censuses (seen under load) thousands of new modules, functions and types outgrow the
+# planted leak in the census diff (a known weakness, in the session note: imports are not told apart)
 LOOP = '''
 import pytest, torch
+import sympy  # noqa: F401  - see the comment above LOOP
 from dataclasses import dataclass
 from torch import nn
 

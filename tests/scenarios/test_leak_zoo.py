@@ -252,7 +252,9 @@ def test_planted_leak_is_found_once_with_its_kind_and_holder(tmp_path, caplog, c
     if kind == "growth":
         # confirmed 24 steps after the 10 warm-up steps, then updated in place; the holders come from
         # the diff of the census taken at detection and the one 16 sampled steps later
-        assert finding.first_step <= 40 and finding.step > steps - 5 and finding.count > 1  # updated at each block of 4
+        # updated in place at the reads after it: a sampled step reads the heap only on the steps the plan
+        # names (StepPlan.heap_due: in a long test process mallinfo2 is slow enough to be spaced out)
+        assert finding.first_step <= 40 and finding.step > finding.first_step and finding.count > 1
         assert finding.details["rate_bytes_per_step"] >= 256 * 1024
         assert " grew by 16 tensors / " in finding.holders[0]
 
