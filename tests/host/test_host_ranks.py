@@ -17,12 +17,26 @@ from memcallbacks.host import find_imbalance
 SCRIPT = Path(__file__).parents[1] / "scripts" / "host_ranks.py"
 
 
+TEARDOWN_ABORT = "terminate called without an active exception"
+
+
+def assert_ranks_finished(proc: subprocess.CompletedProcess, out) -> None:
+    """The run exited 0, or both ranks wrote their results and the only failure is gloo's abort at
+    process exit (a std::thread destroyed while joinable, after the results: seen once in a CI run and
+    once in 6 local runs of this file, with a barrier before teardown; torch's teardown, not the host
+    channel, and not what these tests are about). Any other failure fails the test."""
+    if proc.returncode == 0:
+        return
+    written = all((out / f"rank{r}.json").is_file() for r in (0, 1))
+    assert written and TEARDOWN_ABORT in proc.stderr and "Traceback" not in proc.stderr.split(TEARDOWN_ABORT)[0], proc.stderr[-4000:]
+
+
 def test_rank_1_only_host_leak_is_found_and_the_rank_named(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("MASTER_PORT", None)
     proc = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path), "--steps", "160"], capture_output=True, text=True,
                           timeout=300, env=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert_ranks_finished(proc, tmp_path)
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     (finding,) = r0["imbalance"]
     assert finding["kind"] == "rank_imbalance" and finding["key"] == "rank_imbalance:host"
@@ -42,7 +56,7 @@ def test_a_rank_0_warm_up_is_not_growth_and_raises_no_imbalance(tmp_path):
     env.pop("MASTER_PORT", None)
     proc = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path), "--steps", "60", "--leak-rank", "-1", "--warmup-rank", "0"],
                           capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert_ranks_finished(proc, tmp_path)
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     # the plant is large enough that a baseline at step 0 would have named rank 0 (32 MiB and 25% of rank 1's growth)
     assert r0["private_growth_from_step_0"] - r1["private_growth_from_step_0"] >= 32 * MiB, (r0, r1)
@@ -73,7 +87,7 @@ def test_a_plain_monitor_at_defaults_names_the_rank_whose_host_memory_grew(tmp_p
     env.pop("MASTER_PORT", None)
     proc = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path), "--steps", "160", "--monitor"], capture_output=True,
                           text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert_ranks_finished(proc, tmp_path)
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     (grew,) = [f for f in r1["findings"] if f["kind"] == "host_growth"]
     assert grew["first_step"] <= 40 and any("grew by" in h and "Spec objects" in h for h in grew["holders"]), grew
