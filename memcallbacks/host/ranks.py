@@ -28,6 +28,11 @@ _LABELS = {
     "host_worker_uss_bytes": "DataLoader workers' private memory",
 }
 
+# Gathered for the report's per-rank table but not compared: the Python-object total is tens of MiB,
+# so what rank zero alone imports and keeps once (a logger, TensorBoard, W&B) is already more than
+# ``min_fraction`` of it on every healthy run. Its growth after warm-up is compared instead.
+REPORT_ONLY = frozenset({"host_python_bytes"})
+
 
 def gather_figures(figures: Mapping[str, float]) -> list[dict[str, float]] | None:
     """Every rank's figures on every rank (a collective: every rank calls it). ``[figures]`` when not
@@ -50,14 +55,15 @@ def find_imbalance(
     ``figures[r]`` is rank r's dict (None for a rank that sent none). For each figure, each rank's
     value is compared with the median of the other ranks; the rank furthest above fires when it is
     above by ``min_bytes`` and by ``min_fraction`` of that median, and (3 ranks or more) by at
-    least ``stand_apart`` times as much as the next rank — one rank, not a spread."""
+    least ``stand_apart`` times as much as the next rank — one rank, not a spread. The figures in
+    :data:`REPORT_ONLY` (the Python-object total) are not compared."""
     if min_bytes < 0:
         raise ValueError(f"find_imbalance(min_bytes={min_bytes}) must be 0 or more bytes, e.g. 32 * 2**20.")
     if not 0 <= min_fraction:
         raise ValueError(f"find_imbalance(min_fraction={min_fraction}) must be 0 or more, e.g. 0.25.")
     if stand_apart < 1:
         raise ValueError(f"find_imbalance(stand_apart={stand_apart}) must be at least 1, e.g. 2.0.")
-    keys = sorted({k for f in figures if f for k in f})
+    keys = sorted({k for f in figures if f for k in f} - REPORT_ONLY)
     best: dict[str, tuple[float, str, int, float, float, list[float | None]]] = {}
     for key in keys:
         values = [(r, float(f[key])) for r, f in enumerate(figures) if f and f.get(key) is not None]
