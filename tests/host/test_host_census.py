@@ -108,3 +108,40 @@ def test_bad_parameters_name_the_parameter_and_the_fix():
         explain_host_growth(before, top=0)
     with pytest.raises(ValueError, match=r"TracemallocWindow\(frames\)=0"):
         TracemallocWindow(frames=0)
+
+
+KEPT_WITH_MONITOR: dict = {}
+
+
+def test_the_monitors_own_records_are_never_named_as_holders(tmp_path):
+    """A user who keeps the monitor in a global reaches its history rows and readers' reads from a
+    stable root; they grow every sampled step, but they are the monitor's records, not the run's
+    (before: ``module ...: global mon._session.engine.rows`` headed the list, above the user's dict)."""
+    from memcallbacks import Monitor
+
+    global MON
+    model = torch.nn.Linear(16, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    MON = Monitor(model, opt, output_dir=str(tmp_path), sample_every_n_steps=1)
+    try:
+        def step(s: int) -> None:
+            loss = model(torch.randn(8, 16)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if s % 4 == 0:
+                KEPT_WITH_MONITOR[s] = [s] * 3
+
+        for s in range(20):
+            step(s)
+        before = take_host_census(step=20)
+        for s in range(20, 400):
+            step(s)
+        result = explain_host_growth(before, step=400, top=5)
+        paths = [h.path for h in result.holders]
+        assert paths and paths[0] == f"module {__name__}: global KEPT_WITH_MONITOR", paths
+        assert not [p for p in paths if "MON." in p or "_session" in p], paths
+    finally:
+        MON.close()
+        MON = None
+        KEPT_WITH_MONITOR.clear()
