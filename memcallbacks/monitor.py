@@ -22,6 +22,7 @@ from memcallbacks._base.columns import OPTIMIZER, OTHER
 from memcallbacks._runtime.adapter_support import OptimizerHooks, check_plain_arguments, phase_index
 from memcallbacks._runtime.device_check import device_for
 from memcallbacks._runtime.guard import entry_point
+from memcallbacks._runtime.ledger import HookMeter
 from memcallbacks._runtime.model_hooks import ModelHooks
 from memcallbacks._runtime.plain_support import PlainControls, plain_cleanup
 from memcallbacks._runtime.session import LogFn, Session
@@ -78,7 +79,8 @@ class Monitor(PlainControls):
         self.config = resolve_config(config, kwargs, type(self).__name__)
         self._session = Session(self.config, self.framework, self._public_name or type(self).__name__, logging.getLogger(type(self).__module__))
         self._session.attach(log_fn=log_fn)
-        self._model_hooks = ModelHooks(self._session, self._forward_pre)  # the forward hooks, the step's outputs
+        self._meter = HookMeter(self._session.plan)  # every hook call's whole time is the monitor's own
+        self._model_hooks = ModelHooks(self._session, self._forward_pre, self._meter)  # the forward hooks, the step's outputs
         self._step = 0
         self._stepped = False  # an optimizer step happened in the open step
         self._window = AccumulationWindow(accumulates=optimizer is not None)  # track()'s accumulation
@@ -101,7 +103,7 @@ class Monitor(PlainControls):
 
     def _install_hooks(self, model: nn.Module | None) -> None:
         # torch's global hook table holds the monitor weakly: one dropped without close() can be collected
-        self._cleanup.handles.extend(OptimizerHooks(self._optimizer_pre, self._optimizer_post).install())
+        self._cleanup.handles.extend(OptimizerHooks(self._optimizer_pre, self._optimizer_post, self._meter).install())
         if model is not None:
             self._hook_model(model)
 
@@ -125,6 +127,7 @@ class Monitor(PlainControls):
             self._end()
         if not self._session.step_open:
             self._begin()
+            self._model_hooks.settle(auto_step_begun=True)
 
     @entry_point("optimizer pre-hook")
     def _optimizer_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -136,6 +139,7 @@ class Monitor(PlainControls):
     @entry_point("optimizer hook")
     def _optimizer_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self._window.accumulates = True  # an optimizer exists: batches without a step accumulate
+        self._model_hooks.open_gates()  # the next forward may start the next step
         if self._session.step_open:
             self._stepped = True
             self._session.boundary(OPTIMIZER)
@@ -146,9 +150,11 @@ class Monitor(PlainControls):
         self._session.begin_step(
             self._step, epoch, self._step if batch_idx is None else batch_idx, batch=batch, defer_lingering=defer_lingering
         )
+        self._model_hooks.settle(auto_step_begun=False)
 
     def _end(self) -> None:
         hooks = self._model_hooks
+        hooks.open_gates()
         batch, output, outputs = self._batch, hooks.output, hooks.outputs
         self._batch = hooks.output = None
         hooks.outputs = []
@@ -251,17 +257,6 @@ class Monitor(PlainControls):
         if not self._session.step_open:
             self._begin()
         self._session.boundary(OTHER)
-
-    @contextlib.contextmanager
-    def evaluate(self, stage: str = "validate") -> Iterator[None]:
-        """``with monitor.evaluate(): ...`` — an evaluation loop, recorded apart from training rows."""
-        self._session.begin_eval(stage, self._step)
-        was_on = self._model_hooks.evaluation(True)  # its batches are counted at the model's forwards
-        try:
-            yield
-        finally:
-            self._model_hooks.evaluation(False, was_on)
-            self._session.end_eval(log_step=self._step)
 
     # ------------------------------------------------------------------ driven steps
     # For adapters whose framework announces steps itself (the Transformers callback): the

@@ -93,8 +93,9 @@ class OptimizerHooks:
     dropped without its cleanup can still be collected. The pre-flight's fake optimizer step is
     not the loop's and is left out."""
 
-    def __init__(self, pre: Callable[..., Any], post: Callable[..., Any]) -> None:
+    def __init__(self, pre: Callable[..., Any], post: Callable[..., Any], meter: Any = None) -> None:
         self._pre, self._post = weak_method(pre), weak_method(post)
+        self.meter = meter  # a HookMeter: each call's whole time is the monitor's own
         self.handles: list[Any] = []
 
     def install(self) -> list[Any]:
@@ -106,11 +107,11 @@ class OptimizerHooks:
 
     def _call_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if not fake_step_running():
-            self._pre(optimizer, args, kwargs)
+            self._pre(optimizer, args, kwargs) if self.meter is None else self.meter.call(self._pre, (optimizer, args, kwargs), {})
 
     def _call_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if not fake_step_running():
-            self._post(optimizer, args, kwargs)
+            self._post(optimizer, args, kwargs) if self.meter is None else self.meter.call(self._post, (optimizer, args, kwargs), {})
 
     def remove(self) -> None:
         handles, self.handles = self.handles, []

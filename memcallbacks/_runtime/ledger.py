@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import collections
 import logging
-from typing import Any
+import time
+from typing import Any, Callable
 
-__all__ = ["Ledger", "BudgetGuard", "LINGERING_SHARE", "CONTROL_STEPS", "MAX_BACKOFF", "PARTS", "PART_NAMES"]
+__all__ = ["Ledger", "BudgetGuard", "HookMeter", "LINGERING_SHARE", "CONTROL_STEPS", "MAX_BACKOFF", "PARTS", "PART_NAMES"]
 
 # The share of the budget the lingering check may take (its checks come after every
 # ``mark_every``-th sampled step: the budget widens that interval when a check is costly).
@@ -24,9 +25,35 @@ LINGERING_SHARE = 0.25
 CONTROL_STEPS = 32
 MAX_BACKOFF = 1024
 # what each part of the monitor's own time is called in report.json (summary.cadence.own_time_by_part_s)
-PARTS = ("read", "sample", "watch", "lingering", "tripwire", "gc", "findings")
+PARTS = ("read", "sample", "watch", "lingering", "tripwire", "gc", "findings", "hooks")
 # the parts whose interval the guard widens, as its log line names them
 PART_NAMES = {"lingering": "the lingering check", "read": "the memory reads", "sample": "sampled steps"}
+
+
+class HookMeter:
+    """Times a hook call whole, from torch's call to the return, and books what the step's own timers
+    inside it did not see as the cadence's ``hooks`` part: the call's frames, the guard, the checks
+    of a step that does nothing, and the cold caches they run in after the step's compute (20-30 µs
+    a call in the nanoGPT-style loop, where the timers inside saw a fifth of the excess a bare run
+    measured). ``plan``: the session's :class:`~memcallbacks._runtime.plan.StepPlan` (its cadence
+    is replaced when a run starts)."""
+
+    __slots__ = ("plan",)
+
+    def __init__(self, plan: Any) -> None:
+        self.plan = plan
+
+    def call(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        cadence = self.plan.cadence
+        before = cadence.own_s
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            extra = time.perf_counter() - t0 - (cadence.own_s - before)
+            if extra > 0:
+                cadence.own_s += extra
+                cadence.parts["hooks"] = cadence.parts.get("hooks", 0.0) + extra  # a cadence saved before this part
 
 
 class Ledger:
@@ -117,7 +144,9 @@ class BudgetGuard:
                 logger.info(
                     "%s: its own time was %.2f%% of step time over the last %d steps, above overhead_budget=%g, "
                     "and nothing it can sample less often is left: the rest is the logged steps (every %s), which "
-                    "log_every_n_steps sets.", owner, 100 * rate, steps - start, self.budget, cadence.log_every if cadence.logs else "-",
+                    "log_every_n_steps sets, and its hooks' calls (%.3g s of %.3g s), which every step makes.",
+                    owner, 100 * rate, steps - start, self.budget, cadence.log_every if cadence.logs else "-",
+                    spent.get("hooks", 0.0), own - own0,
                 )
             return
         self.backoff[part] *= 2

@@ -25,7 +25,7 @@ from memcallbacks._base.errors import OutputDirError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["weak_method", "WeakHook", "InertHook", "Cleanup", "claim_folder", "release_folder"]
+__all__ = ["weak_method", "WeakHook", "GatedHook", "InertHook", "Cleanup", "claim_folder", "release_folder"]
 
 
 def weak_method(method: Any) -> "WeakHook":
@@ -69,6 +69,35 @@ class WeakHook:
 
     def __repr__(self) -> str:
         return f"<memcallbacks hook {self.__name__} ({'live' if self._ref() is not None else 'inert'})>"
+
+
+class GatedHook(WeakHook):
+    """A :class:`WeakHook` with a gate: closed (``open = False``), a call returns at once, before the
+    weak reference and the monitor's guard. The plain loop closes its forward pre-hook for the rest
+    of a step once the step has begun, and its forward hook on steps that keep no outputs: torch
+    calls a hook at every forward (four a step under gradient accumulation of 4), and after the
+    step's compute each full call costs 20-30 µs of cold caches (the nanoGPT-style loop of
+    benchmarks/nanogpt_budget.py). An open call goes through ``meter`` (a
+    :class:`~memcallbacks._runtime.ledger.HookMeter`), which counts its whole time as the monitor's."""
+
+    __slots__ = ("open", "meter")
+
+    def __init__(self, method: Any, meter: Any = None) -> None:
+        super().__init__(method)
+        self.open = True
+        self.meter = meter
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if _is_compiling():  # first: dynamo must not trace (and guard on) the gate
+            return _run_eagerly(self, args, kwargs)
+        if not self.open:
+            return None
+        bound = self._ref()
+        if bound is None:
+            _unhook(self, args)
+            return None
+        meter = self.meter
+        return bound(*args, **kwargs) if meter is None else meter.call(bound, args, kwargs)
 
 
 class InertHook:

@@ -16,7 +16,7 @@ from torch import nn
 
 from memcallbacks._base.columns import BACKWARD, FORWARD
 from memcallbacks._runtime.guard import entry_point
-from memcallbacks._runtime.lifecycle import weak_method
+from memcallbacks._runtime.lifecycle import GatedHook, weak_method
 
 __all__ = ["ModelHooks", "first_grad_tensors", "remove_all"]
 
@@ -31,9 +31,11 @@ class ModelHooks:
     lingering marks to check), since any module hook sends every forward through torch's slower
     hooked call path."""
 
-    def __init__(self, session: Any, pre: Callable[..., Any]) -> None:
+    def __init__(self, session: Any, pre: Callable[..., Any], meter: Any = None) -> None:
         self._session = session  # the guard (entry_point) hands a fault to it
         self._pre = weakref.WeakMethod(pre)
+        self.meter = meter  # times each open hook call whole (HookMeter)
+        self.gates: list[tuple[GatedHook, GatedHook]] = []  # (pre-hook, forward hook) per hooked model
         self.models: list[nn.Module] = []
         self.handles: list[Any] = []  # the cleanup holds this very list (it is emptied, never replaced)
         self.on = True
@@ -53,8 +55,27 @@ class ModelHooks:
         pre = self._pre()
         if pre is None:  # pragma: no cover - the monitor is gone
             return
-        self.handles.append(model.register_forward_pre_hook(weak_method(pre)))
-        self.handles.append(model.register_forward_hook(weak_method(self._forward_post)))
+        gates = (GatedHook(pre, self.meter), GatedHook(self._forward_post, self.meter))
+        self.gates.append(gates)
+        self.handles.append(model.register_forward_pre_hook(gates[0]))
+        self.handles.append(model.register_forward_hook(gates[1]))
+
+    # ------------------------------------------------------------------ gates (see GatedHook)
+    def open_gates(self) -> None:
+        """Every hook calls through again: a step ended or may end, evaluation began, an optimizer stepped."""
+        for pre, post in self.gates:
+            pre.open = post.open = True
+
+    def settle(self, auto_step_begun: bool) -> None:
+        """After a step began: the forward hook only where the step keeps its outputs (sampled, or
+        marked for the lingering check); the pre-hook closed for the rest of an automatic step
+        (``auto_step_begun``: its later forwards only check that no optimizer stepped, and the
+        optimizer hook reopens it) unless evaluation or a deferred lingering check needs it."""
+        session = self._session
+        post = session.step_open and (session.detailed_step or session.lingering_due)  # a deferred check may mark it
+        pre = not (auto_step_begun and session.step_open and not session.lingering_due and not self.evaluating)
+        for gate_pre, gate_post in self.gates:
+            gate_pre.open, gate_post.open = pre, post
 
     def set(self, on: bool) -> None:
         """Install or remove the models' forward hooks (a few µs, only when the need changes)."""
@@ -66,6 +87,7 @@ class ModelHooks:
                 self._register(model)
         else:
             remove_all(self.handles)
+            self.gates.clear()
 
     def explicit_step(self) -> None:
         """track()/step() opened a step: the hooks on only where they do something (sampled steps,
@@ -79,6 +101,7 @@ class ModelHooks:
         before = self.on
         self.evaluating = on and bool(self.models)
         self.set(True if on else was_on)
+        self.open_gates()
         return before
 
     def release(self) -> None:

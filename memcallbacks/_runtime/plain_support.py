@@ -9,8 +9,10 @@ on the step path (``track()``'s items, ``step()``, the hooks).
 
 from __future__ import annotations
 
+import contextlib
+
 import logging
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Iterator, TypeVar
 
 from memcallbacks._runtime.adapter_support import saved_step
 from memcallbacks._runtime.guard import entry_point
@@ -56,6 +58,17 @@ class PlainControls(SessionResults):
 
     def _end(self) -> None:  # pragma: no cover - Monitor's: end the open step
         raise NotImplementedError
+
+    @contextlib.contextmanager
+    def evaluate(self, stage: str = "validate") -> Iterator[None]:
+        """``with monitor.evaluate(): ...`` — an evaluation loop, recorded apart from training rows."""
+        self._session.begin_eval(stage, self._step)
+        was_on = self._model_hooks.evaluation(True)  # its batches are counted at the model's forwards
+        try:
+            yield
+        finally:
+            self._model_hooks.evaluation(False, was_on)
+            self._session.end_eval(log_step=self._step)
 
     # ------------------------------------------------------------------ the end of the run
     @entry_point("record_exception()", unwinding=True)

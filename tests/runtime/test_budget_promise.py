@@ -34,7 +34,7 @@ STEADY = dict(accumulation=2, batch_size=8, block_size=16)  # ~80 ms steps here:
 
 def _parts_add_up(cadence: dict) -> None:
     parts = cadence["own_time_by_part_s"]
-    assert set(parts) == {"read", "sample", "watch", "lingering", "tripwire", "gc", "findings"}, parts
+    assert set(parts) == {"read", "sample", "watch", "lingering", "tripwire", "gc", "findings", "hooks"}, parts
     assert sum(parts.values()) == pytest.approx(cadence["own_time_s"], abs=2e-3), cadence
 
 
@@ -52,8 +52,12 @@ def test_nanogpt_style_loop_stays_within_its_budget_at_defaults(tmp_path):
     # measured 0.63-0.70% in the benchmark's longer runs, 0.75-1.09% in this test's 62 steps
     # (the per-step cost itself is measured in benchmarks/nanogpt_budget.py, not here: a unit test only
     # guards against the regression's size, 7-20%, with room for a loaded machine's preemptions)
+    # Since the hooks are timed whole (the `hooks` part: each call's frames and the cold caches they run
+    # in after the step's compute, 20-60 µs a call on this VM, uncounted before), the own time is what a
+    # bare run measures against this one: 1.35-1.6% from step 48 and 2.7-2.8% in all on ~14 ms steps here.
     assert c["overhead_after_start"] is not None and c["overhead_after_start"] <= 3 * c["overhead_budget"], c
-    assert c["overhead"] < 3 * c["overhead_budget"], c  # was 7-20% before the fix
+    assert c["overhead"] < 6 * c["overhead_budget"], c  # was 7-20% before the fix
+    assert c["own_time_by_part_s"]["hooks"] > 0, c
     assert c["lingering_heap_scans"] == 0, c  # `loss` is a local of train(): found without the heap
     # the situation (last step's logits and divided loss alive) is measured, found harmless, backed off:
     # after the first 20 steps, far fewer checks than marks every 4th sampled step would give
@@ -100,8 +104,15 @@ def test_a_root_only_the_heap_scan_finds_is_scanned_once_the_budget_pays_for_it(
     assert c["own_time_by_part_s"]["lingering"] > 0
     # own time is wall time: on a loaded 2-core machine a preemption inside the monitor's code lands in it
     # (the first test leaves a quarter of the budget for that; a full-suite run under load measured 2.2%)
-    assert c["overhead_after_start"] <= 2.5 * c["overhead_budget"], c
+    # the hooks' part (each call timed whole) has no interval to back off: on these ~1 ms steps it is
+    # ~45 µs a step (4-5% of the step), a floor the guard cannot lower; what the budget controls is the rest
+    assert c["overhead_after_start"] - _hooks_share(c) <= 2.5 * c["overhead_budget"], c
     _parts_add_up(c)
+
+
+def _hooks_share(c: dict) -> float:
+    """The hooks' part as a share of the step time (``overhead`` is own time over step time)."""
+    return c["own_time_by_part_s"]["hooks"] * c["overhead"] / c["own_time_s"]
 
 
 class _Records(logging.Handler):
