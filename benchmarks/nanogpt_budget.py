@@ -92,6 +92,38 @@ def get_batch(data: torch.Tensor, batch_size: int, block_size: int, g: torch.Gen
     return x, y
 
 
+def setup(seed: int, block_size: int, monitor_kwargs: dict[str, Any] | None) -> tuple[nn.Module, torch.optim.Optimizer, torch.Tensor, torch.Generator, Any]:
+    """Model, optimizer, data and batch generator of one loop, seeded; with ``monitor_kwargs`` (not
+    None) a plain ``Monitor(model, optimizer, **monitor_kwargs)`` at defaults otherwise."""
+    torch.manual_seed(seed)
+    g = torch.Generator().manual_seed(seed)
+    data = make_data(seed=seed)
+    model = TinyGPT(block_size=block_size)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    monitor = None
+    if monitor_kwargs is not None:
+        from memcallbacks import Monitor
+
+        monitor = Monitor(model, optimizer, **monitor_kwargs)
+    return model, optimizer, data, g, monitor
+
+
+def step(model: nn.Module, optimizer: torch.optim.Optimizer, data: torch.Tensor, g: torch.Generator,
+         batch: tuple[torch.Tensor, torch.Tensor], accumulation: int, batch_size: int, block_size: int) -> tuple[Any, ...]:
+    """One optimizer step of the loop, as nanoGPT's ``train.py`` writes it; returns the next batch and
+    the last micro-step's ``logits`` and ``loss``, which the caller keeps until the next step's forward."""
+    X, Y = batch
+    for _micro in range(accumulation):
+        logits, loss = model(X, Y)
+        loss = loss / accumulation  # rebinds `loss`: the model's own loss tensor dies, its graph lives on
+        X, Y = get_batch(data, batch_size, block_size, g)  # the next batch, fetched between forward and backward
+        loss.backward()
+    nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return (X, Y), logits, loss
+
+
 def train(
     steps: int,
     *,
@@ -105,28 +137,12 @@ def train(
 ) -> dict[str, Any]:
     """Run ``steps`` optimizer steps of the nanoGPT-style loop; the wall time of the steps, and the
     monitor's cadence summary (report.json's ``summary.cadence``) when ``monitored``."""
-    torch.manual_seed(seed)
-    g = torch.Generator().manual_seed(seed)
-    data = make_data(seed=seed)
-    model = TinyGPT(block_size=block_size)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    monitor = None
-    if monitored:
-        from memcallbacks import Monitor
-
-        monitor = Monitor(model, optimizer, output_dir=output_dir, **(monitor_kwargs or {}))
-    X, Y = get_batch(data, batch_size, block_size, g)
+    model, optimizer, data, g, monitor = setup(seed, block_size, {"output_dir": output_dir, **(monitor_kwargs or {})} if monitored else None)
+    batch = get_batch(data, batch_size, block_size, g)
     c0 = time.process_time()
     t0 = time.perf_counter()
     for _ in range(steps):
-        for _micro in range(accumulation):
-            logits, loss = model(X, Y)
-            loss = loss / accumulation  # rebinds `loss`: the model's own loss tensor dies, its graph lives on
-            X, Y = get_batch(data, batch_size, block_size, g)
-            loss.backward()
-        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        batch, logits, loss = step(model, optimizer, data, g, batch, accumulation, batch_size, block_size)
         lossf = loss.item() * accumulation  # noqa: F841 (nanoGPT logs it)
     wall = time.perf_counter() - t0
     cpu = time.process_time() - c0
@@ -150,38 +166,17 @@ def interleaved(steps: int, output_dir: str, *, accumulation: int = 4, batch_siz
     clock = time.perf_counter
     loops = []
     for watch in (False, monitored):
-        torch.manual_seed(seed)
-        g = torch.Generator().manual_seed(seed)
-        data = make_data(seed=seed)
-        model = TinyGPT(block_size=block_size)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        monitor = None
-        if watch:
-            from memcallbacks import Monitor
-
-            monitor = Monitor(model, optimizer, output_dir=output_dir)
-        loops.append({"model": model, "opt": optimizer, "g": g, "data": data, "monitor": monitor, "times": [],
+        model, optimizer, data, g, monitor = setup(seed, block_size, {"output_dir": output_dir} if watch else None)
+        loops.append({"parts": (model, optimizer, data, g), "monitor": monitor, "times": [],
                       "batch": get_batch(data, batch_size, block_size, g), "kept": None})
-
-    def step(loop: dict[str, Any]) -> None:
-        model, optimizer, g, data = loop["model"], loop["opt"], loop["g"], loop["data"]
-        X, Y = loop["batch"]
-        for _micro in range(accumulation):
-            logits, loss = model(X, Y)
-            loss = loss / accumulation  # rebinds `loss`: the model's own loss tensor dies, its graph lives on
-            X, Y = get_batch(data, batch_size, block_size, g)
-            loss.backward()
-        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        loss.item()
-        loop["batch"], loop["kept"] = (X, Y), (logits, loss)  # logits alive until the next forward
-
     for i in range(steps):
         for loop in (loops if i % 2 == 0 else loops[::-1]):
             t0 = clock()
-            step(loop)
+            batch, logits, loss = step(*loop["parts"], loop["batch"], accumulation, batch_size, block_size)
+            loss.item()
             loop["times"].append(clock() - t0)
+            loop["batch"], loop["kept"] = batch, (logits, loss)  # logits alive until the next forward
+            del logits, loss
     out: dict[str, Any] = {"bare_s": loops[0]["times"], "monitored_s": loops[1]["times"]}
     monitor = loops[1]["monitor"]
     if monitor is not None:

@@ -126,8 +126,7 @@ class Monitor(PlainControls):
         if self._session.step_open and self._stepped:
             self._end()
         if not self._session.step_open:
-            self._begin()
-            self._model_hooks.settle(auto_step_begun=True)
+            self._begin(auto=True)
 
     @entry_point("optimizer pre-hook")
     def _optimizer_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -145,12 +144,12 @@ class Monitor(PlainControls):
             self._session.boundary(OPTIMIZER)
 
     # ------------------------------------------------------------------ steps
-    def _begin(self, epoch: int = 0, batch_idx: int | None = None, batch: Any = None, defer_lingering: bool = False) -> None:
+    def _begin(self, epoch: int = 0, batch_idx: int | None = None, batch: Any = None, defer_lingering: bool = False, auto: bool = False) -> None:
         self._stepped = False
         self._session.begin_step(
             self._step, epoch, self._step if batch_idx is None else batch_idx, batch=batch, defer_lingering=defer_lingering
         )
-        self._model_hooks.settle(auto_step_begun=False)
+        self._model_hooks.settle(auto_step_begun=auto)  # auto: the forward pre-hook began it
 
     def _end(self) -> None:
         hooks = self._model_hooks

@@ -53,7 +53,7 @@ class HookMeter:
             extra = time.perf_counter() - t0 - (cadence.own_s - before)
             if extra > 0:
                 cadence.own_s += extra
-                cadence.parts["hooks"] = cadence.parts.get("hooks", 0.0) + extra  # a cadence saved before this part
+                cadence.parts["hooks"] += extra
 
 
 class Ledger:

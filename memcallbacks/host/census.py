@@ -278,10 +278,9 @@ def explain_host_growth(
     grown = _grown_containers(before, after, min_entries)[: 3 * top]
     targets = [keep[i] for _, _, i in grown]
     keep.clear()
-    own: set[int] = set()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        paths = holder_paths(targets, ignore, time.perf_counter() + time_budget_s, own)
+        paths, own = holder_paths(targets, ignore, time.perf_counter() + time_budget_s)
     # a container no stable root reaches (the census's own, a framework's internals) says nothing;
     # one reached through the monitor's own objects (its history rows) is never named
     pairs = [(g, t) for g, t in zip(grown, targets) if g[2] not in own]

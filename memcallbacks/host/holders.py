@@ -66,13 +66,14 @@ def _is_own(obj: Any) -> bool:
     return type(obj).__module__.startswith("memcallbacks.")
 
 
-def holder_paths(targets: list[Any], ignore: Iterable[Any], deadline: float, own: set[int] | None = None) -> dict[int, str]:
-    """``{id(target): path}`` from the stable roots, for the targets a root reaches. A target whose
-    path passes through one of memcallbacks' own objects (the monitor's history rows, its readers'
-    reads, reached from a global the user keeps the monitor in or from ``gc.callbacks``) gets no
-    path and its id goes into ``own``: the monitor's records are not what the user's run keeps."""
+def holder_paths(targets: list[Any], ignore: Iterable[Any], deadline: float) -> tuple[dict[int, str], set[int]]:
+    """``({id(target): path}, own)``: paths from the stable roots, for the targets a root reaches. A
+    target whose path passes through one of memcallbacks' own objects (the monitor's history rows, its
+    readers' reads, reached from a global the user keeps the monitor in or from ``gc.callbacks``) gets
+    no path and its id is in ``own``: the monitor's records are not what the user's run keeps."""
     roots = Roots()
     out: dict[int, str] = {}
+    own: set[int] = set()
     wanted: set[int] = set()
     for obj in targets:
         label, where = roots.label(obj)
@@ -88,10 +89,9 @@ def holder_paths(targets: list[Any], ignore: Iterable[Any], deadline: float, own
         for t, _ in found:
             chain = chains.get(id(t))
             if chain is not None and any(map(_is_own, chain[:-1])):
-                if own is not None:
-                    own.add(id(t))
+                own.add(id(t))
             elif chain is not None:
                 out[id(t)] = render_chain(chain, roots)[0]
         search.release()
     roots.release()
-    return out
+    return out, own

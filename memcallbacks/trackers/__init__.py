@@ -25,11 +25,22 @@ def _class_names(obj: Any) -> set[str]:
     return {cls.__name__ for cls in type(obj).__mro__}
 
 
-_KNOWN = frozenset({
-    "TensorBoardLogger", "WandbLogger", "MLFlowLogger",  # Lightning
-    "TensorBoardTracker", "WandBTracker", "MLflowTracker",  # Accelerate
-    "TensorBoardCallback", "WandbCallback", "MLflowCallback",  # Transformers
-})
+def _tb() -> Any:
+    from memcallbacks.trackers.tensorboard import TensorBoardTracker
+
+    return TensorBoardTracker
+
+
+def _wandb() -> Any:
+    from memcallbacks.trackers.wandb import WandbTracker
+
+    return WandbTracker
+
+
+def _mlflow() -> Any:
+    from memcallbacks.trackers.mlflow import MlflowTracker
+
+    return MlflowTracker
 
 
 def recognise(obj: Any) -> Tracker | None:
@@ -37,34 +48,30 @@ def recognise(obj: Any) -> Tracker | None:
     module is imported only for an object it drives (a run with a CSV logger imports none: ~4 ms
     that fell on the first logged step)."""
     names = _class_names(obj)
-    if not names & _KNOWN:
-        return None
-    from memcallbacks.trackers.mlflow import MlflowTracker
-    from memcallbacks.trackers.tensorboard import TensorBoardTracker
-    from memcallbacks.trackers.wandb import WandbTracker
-
     source = type(obj).__name__
     # Lightning (lightning.pytorch and pytorch_lightning): the experiment of a logger exists on rank zero
     if "TensorBoardLogger" in names:
-        return TensorBoardTracker(lambda: obj.experiment, source=source)
+        return _tb()(lambda: obj.experiment, source=source)
     if "WandbLogger" in names:
-        return WandbTracker(lambda: obj.experiment, step_metric="trainer/global_step", source=source)
+        return _wandb()(lambda: obj.experiment, step_metric="trainer/global_step", source=source)
     if "MLFlowLogger" in names:
-        return MlflowTracker(lambda: (obj.experiment, obj.run_id), source=source)
+        return _mlflow()(lambda: (obj.experiment, obj.run_id), source=source)
     # Accelerate: accelerator.trackers, after accelerator.init_trackers(...)
     if "TensorBoardTracker" in names and hasattr(obj, "writer"):
-        return TensorBoardTracker(lambda: obj.writer, source=source)
+        return _tb()(lambda: obj.writer, source=source)
     if "WandBTracker" in names:
-        return WandbTracker(lambda: obj.run, source=source)  # accelerator.log(step=...) sets W&B's own step
+        return _wandb()(lambda: obj.run, source=source)  # accelerator.log(step=...) sets W&B's own step
     if "MLflowTracker" in names:
-        return MlflowTracker(lambda: MlflowTracker.fluent(obj.active_run), source=source)
+        mlflow = _mlflow()
+        return mlflow(lambda: mlflow.fluent(obj.active_run), source=source)
     # Transformers: report_to callbacks; the Trainer prefixes training keys with "train/"
     if "TensorBoardCallback" in names:
-        return TensorBoardTracker(lambda: obj.tb_writer, key_prefix="train/", source=source)
+        return _tb()(lambda: obj.tb_writer, key_prefix="train/", source=source)
     if "WandbCallback" in names:
-        return WandbTracker(lambda: obj._wandb.run if obj._initialized else None, key_prefix="train/", step_metric="train/global_step", source=source)
+        return _wandb()(lambda: obj._wandb.run if obj._initialized else None, key_prefix="train/", step_metric="train/global_step", source=source)
     if "MLflowCallback" in names:
-        return MlflowTracker(lambda: MlflowTracker.fluent(obj._ml_flow.active_run()) if obj._initialized else None, source=source)
+        mlflow = _mlflow()
+        return mlflow(lambda: mlflow.fluent(obj._ml_flow.active_run()) if obj._initialized else None, source=source)
     return None
 
 
