@@ -147,7 +147,7 @@ class Cadence:
         self.parts: dict[str, float] = dict.fromkeys(PARTS, 0.0)
         self.mark_every = MARK_EVERY_SAMPLES  # sampled steps between two lingering marks
         self.guard = BudgetGuard(self.budget, QUIET_FROM, MAX_INTERVAL)  # backs off the costliest part over the budget
-        self._started: tuple[float, float] | None = None  # (own_s, step_s) once QUIET_FROM steps are done
+        self._started: tuple[float, float, float] | None = None  # (own_s, step_s, hooks) once QUIET_FROM steps are done
 
     def configure(self, *, log_every: int, logs: bool, log_first_step: bool) -> None:
         self.log_every = log_every
@@ -236,7 +236,7 @@ class Cadence:
                 self.parts["tripwire"] += checks * self.trip_cost_s
         self._anchor = (count, now)
         if self._started is None and self.steps >= QUIET_FROM:
-            self._started = (self.own_s - self.finding_s, self.step_s)
+            self._started = (self.own_s - self.finding_s, self.step_s, self.parts["hooks"])
             self.guard.window = (self.steps, self.own_s - self.finding_s, self.step_s, dict(self.parts))  # its first window
         if count >= self._next_choice:
             self._next_choice = count + CHOOSE_EVERY
@@ -358,7 +358,7 @@ class Cadence:
         before then)."""
         if self._started is None:
             return math.nan
-        own0, step0 = self._started
+        own0, step0, _ = self._started
         step = self.step_s - step0
         return (self.own_s - self.finding_s - own0) / step if step > 0 else math.nan
 
@@ -373,6 +373,8 @@ class Cadence:
             "overhead_budget": self.budget,
             "overhead": None if math.isnan(self.overhead) else round(self.overhead, 5),
             "overhead_after_start": None if math.isnan(after) else round(after, 5),
+            # the hooks' part of overhead_after_start (a floor no interval lowers: docs/findings.md)
+            "hooks_after_start": None if math.isnan(after) else round((self.parts["hooks"] - self._started[2]) / (self.step_s - self._started[1]), 5),
             "finding_time_s": round(self.finding_s, 4),
             "read_every_n_steps": self.read_every,
             "dense_read_steps": DENSE_READ_STEPS,

@@ -36,7 +36,7 @@ class HookMeter:
     of a step that does nothing, and the cold caches they run in after the step's compute (20-30 µs
     a call in the nanoGPT-style loop, where the timers inside saw a fifth of the excess a bare run
     measured). ``plan``: the session's :class:`~memcallbacks._runtime.plan.StepPlan` (its cadence
-    is replaced when a run starts)."""
+    is replaced when a run starts). The part is right over the run, not call by call (see below)."""
 
     __slots__ = ("plan",)
 
@@ -50,10 +50,13 @@ class HookMeter:
         try:
             return fn(*args, **kwargs)
         finally:
+            # Not clamped at 0: a step's own time is timed in one hook call (its start, in the forward
+            # pre-hook) and charged in a later one (its end): the later call's difference is negative by
+            # what the earlier one counted twice, so over the run the hooks' part is each call's time
+            # less what the timers inside it measured (a census in a step's start: once, not twice)
             extra = time.perf_counter() - t0 - (cadence.own_s - before)
-            if extra > 0:
-                cadence.own_s += extra
-                cadence.parts["hooks"] += extra
+            cadence.own_s += extra
+            cadence.parts["hooks"] += extra
 
 
 class Ledger:
