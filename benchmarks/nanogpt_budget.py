@@ -10,15 +10,17 @@ A plain :class:`memcallbacks.Monitor` watches it at default settings, wired as a
 
 Usage::
 
-    python benchmarks/nanogpt_budget.py                 # 3 interleaved runs of 300 steps
-    python benchmarks/nanogpt_budget.py --quick         # 2 runs of 120 steps
+    python benchmarks/nanogpt_budget.py                 # 5 runs of 300 steps
+    python benchmarks/nanogpt_budget.py --quick         # 2 runs of 150 steps
     python benchmarks/nanogpt_budget.py --control       # two bare loops: the method's error
     python benchmarks/nanogpt_budget.py --json out.json
 
-Each run trains the bare loop and the monitored loop in this process, one optimizer step each in
-turn, every step timed (:func:`interleaved`); the ratio of their summed step times sits next to the
-monitor's own time (report.json's ``summary.cadence.own_time_s``, by part) over the bare loop's time,
-and its budget. Results: docs/benchmarks.md, "nanoGPT-style loop: the budget".
+Each run trains the bare loop and the monitored loop side by side, each in a process of its own
+(:func:`concurrent`), every step timed; the ratio of their summed step times sits next to the
+monitor's own time (report.json's ``summary.cadence.own_time_s``, by part) over the monitored loop's
+time, and its budget. Exit status 0 when the budget holds from step 48 in every run and the median
+wall-time excess is within one budget of the median own time. Results: docs/benchmarks.md,
+"nanoGPT-style loop: the budget".
 
 The tests import :func:`train` from here (``tests/runtime/test_budget_promise.py``).
 """
@@ -26,8 +28,8 @@ The tests import :func:`train` from here (``tests/runtime/test_budget_promise.py
 from __future__ import annotations
 
 import argparse
-import gc
 import json
+import multiprocessing
 import os
 import sys
 import tempfile
@@ -157,82 +159,141 @@ def train(
     return result
 
 
-def interleaved(steps: int, output_dir: str, *, accumulation: int = 4, batch_size: int = 8, block_size: int = 32,
-                monitored: bool = True, seed: int = 0) -> dict[str, Any]:
-    """The bare loop and the monitored loop in one process, one optimizer step each in turn (ABBA
-    order), each step timed: the machine's drift, which moved whole runs by 10-30% between pairs on
-    the shared box, falls on both alike (two bare loops measured so: 1.001). ``monitored=False``
-    is that control. Returns the per-step times and the monitor's cadence summary."""
+def _worker(monitored: bool, steps: int, output_dir: str | None, shape: dict[str, int], heap_objects: int,
+            seed: int, sync: Any, done: Any, finished: Any, results: Any) -> None:
+    """One loop of :func:`concurrent`, in a process of its own."""
+    torch.set_num_threads(1)
+    heap = [(i, str(i)) for i in range(heap_objects)]  # noqa: F841 (a real script's heap: imports, data, tokenizer)
+    accumulation, batch_size, block_size = shape["accumulation"], shape["batch_size"], shape["block_size"]
+    model, optimizer, data, g, monitor = setup(seed, block_size, {"output_dir": output_dir} if monitored else None)
+    batch = get_batch(data, batch_size, block_size, g)
+    kept: Any = None
+    # no untimed warm-up: the monitor's first steps are in its own time, so they are timed in both loops
+    # (their first steps are slow alike: the allocator, lazy initialisation)
     clock = time.perf_counter
-    loops = []
-    for watch in (False, monitored):
-        model, optimizer, data, g, monitor = setup(seed, block_size, {"output_dir": output_dir} if watch else None)
-        loops.append({"parts": (model, optimizer, data, g), "monitor": monitor, "times": [],
-                      "batch": get_batch(data, batch_size, block_size, g), "kept": None})
-    for i in range(steps):
-        for loop in (loops if i % 2 == 0 else loops[::-1]):
-            t0 = clock()
-            batch, logits, loss = step(*loop["parts"], loop["batch"], accumulation, batch_size, block_size)
-            loss.item()
-            loop["times"].append(clock() - t0)
-            loop["batch"], loop["kept"] = batch, (logits, loss)  # logits alive until the next forward
-            del logits, loss
-    out: dict[str, Any] = {"bare_s": loops[0]["times"], "monitored_s": loops[1]["times"]}
-    monitor = loops[1]["monitor"]
+    times: list[float] = []
+    sync.wait()
+    while len(times) < steps or not done.is_set():
+        t0 = clock()
+        batch, logits, loss = step(model, optimizer, data, g, batch, accumulation, batch_size, block_size)
+        loss.item()
+        elapsed = clock() - t0
+        kept = (logits, loss)  # logits alive until the next forward
+        del logits, loss
+        if len(times) < steps:
+            times.append(elapsed)
+            if len(times) == steps:
+                # the loop that finished first keeps training, untimed, until the other one is done too:
+                # every timed step of both ran beside the other loop (the monitor's own time then
+                # includes those few steps: at a 1% excess, ~3 of 300)
+                with finished.get_lock():
+                    finished.value += 1
+                    if finished.value == 2:
+                        done.set()
+    del kept
+    out: dict[str, Any] = {"monitored": monitored, "times": times}
     if monitor is not None:
         monitor.close()
-        out["cadence"] = monitor.report()["summary"]["cadence"]
+        report = monitor.report()
+        out["cadence"] = report["summary"]["cadence"]
+        out["findings"] = [f["kind"] for f in report["findings"]]
+    results.put(out)
+
+
+def concurrent(steps: int, output_dir: str, *, monitored: bool = True, accumulation: int = 4, batch_size: int = 8,
+               block_size: int = 32, heap_objects: int = 300_000, seed: int = 0,
+               timeout_s: float = 900.0) -> dict[str, Any]:
+    """The bare loop and the monitored loop **side by side**, each in a process of its own on its own
+    core (one intra-op thread each), started together, every step timed: the machine's drift falls
+    on both alike (two bare loops measured so: ratio 1.000-1.003), and each loop is alone in its
+    process, as in a real run.
+
+    Not in one process: torch's optimizer-step hooks are global, so the monitor's hooks ran in the
+    bare loop's optimizer steps too (and were timed there); and a monitor that sees the other loop's
+    step between two of its own measures steps twice as long as they are, so its budget let it do
+    twice the work (this benchmark's earlier, interleaved harness: "own time 2.5-2.7% of the bare step",
+    which no real run showed). ``monitored=False`` is the control. Needs two free cores; Linux
+    (``fork``). Returns the per-step times, and the monitor's cadence summary and findings."""
+    if "fork" not in multiprocessing.get_all_start_methods():  # pragma: no cover - not Linux
+        raise RuntimeError("nanogpt_budget.concurrent() forks its two loops: run it on Linux")
+    ctx = multiprocessing.get_context("fork")
+    sync, done, finished, results = ctx.Barrier(2, timeout=timeout_s), ctx.Event(), ctx.Value("i", 0), ctx.Queue()
+    shape = {"accumulation": accumulation, "batch_size": batch_size, "block_size": block_size}
+    procs = [ctx.Process(target=_worker, args=(watch, steps, output_dir if watch else None, shape, heap_objects, seed,
+                                                 sync, done, finished, results), daemon=True)
+             for watch in (False, monitored)]
+    for proc in procs:
+        proc.start()
+    try:
+        got = [results.get(timeout=timeout_s) for _ in procs]
+    finally:
+        for proc in procs:
+            proc.join(timeout=30)
+            if proc.is_alive():  # pragma: no cover - a hung worker
+                proc.kill()
+    bare = next(r for r in got if not r["monitored"]) if monitored else got[0]
+    other = next(r for r in got if r is not bare)
+    out: dict[str, Any] = {"bare_s": bare["times"], "monitored_s": other["times"]}
+    if "cadence" in other:
+        out["cadence"], out["findings"] = other["cadence"], other["findings"]
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--runs", type=int, default=3, help="interleaved runs (each a fresh pair of loops)")
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--quick", action="store_true", help="2 runs of 120 steps")
+    parser.add_argument("--runs", type=int, default=5, help="runs (each a fresh pair of loops, side by side)")
+    parser.add_argument("--quick", action="store_true", help="2 runs of 150 steps")
     parser.add_argument("--control", action="store_true", help="two bare loops: the method's own error (expect 1.00)")
     parser.add_argument("--heap-objects", type=int, default=300_000,
-                        help="extra small objects kept alive, as a real script's heap (nanoGPT's: imports, data, tokenizer)")
+                        help="extra small objects kept alive in each loop's process, as a real script's heap "
+                             "(nanoGPT's: imports, data, tokenizer)")
     parser.add_argument("--json", help="also write every run's numbers here")
     args = parser.parse_args(argv)
     if args.quick:
-        args.steps, args.runs = 120, 2
-    torch.set_num_threads(args.threads)
-    heap = [(i, str(i)) for i in range(args.heap_objects)]  # noqa: F841 (kept alive: a big heap makes heap scans cost what they cost in real scripts)
+        args.steps, args.runs = 150, 2
     runs: list[dict[str, Any]] = []
-    ok = True
+    held = True
     with tempfile.TemporaryDirectory() as tmp:
-        train(20, monitored=False)  # warm-up
         for run in range(args.runs):
-            gc.collect()
-            r = interleaved(args.steps, os.path.join(tmp, f"run{run}"), monitored=not args.control)
+            r = concurrent(args.steps, os.path.join(tmp, f"run{run}"), monitored=not args.control, heap_objects=args.heap_objects)
             bare, mon = sum(r["bare_s"]), sum(r["monitored_s"])
-            excess_us = (mon - bare) / args.steps * 1e6
-            line = f"run {run}: bare {bare:.3f} s, monitored {mon:.3f} s: ratio {mon / bare:.4f}, {excess_us:+.0f} µs/step"
-            row = {"bare_s": bare, "monitored_s": mon, "ratio": mon / bare, "excess_us_per_step": excess_us}
+            excess = mon / bare - 1
+            line = f"run {run}: bare {bare:.3f} s, monitored {mon:.3f} s: ratio {mon / bare:.4f}, {excess * 1e6 * bare / args.steps:+.0f} µs/step"
+            row: dict[str, Any] = {"bare_s": bare, "monitored_s": mon, "ratio": mon / bare,
+                                   "excess_us_per_step": excess * bare / args.steps * 1e6}
             c = r.get("cadence")
             if c is not None:
-                # the monitor's step time here includes the other loop's step (they alternate): its own
-                # time is set against the bare loop's time instead
-                own = c["own_time_s"] / bare
-                row.update(own_fraction=own, own_us_per_step=c["own_time_s"] / args.steps * 1e6, cadence=c)
-                line += (f"; own time {c['own_time_s'] / args.steps * 1e6:.0f} µs/step = {100 * own:.2f}% of the bare step "
-                         f"(budget {100 * c['overhead_budget']:g}%), by part {c['own_time_by_part_s']}")
-                # agreement: the excess the bare loop measures is within the own time plus one budget
-                ok = ok and mon / bare - 1 <= own + c["overhead_budget"]
+                own = c["own_time_s"] / mon  # its own time, of the monitored loop's timed steps
+                budget = c["overhead_budget"]
+                row.update(own_fraction=own, own_us_per_step=c["own_time_s"] / args.steps * 1e6, cadence=c, findings=r["findings"])
+                line += (f"\n  own time {row['own_us_per_step']:.0f} µs/step = {100 * own:.2f}% of the monitored step; "
+                         f"the monitor's report: {100 * c['overhead']:.2f}% in all, {100 * c['overhead_after_start']:.2f}% "
+                         f"from step {c['dense_read_steps']} (hooks {100 * c['hooks_after_start']:.2f}%), budget {100 * budget:g}%; "
+                         f"sampled every {c['sample_every_n_steps']}, findings {r['findings'] or 'none'}"
+                         f"\n  by part (s): {c['own_time_by_part_s']}")
+                # the budget: what the guard holds (from step 48: the first 48 steps watch every step,
+                # whatever it costs)
+                held = held and c["overhead_after_start"] <= budget
             runs.append(row)
             print(line, flush=True)
     ratios = sorted(r["ratio"] for r in runs)
-    print(f"\nmedian ratio {ratios[len(ratios) // 2]:.4f} over {len(runs)} interleaved runs of {args.steps} steps")
+    print(f"\nmedian ratio {ratios[len(ratios) // 2]:.4f} over {len(runs)} runs of {args.steps} steps, side by side")
+    agrees = True
     if not args.control:
+        # agreement: the wall-time excess a bare loop measures is the own time, within one budget either
+        # way, run for run's median (one 300-step run's excess moves by up to ±1% here: the two loops
+        # share the machine's caches and memory bandwidth, and not always alike)
         owns = sorted(r["own_fraction"] for r in runs)
-        print(f"median own time {100 * owns[len(owns) // 2]:.2f}% of the bare step; agreement (excess within own time "
-              f"plus one budget, every run): {'ok' if ok else 'NOT ok'}")
+        own, excess = owns[len(owns) // 2], ratios[len(ratios) // 2] - 1
+        agrees = abs(excess - own) <= runs[0]["cadence"]["overhead_budget"]
+        print(f"median own time {100 * own:.2f}% of the step against a median excess of {100 * excess:.2f}%: "
+              f"{'agrees' if agrees else 'does NOT agree'} (within one budget); the budget from step 48, every run: "
+              f"{'held' if held else 'NOT held'}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"runs": runs}, f, indent=1, default=str)
-    return 0 if ok else 1
+    return 0 if held and agrees else 1
 
 
 if __name__ == "__main__":

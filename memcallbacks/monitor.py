@@ -81,6 +81,7 @@ class Monitor(PlainControls):
         self._session.attach(log_fn=log_fn)
         self._meter = HookMeter(self._session.plan)  # every hook call's whole time is the monitor's own
         self._model_hooks = ModelHooks(self._session, self._forward_pre, self._meter)  # the forward hooks, the step's outputs
+        self._optimizer_hooks = OptimizerHooks(self._optimizer_pre, self._optimizer_post, self._meter)  # installed by _install_hooks
         self._step = 0
         self._stepped = False  # an optimizer step happened in the open step
         self._window = AccumulationWindow(accumulates=optimizer is not None)  # track()'s accumulation
@@ -103,7 +104,7 @@ class Monitor(PlainControls):
 
     def _install_hooks(self, model: nn.Module | None) -> None:
         # torch's global hook table holds the monitor weakly: one dropped without close() can be collected
-        self._cleanup.handles.extend(OptimizerHooks(self._optimizer_pre, self._optimizer_post, self._meter).install())
+        self._cleanup.handles.extend(self._optimizer_hooks.install())
         if model is not None:
             self._hook_model(model)
 
@@ -150,10 +151,13 @@ class Monitor(PlainControls):
             self._step, epoch, self._step if batch_idx is None else batch_idx, batch=batch, defer_lingering=defer_lingering
         )
         self._model_hooks.settle(auto_step_begun=auto)  # auto: the forward pre-hook began it
+        session = self._session  # a quiet step's optimizer pre-hook has nothing to do (an observer may want it)
+        self._optimizer_hooks.pre_open = not session.quiet_step or session.lingering_due or session.observed
 
     def _end(self) -> None:
         hooks = self._model_hooks
         hooks.open_gates()
+        self._optimizer_hooks.pre_open = True
         batch, output, outputs = self._batch, hooks.output, hooks.outputs
         self._batch = hooks.output = None
         hooks.outputs = []

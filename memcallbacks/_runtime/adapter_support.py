@@ -91,11 +91,14 @@ class OptimizerHooks:
 
     The hook table is global and holds ``pre``/``post`` weakly (:func:`weak_method`): an adapter
     dropped without its cleanup can still be collected. The pre-flight's fake optimizer step is
-    not the loop's and is left out."""
+    not the loop's and is left out. ``pre_open = False`` skips the pre-hook's call (the plain loop's
+    quiet steps, where it has nothing to do: a call costs 8-20 µs of cold caches after the step's
+    compute, 0.6% of a 1.4 ms step)."""
 
     def __init__(self, pre: Callable[..., Any], post: Callable[..., Any], meter: Any = None) -> None:
         self._pre, self._post = weak_method(pre), weak_method(post)
         self.meter = meter  # a HookMeter: each call's whole time is the monitor's own
+        self.pre_open = True
         self.handles: list[Any] = []
 
     def install(self) -> list[Any]:
@@ -106,7 +109,7 @@ class OptimizerHooks:
         return self.handles
 
     def _call_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if not fake_step_running():
+        if self.pre_open and not fake_step_running():
             self._pre(optimizer, args, kwargs) if self.meter is None else self.meter.call(self._pre, (optimizer, args, kwargs), {})
 
     def _call_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:

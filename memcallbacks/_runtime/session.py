@@ -119,10 +119,13 @@ class Session:
             self.checks.set_objects(model, optimizer, precision=precision, strategy=strategy, world_size=world_size)
 
     def observe(self, observer: Any) -> None:
-        """Call ``observer`` at the step protocol's points (the pytest plugin's probe): its
-        ``step_beginning(micro_batch)``, ``phase_closed(phase)``, ``step_ended(batch, loss)`` and
-        ``run_finishing()``, each before or after the session's own work as its name says."""
+        """Call ``observer`` at the step protocol's points (the pytest plugin's probe): its ``step_beginning(micro_batch)``,
+        ``phase_closed(phase)``, ``step_ended(batch, loss)``, ``run_finishing()``, before or after the session's work as named."""
         self._observers.append(observer)
+
+    @property
+    def observed(self) -> bool:  # an observer watches the steps: every hook's call is wanted
+        return bool(self._observers)
 
     def _notify(self, event: str, *args: Any) -> None:
         for observer in self._observers:

@@ -47,16 +47,15 @@ def test_nanogpt_style_loop_stays_within_its_budget_at_defaults(tmp_path):
     r = nanogpt.train(110, monitored=True, output_dir=str(tmp_path / "mem"), **STEADY)
     c = r["cadence"]
     # the budget holds from step 48 on; the first 48 steps watch every step whatever it costs (by design).
-    # Its own time is wall time: on a shared, oversubscribed machine a preemption inside the monitor's
-    # code lands in it (a 0.1 ms read measured 4 ms here), so a quarter of the budget is left for that:
-    # measured 0.63-0.70% in the benchmark's longer runs, 0.75-1.09% in this test's 62 steps
-    # (the per-step cost itself is measured in benchmarks/nanogpt_budget.py, not here: a unit test only
-    # guards against the regression's size, 7-20%, with room for a loaded machine's preemptions)
-    # Since the hooks are timed whole (the `hooks` part: each call's frames and the cold caches they run
-    # in after the step's compute, 20-60 µs a call on this VM, uncounted before), the own time is what a
-    # bare run measures against this one: 1.15-1.25% from step 48 and 2.2-2.4% in all on ~14 ms steps here.
+    # Its own time is wall time, every hook call timed whole: on a shared, oversubscribed machine a
+    # preemption inside the monitor's code lands in it (a 0.1 ms read measured 4 ms here). The budget
+    # itself is measured in benchmarks/nanogpt_budget.py, side by side with a bare loop (300 steps of
+    # ~30 ms: 0.68-0.81% from step 48, 0.87-0.99% in all, the wall-time excess agreeing); this run is
+    # too short for the guard's windows (62 steps after the first 48) and its steps are ~10 ms:
+    # 1.30-1.38% from step 48 (hooks 0.5%), 2.0% in all. A unit test guards against the regression's
+    # size (7-20%), with room for a loaded machine's preemptions.
     assert c["overhead_after_start"] is not None and c["overhead_after_start"] <= 3 * c["overhead_budget"], c
-    assert c["overhead"] < 6 * c["overhead_budget"], c  # was 7-20% before the fix
+    assert c["overhead"] < 4 * c["overhead_budget"], c  # was 7-20% before the fix
     assert c["own_time_by_part_s"]["hooks"] > 0, c
     assert c["lingering_heap_scans"] == 0, c  # `loss` is a local of train(): found without the heap
     # the situation (last step's logits and divided loss alive) is measured, found harmless, backed off:
@@ -104,8 +103,8 @@ def test_a_root_only_the_heap_scan_finds_is_scanned_once_the_budget_pays_for_it(
     assert c["own_time_by_part_s"]["lingering"] > 0
     # own time is wall time: on a loaded 2-core machine a preemption inside the monitor's code lands in it
     # (the first test leaves a quarter of the budget for that; a full-suite run under load measured 2.2%)
-    # the hooks' part (each call timed whole) has no interval to back off: on these ~1 ms steps it is
-    # ~33 µs a step (3.3% of the step), a floor the guard cannot lower; what the budget controls is the rest
+    # the hooks' part (each call timed whole) has no interval to back off: on ~1.4 ms steps of a small
+    # MLP it is ~28 µs a step (2.0% of the step), a floor the guard cannot lower; what it controls is the rest
     assert c["overhead_after_start"] - c["hooks_after_start"] <= 2.5 * c["overhead_budget"], c
     _parts_add_up(c)
 
@@ -194,3 +193,18 @@ def test_a_census_in_a_hook_is_counted_once(tmp_path):
     assert parts["findings"] > 0, c  # the growth was found and its holders named
     assert parts["hooks"] < 0.25 * parts["findings"], parts
     _parts_add_up(c)
+
+
+def test_the_benchmark_times_both_loops_side_by_side_each_in_its_own_process(tmp_path):
+    """benchmarks/nanogpt_budget.py's harness (docs/benchmarks.md): a bare and a monitored loop, each
+    in a process of its own (torch's optimizer-step hooks are global: in one process the monitor's
+    hooks ran in the bare loop's steps too), every step of both timed; the monitor's cadence comes
+    back from its process. No timing is asserted: the numbers are the benchmark's."""
+    r = nanogpt.concurrent(6, str(tmp_path / "mem"), heap_objects=0, timeout_s=120, **SMALL)
+    assert len(r["bare_s"]) == len(r["monitored_s"]) == 6
+    assert all(t > 0 for t in r["bare_s"] + r["monitored_s"])
+    assert r["cadence"]["own_time_s"] > 0 and r["findings"] == [], r
+    assert (tmp_path / "mem" / "report.json").exists()  # written by the monitored loop's process
+    control = nanogpt.concurrent(3, str(tmp_path / "none"), monitored=False, heap_objects=0, timeout_s=120, **SMALL)
+    assert "cadence" not in control and len(control["monitored_s"]) == 3
+    assert not (tmp_path / "none").exists()  # neither loop had a monitor
