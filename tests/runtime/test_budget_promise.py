@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
-import os
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,6 @@ import torch
 from torch import nn
 
 from memcallbacks import Monitor
-from memcallbacks._runtime.cadence import MARK_EVERY_SAMPLES
 
 _BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "nanogpt_budget.py"
 _spec = importlib.util.spec_from_file_location("nanogpt_budget", _BENCH)
