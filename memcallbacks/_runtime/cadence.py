@@ -34,81 +34,27 @@ import time
 from typing import Any
 
 from memcallbacks._base.config import MonitorConfig
+from memcallbacks._runtime.intervals import (  # the constants are re-exported: they are the cadence's
+    LINGERING_EVERY_STEP_UNTIL,
+    MARK_EVERY_SAMPLES,
+    MEASURE_STEPS,
+    DENSE_READ_STEPS,
+    CONFIRM_STEPS,
+    TRIP_EVERY,
+    TRIP_MASK,
+    QUIET_FROM,
+    CHOOSE_EVERY,
+    MAX_INTERVAL,
+    MAX_READ_INTERVAL,
+    READ_SHARE,
+    COLD_FACTOR,
+    aligned_reads,
+    aligned_samples,
+    median,
+)
 from memcallbacks._runtime.ledger import LINGERING_SHARE, PARTS, BudgetGuard, Ledger
 
 __all__ = ["Cadence", "TRIP_MASK", "TRIP_EVERY", "COLD_FACTOR", "LINGERING_EVERY_STEP_UNTIL", "MARK_EVERY_SAMPLES", "DENSE_READ_STEPS", "QUIET_FROM"]
-
-# Lingering references are checked after every one of the first steps, then after every
-# MARK_EVERY_SAMPLES-th sampled step (a loop that keeps the previous step's batch or graph keeps
-# them at every step, so any one check finds it; each check costs a step that is not quiet).
-LINGERING_EVERY_STEP_UNTIL = 20
-MARK_EVERY_SAMPLES = 4
-# Steps sampled at the start, before the budget has measurements to choose from.
-MEASURE_STEPS = 8
-# The watch's memory read is taken at every one of a run's first steps, whatever it costs: a leak in
-# the training code leaks from step 0, and growth detection needs about this many steps to confirm a
-# leak of 256 KiB/step (docs/benchmarks.md). The budget chooses the interval after them.
-DENSE_READ_STEPS = 48
-# A read that finds the floor risen by the growth test's minimum since the last few reads makes the
-# watch read every step for this many steps (enough for the growth test to confirm a leak of
-# 256 KiB/step); each such burst that ends doubles the rise the next one needs.
-CONFIRM_STEPS = 24
-# The RSS tripwire is checked on the quiet steps whose count is a multiple of this (a power of two:
-# the check is ``count & TRIP_MASK == 0``). Its /proc read takes ~1 µs, but it is a system call, and
-# the training step after one runs slower (cold caches): +15-19 µs on a 0.5 ms step
-# (benchmarks/syscall_cost.py), +6 to +10 µs per step at every 4th step of a 1.3 ms Lightning fit
-# (docs/benchmarks.md). Every 8th step halves that, but a late leak of 4 MiB/step was then found
-# 13 steps after it began and one of 256 KiB/step 36 (targets 12 and 35); every 4th: 8-9 and 20-28.
-TRIP_EVERY = 4
-TRIP_MASK = TRIP_EVERY - 1
-# Steps before this count are never quiet (see Session.begin_step): they are measured, read and checked.
-QUIET_FROM = max(LINGERING_EVERY_STEP_UNTIL, DENSE_READ_STEPS, MEASURE_STEPS)
-# The intervals are chosen again every this many steps, from the latest measurements.
-CHOOSE_EVERY = 16
-MAX_INTERVAL = 1024
-# At most this many steps between two reads, whatever a read costs (growth detection needs a few
-# reads across a leak's first megabytes), unless the reads ride on logged steps at most 64 apart.
-MAX_READ_INTERVAL = 32
-# The share of the budget that the reads may take; the logged steps and sampling get the rest.
-READ_SHARE = 0.5
-# A step the monitor works in costs the training loop more than the monitor's own measured time: its
-# reads and its code evict the step's data from the caches, and the step then runs slower. Measured
-# with benchmarks/overhead.py on a ~1.4 ms CPU step (docs/benchmarks.md), a read or sampled step
-# slowed the fit by 2-3x what the monitor timed in itself; the budget counts twice the measured time.
-COLD_FACTOR = 2.0
-
-
-
-def _aligned(every: int, log_every: int) -> int:
-    """The read interval that puts reads on logged steps: the smallest divisor of ``log_every`` at or
-    above ``every``, or where the budget's ``every`` is longer than the logging interval the largest
-    multiple of ``log_every`` at or below it (a logged step's heap read is not free: the plan takes
-    it on the steps it names, ``StepPlan.heap_due``). Not aligned past ``2 * MAX_READ_INTERVAL``."""
-    if log_every > 2 * MAX_READ_INTERVAL:
-        return every
-    return every // log_every * log_every if every >= log_every else _divisor_from(every, log_every)
-
-
-def _divisor_from(every: int, log_every: int) -> int:
-    """The smallest divisor of ``log_every`` at or above ``every`` (at most ``log_every`` itself)."""
-    return next(d for d in range(every, log_every + 1) if log_every % d == 0)
-
-
-def _aligned_samples(every: int, log_every: int) -> int:
-    """The sampling interval at or above ``every`` that puts the budget's samples on logged steps,
-    which are sampled anyway: a multiple of ``log_every`` (no sample besides the logged ones) or a
-    divisor of it (samples in phase between them), unless that leaves no sample between logged steps
-    where the budget allows two or more (a prime logging interval: the budget's own interval, out
-    of phase)."""
-    if every >= log_every:
-        return -(-every // log_every) * log_every
-    divisor = _divisor_from(every, log_every)
-    return every if divisor == log_every and 2 * every <= log_every else divisor
-
-
-def _median(values: Any) -> float:
-    ordered = sorted(values)
-    return float(ordered[len(ordered) // 2]) if ordered else math.nan
 
 
 class Cadence:
@@ -303,7 +249,7 @@ class Cadence:
         memory (the read plus the watch around it), on sampled steps and on logged steps (always
         sampled); the other steps are quiet. The reads may take :data:`READ_SHARE` of the budget,
         the logged steps take what they cost, and sampling gets what is left."""
-        step = _median(self._step_times)
+        step = median(self._step_times)
         if not step > 0:
             return
         self.ledger.step_s = step
@@ -319,22 +265,22 @@ class Cadence:
             every = max(MARK_EVERY_SAMPLES, math.ceil(steps / max(1, self.sample_every)))
             self.mark_every = min(MAX_INTERVAL, every * self.guard.backoff["lingering"])
             allowed -= check / (self.mark_every * max(1, self.sample_every))
-        watch = _median(self._watch_costs) if self._watch_costs else 0.0
+        watch = median(self._watch_costs) if self._watch_costs else 0.0
         if self._read_costs:
-            read = COLD_FACTOR * (_median(self._read_costs) + watch)
+            read = COLD_FACTOR * (median(self._read_costs) + watch)
             every = max(1, min(MAX_READ_INTERVAL, math.ceil(read / (allowed * READ_SHARE))))
             every = min(MAX_INTERVAL, every * self.guard.backoff["read"])
             if self.logs:
                 # logged steps are sampled, and a sampled step's baseline is a read: reads in phase
                 # with them, at an interval that divides the logging interval, cost nothing on them
-                every = _aligned(every, self.log_every)
+                every = aligned_reads(every, self.log_every)
                 allowed -= read * (1 / every - 1 / self.log_every) if every <= self.log_every else read / every
             else:
                 allowed -= read / every
             self.read_every = every
         if self.explicit or not self._sample_costs:
             return
-        sample = COLD_FACTOR * _median(self._sample_costs)
+        sample = COLD_FACTOR * median(self._sample_costs)
         if self.logs:
             allowed -= sample / self.log_every
         every = max(1, min(MAX_INTERVAL, MAX_INTERVAL if allowed <= 0 else math.ceil(sample / allowed)))
@@ -342,7 +288,7 @@ class Cadence:
         if self.logs:
             # a sample a few steps from a logged one adds a busy step and little history: the budget
             # is a ceiling, and its samples go in phase with the logged steps (as the reads do)
-            every = _aligned_samples(every, self.log_every)
+            every = aligned_samples(every, self.log_every)
         self.sample_every = every
 
     # ------------------------------------------------------------------ what it says about itself
@@ -363,11 +309,11 @@ class Cadence:
         return (self.own_s - self.finding_s - own0) / step if step > 0 else math.nan
 
     def summary(self) -> dict[str, Any]:
-        step = _median(self._step_times)
+        step = median(self._step_times)
         after = self.overhead_after_start
 
         def us(values: Any) -> float | None:
-            return round(_median(values) * 1e6, 2) if values else None
+            return round(median(values) * 1e6, 2) if values else None
 
         return {
             "overhead_budget": self.budget,

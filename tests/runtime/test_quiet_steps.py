@@ -38,7 +38,7 @@ pytestmark = pytest.mark.usefixtures("one_thread", "collected_heap")
     (32, 100, 32), (20, 200, 20),  # logging intervals over 64: not aligned (the reads' latency wins)
 ])
 def test_read_interval_divides_the_logging_interval(every, log_every, aligned):
-    assert C._aligned(every, log_every) == aligned
+    assert C.aligned_reads(every, log_every) == aligned
 
 
 @pytest.mark.parametrize(("every", "log_every", "aligned"), [
@@ -47,7 +47,7 @@ def test_read_interval_divides_the_logging_interval(every, log_every, aligned):
     (60, 997, 60), (5, 7, 7), (3, 7, 3),  # a prime logging interval: kept where it allows two samples or more
 ])
 def test_budget_samples_go_in_phase_with_the_logged_steps(every, log_every, aligned):
-    assert C._aligned_samples(every, log_every) == aligned
+    assert C.aligned_samples(every, log_every) == aligned
 
 
 def cadence(**config: Any) -> C.Cadence:
