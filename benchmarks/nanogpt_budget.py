@@ -94,13 +94,14 @@ def get_batch(data: torch.Tensor, batch_size: int, block_size: int, g: torch.Gen
     return x, y
 
 
-def setup(seed: int, block_size: int, monitor_kwargs: dict[str, Any] | None) -> tuple[nn.Module, torch.optim.Optimizer, torch.Tensor, torch.Generator, Any]:
+def setup(seed: int, block_size: int, monitor_kwargs: dict[str, Any] | None,
+          model_kwargs: dict[str, int] | None = None) -> tuple[nn.Module, torch.optim.Optimizer, torch.Tensor, torch.Generator, Any]:
     """Model, optimizer, data and batch generator of one loop, seeded; with ``monitor_kwargs`` (not
     None) a plain ``Monitor(model, optimizer, **monitor_kwargs)`` at defaults otherwise."""
     torch.manual_seed(seed)
     g = torch.Generator().manual_seed(seed)
     data = make_data(seed=seed)
-    model = TinyGPT(block_size=block_size)
+    model = TinyGPT(block_size=block_size, **(model_kwargs or {}))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     monitor = None
     if monitor_kwargs is not None:
@@ -164,8 +165,8 @@ def _worker(monitored: bool, steps: int, output_dir: str | None, monitor_kwargs:
     """One loop of :func:`concurrent`, in a process of its own."""
     torch.set_num_threads(1)
     heap = [(i, str(i)) for i in range(heap_objects)]  # noqa: F841 (a real script's heap: imports, data, tokenizer)
-    accumulation, batch_size, block_size = shape["accumulation"], shape["batch_size"], shape["block_size"]
-    model, optimizer, data, g, monitor = setup(seed, block_size, {"output_dir": output_dir, **monitor_kwargs} if monitored else None)
+    accumulation, batch_size, block_size = shape.pop("accumulation"), shape.pop("batch_size"), shape.pop("block_size")
+    model, optimizer, data, g, monitor = setup(seed, block_size, {"output_dir": output_dir, **monitor_kwargs} if monitored else None, shape)
     batch = get_batch(data, batch_size, block_size, g)
     kept: Any = None
     # no untimed warm-up: the monitor's first steps are in its own time, so they are timed in both loops
@@ -202,7 +203,7 @@ def _worker(monitored: bool, steps: int, output_dir: str | None, monitor_kwargs:
 
 def concurrent(steps: int, output_dir: str, *, monitored: bool = True, accumulation: int = 4, batch_size: int = 8,
                block_size: int = 32, heap_objects: int = 300_000, seed: int = 0, timeout_s: float = 900.0,
-               monitor_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
+               monitor_kwargs: dict[str, Any] | None = None, model_kwargs: dict[str, int] | None = None) -> dict[str, Any]:
     """The bare loop and the monitored loop **side by side**, each in a process of its own on its own
     core (one intra-op thread each), started together, every step timed: the machine's drift falls
     on both alike (two bare loops measured so: ratio 1.000-1.003), and each loop is alone in its
@@ -213,13 +214,13 @@ def concurrent(steps: int, output_dir: str, *, monitored: bool = True, accumulat
     step between two of its own measures steps twice as long as they are, so its budget let it do
     twice the work (this benchmark's earlier, interleaved harness: "own time 2.5-2.7% of the bare step",
     which no real run showed). ``monitored=False`` is the control; ``monitor_kwargs``: the monitor's
-    settings other than its defaults. Needs two free cores; Linux
+    settings other than its defaults; ``model_kwargs``: :class:`TinyGPT`'s (``n_layer``, ``n_head``, ``n_embd``). Needs two free cores; Linux
     (``fork``). Returns the per-step times, and the monitor's cadence summary and findings."""
     if "fork" not in multiprocessing.get_all_start_methods():  # pragma: no cover - not Linux
         raise RuntimeError("nanogpt_budget.concurrent() forks its two loops: run it on Linux")
     ctx = multiprocessing.get_context("fork")
     sync, done, finished, results = ctx.Barrier(2, timeout=timeout_s), ctx.Event(), ctx.Value("i", 0), ctx.Queue()
-    shape = {"accumulation": accumulation, "batch_size": batch_size, "block_size": block_size}
+    shape = {"accumulation": accumulation, "batch_size": batch_size, "block_size": block_size, **(model_kwargs or {})}
     procs = [ctx.Process(target=_worker, args=(watch, steps, output_dir if watch else None, monitor_kwargs or {}, shape, heap_objects, seed,
                                                  sync, done, finished, results), daemon=True)
              for watch in (False, monitored)]
@@ -240,6 +241,13 @@ def concurrent(steps: int, output_dir: str, *, monitored: bool = True, accumulat
     return out
 
 
+#: The loops ``--shape`` names: :func:`concurrent`'s keyword arguments.
+SHAPES: dict[str, dict[str, Any]] = {
+    "small": {},
+    "nanogpt-cpu": {"accumulation": 1, "batch_size": 12, "block_size": 64, "model_kwargs": {"n_layer": 4, "n_head": 4, "n_embd": 128}},
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=300)
@@ -249,6 +257,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heap-objects", type=int, default=300_000,
                         help="extra small objects kept alive in each loop's process, as a real script's heap "
                              "(nanoGPT's: imports, data, tokenizer)")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="small",
+                        help="small: 2 layers, 64 wide, accumulation 4 (~26 ms steps here); nanogpt-cpu: the CPU "
+                             "configuration in nanoGPT's README (4 layers, 4 heads, 128 wide, block 64, batch 12, no accumulation)")
     parser.add_argument("--json", help="also write every run's numbers here")
     args = parser.parse_args(argv)
     if args.quick:
@@ -257,7 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     held = True
     with tempfile.TemporaryDirectory() as tmp:
         for run in range(args.runs):
-            r = concurrent(args.steps, os.path.join(tmp, f"run{run}"), monitored=not args.control, heap_objects=args.heap_objects)
+            r = concurrent(args.steps, os.path.join(tmp, f"run{run}"), monitored=not args.control, heap_objects=args.heap_objects,
+                           **SHAPES[args.shape])
             bare, mon = sum(r["bare_s"]), sum(r["monitored_s"])
             excess = mon / bare - 1
             line = f"run {run}: bare {bare:.3f} s, monitored {mon:.3f} s: ratio {mon / bare:.4f}, {excess * 1e6 * bare / args.steps:+.0f} µs/step"
