@@ -160,13 +160,13 @@ def train(
     return result
 
 
-def _worker(monitored: bool, steps: int, output_dir: str | None, monitor_kwargs: dict[str, Any], shape: dict[str, int],
-            heap_objects: int, seed: int, sync: Any, done: Any, finished: Any, results: Any) -> None:
+def _worker(monitored: bool, steps: int, output_dir: str | None, monitor_kwargs: dict[str, Any], shape: tuple[int, int, int],
+            model_kwargs: dict[str, int], heap_objects: int, seed: int, sync: Any, done: Any, finished: Any, results: Any) -> None:
     """One loop of :func:`concurrent`, in a process of its own."""
     torch.set_num_threads(1)
     heap = [(i, str(i)) for i in range(heap_objects)]  # noqa: F841 (a real script's heap: imports, data, tokenizer)
-    accumulation, batch_size, block_size = shape.pop("accumulation"), shape.pop("batch_size"), shape.pop("block_size")
-    model, optimizer, data, g, monitor = setup(seed, block_size, {"output_dir": output_dir, **monitor_kwargs} if monitored else None, shape)
+    accumulation, batch_size, block_size = shape
+    model, optimizer, data, g, monitor = setup(seed, block_size, {"output_dir": output_dir, **monitor_kwargs} if monitored else None, model_kwargs)
     batch = get_batch(data, batch_size, block_size, g)
     kept: Any = None
     # no untimed warm-up: the monitor's first steps are in its own time, so they are timed in both loops
@@ -214,15 +214,15 @@ def concurrent(steps: int, output_dir: str, *, monitored: bool = True, accumulat
     step between two of its own measures steps twice as long as they are, so its budget let it do
     twice the work (this benchmark's earlier, interleaved harness: "own time 2.5-2.7% of the bare step",
     which no real run showed). ``monitored=False`` is the control; ``monitor_kwargs``: the monitor's
-    settings other than its defaults; ``model_kwargs``: :class:`TinyGPT`'s (``n_layer``, ``n_head``, ``n_embd``). Needs two free cores; Linux
-    (``fork``). Returns the per-step times, and the monitor's cadence summary and findings."""
+    settings other than its defaults; ``model_kwargs``: :class:`TinyGPT`'s (``n_layer``, ``n_head``,
+    ``n_embd``). Needs two free cores; Linux (``fork``). Returns the per-step times, and the monitor's cadence summary and findings."""
     if "fork" not in multiprocessing.get_all_start_methods():  # pragma: no cover - not Linux
         raise RuntimeError("nanogpt_budget.concurrent() forks its two loops: run it on Linux")
     ctx = multiprocessing.get_context("fork")
     sync, done, finished, results = ctx.Barrier(2, timeout=timeout_s), ctx.Event(), ctx.Value("i", 0), ctx.Queue()
-    shape = {"accumulation": accumulation, "batch_size": batch_size, "block_size": block_size, **(model_kwargs or {})}
-    procs = [ctx.Process(target=_worker, args=(watch, steps, output_dir if watch else None, monitor_kwargs or {}, shape, heap_objects, seed,
-                                                 sync, done, finished, results), daemon=True)
+    shape = (accumulation, batch_size, block_size)
+    procs = [ctx.Process(target=_worker, args=(watch, steps, output_dir if watch else None, monitor_kwargs or {}, shape,
+                                                 model_kwargs or {}, heap_objects, seed, sync, done, finished, results), daemon=True)
              for watch in (False, monitored)]
     for proc in procs:
         proc.start()

@@ -47,7 +47,6 @@ READ_SHARE = 0.5
 COLD_FACTOR = 2.0
 
 
-
 def aligned_reads(every: int, log_every: int) -> int:
     """The read interval that puts reads on logged steps: the smallest divisor of ``log_every`` at or
     above ``every``, or where the budget's ``every`` is longer than the logging interval the largest

@@ -10,7 +10,6 @@ on the step path (``track()``'s items, ``step()``, the hooks).
 from __future__ import annotations
 
 import contextlib
-
 import logging
 from typing import TYPE_CHECKING, Any, Iterator, TypeVar
 
