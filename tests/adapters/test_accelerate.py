@@ -17,7 +17,9 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import GIB, MIB, BackwardTemporary, TemporaryNet, free_port, set_rank_environment, tensorboard_scalars, touch_temporary
+from helpers import (
+    GIB, MIB, BackwardTemporary, TemporaryNet, free_port, leave_rank, set_rank_environment, tensorboard_scalars, touch_temporary,
+)
 from memcallbacks import MonitorConfig
 from memcallbacks.accelerate import AccelerateMemoryMonitor
 
@@ -261,6 +263,7 @@ def _rank_main(rank: int, world_size: int, port: int, out: str) -> None:
     # (before end_training, which destroys the process group)
     torch.distributed.barrier()
     accelerator.end_training()
+    leave_rank()  # before the DDP model is freed: see helpers.leave_rank
 
 
 @pytest.mark.slow

@@ -25,7 +25,7 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import MIB, BoringModel, RandomDataModule, free_port, set_rank_environment, trainer_kwargs
+from helpers import MIB, BoringModel, RandomDataModule, free_port, leave_rank, set_rank_environment, trainer_kwargs
 from memcallbacks import Monitor
 from memcallbacks._runtime.lifecycle import WeakHook
 
@@ -175,6 +175,7 @@ def _ddp_rank(rank: int, world_size: int, port: int, out: str) -> None:
         Path(out, f"rows.{rank}").write_text(",".join(str(s) for s in monitor.history["step"]))
     finally:
         dist.destroy_process_group()
+    leave_rank()  # before the DDP model is freed: see helpers.leave_rank
 
 
 # ---------------------------------------------------------------------- Accelerate

@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 import torch
 
-from helpers import GIB, MIB, free_port, set_rank_environment, tensorboard_scalars, touch_temporary
+from helpers import GIB, MIB, free_port, leave_rank, set_rank_environment, tensorboard_scalars, touch_temporary
 
 transformers = pytest.importorskip("transformers")
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
@@ -188,6 +188,7 @@ def _rank_main(rank: int, world_size: int, port: int, out: str) -> None:
     trainer = Trainer(model=model, args=args, train_dataset=TokenData(), callbacks=[monitor])
     assert trainer.args.world_size == world_size
     trainer.train()
+    leave_rank()  # before the DDP model is freed: see helpers.leave_rank
 
 
 @pytest.mark.slow
