@@ -18,6 +18,7 @@ class Timeline:
 
     def __init__(self) -> None:
         self._prof: Any = None
+        self.profiled = False  # the profiler ran in this test: its events sat in the process's native heap
         self.labels: list[tuple[int, tuple[Any, ...]]] = []  # (probe id, label), in mark order
         self.unavailable = ""
         self.steps: dict[int, list[dict[str, int]]] = {}  # probe id -> per step {phase: relative peak}
@@ -38,6 +39,7 @@ class Timeline:
             self.unavailable = f"torch.profiler would not start ({exc})"
             return
         self._prof = prof
+        self.profiled = True
 
     @property
     def running(self) -> bool:
