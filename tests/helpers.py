@@ -260,6 +260,44 @@ def set_rank_environment(rank: int, world_size: int, port: int) -> None:
     torch.set_num_threads(1)
 
 
+RANK_TIMEOUT_S = 240.0
+"""How long a test's ranks may run: a rank still running then prints every thread's stack and
+exits non-zero, and :func:`run_ranks` fails the test naming it (a hang would otherwise hold the
+worker until CI's limit)."""
+
+
+def _rank_with_deadline(rank: int, fn: Any, timeout_s: float, *args: Any) -> None:
+    import faulthandler
+
+    faulthandler.dump_traceback_later(timeout_s, exit=True)  # the stacks go to the rank's stderr
+    fn(rank, *args)
+
+
+def run_ranks(fn: Any, args: tuple[Any, ...], nprocs: int = 2, start_method: str = "fork",
+              timeout_s: float = RANK_TIMEOUT_S) -> None:
+    """Run ``fn(rank, *args)`` in ``nprocs`` processes and wait for them; a rank that fails, or is
+    still running after ``timeout_s`` (its stacks printed), fails the test with a message."""
+    import time
+
+    import torch.multiprocessing as mp
+
+    context = mp.start_processes(_rank_with_deadline, args=(fn, timeout_s, *args), nprocs=nprocs, join=False,
+                                 start_method=start_method)
+    deadline = time.monotonic() + timeout_s + 30
+    try:
+        while not context.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                alive = [r for r, p in enumerate(context.processes) if p.is_alive()]
+                for p in context.processes:
+                    if p.is_alive():
+                        p.kill()
+                raise AssertionError(f"ranks {alive} of {nprocs} were still running {timeout_s + 30:.0f} s after "
+                                     f"they started; their stacks (faulthandler) are in the captured stderr")
+    except mp.ProcessExitedException as exc:
+        raise AssertionError(f"a rank failed: {exc} (a hang past {timeout_s:.0f} s ends as exit code 1 with the "
+                             f"rank's stacks printed to its stderr)") from exc
+
+
 def leave_rank() -> None:
     """The last line of a forked rank that trained a DDP model: leave the process at once, without
     freeing the rank function's locals or tearing down the interpreter. The DDP model's reducer can

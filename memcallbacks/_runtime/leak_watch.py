@@ -369,14 +369,12 @@ class LeakWatch:
         return census
 
     def census(self, batch: Any = None) -> Census:
-        """A census now (for ``explain()``), of the whole heap even where it is frozen: two censuses
-        that saw different parts of it would report what one of them missed as growth."""
-        with visible_heap():
-            return take_census(
-                model=self.model,
-                optimizer=self.optimizer,
-                current_batch=batch,
-                time_budget_s=self.config.census_time_budget_s,
-                ignore=self._ignore,
-            )
+        """A census now (for ``explain()``)."""
+        return take_census(
+            model=self.model,
+            optimizer=self.optimizer,
+            current_batch=batch,
+            time_budget_s=self.config.census_time_budget_s,
+            ignore=self._ignore,
+        )
 

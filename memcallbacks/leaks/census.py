@@ -13,6 +13,7 @@ import torch
 from memcallbacks._base.storage import StorageKey
 from memcallbacks._base.units import format_bytes
 from memcallbacks.leaks.classify import StorageClassifier, as_list, scan_heap, unique
+from memcallbacks.leaks.frozen import visible_heap
 from memcallbacks.leaks.holders import HolderPath, search_paths
 
 __all__ = [
@@ -39,6 +40,9 @@ CATEGORIES = (
     "other",
 )
 """Census categories, in precedence order: a storage gets the first one that applies."""
+
+MODEL_STATES = ("parameters", "gradients", "optimizer state", "buffers")
+"""The model's own states: a storage that is one of them now and existed before is never growth."""
 
 SUSPICIOUS = ("previous batches", "graph-held", "other")
 """Categories whose tensors get a holder path in a census."""
@@ -127,13 +131,15 @@ class Census:
         1 tensor" would then name a holder that holds nothing new. Nor is a storage that was there
         before and is now bound to a frame's variable itself (``local x``, no subscript or
         attribute): a loop variable that holds a view of a dataset tensor (``for x in
-        list(data)``) is rebound every step and keeps nothing. A storage that a frame held the first
+        list(data)``) is rebound every step and keeps nothing; nor a model state (parameters, gradients,
+        optimizer state, buffers) that was there before, whichever census missed the model it belongs
+        to. A storage that a frame held the first
         time (the step's batch) and a container keeps now counts as that container's growth."""
         held = {(r.device, r.data_ptr, r.nbytes) for r in before.records if r.holder and " local " not in r.holder and r.holder not in (NOT_SEARCHED, NO_ROOT)}
         existed = {(r.device, r.data_ptr, r.nbytes) for r in before.records}
         now_keys = {(r.device, r.data_ptr, r.nbytes) for r in self.records}
-        rebound = {(r.device, r.data_ptr, r.nbytes) for r in self.records if _bare_local(r)}
-        both = frozenset((held & now_keys) | (rebound & existed))
+        settled = {(r.device, r.data_ptr, r.nbytes) for r in self.records if _bare_local(r) or r.category in MODEL_STATES}
+        both = frozenset((held & now_keys) | (settled & existed))
         now, then = self.by_holder(both), before.by_holder(both)
         deltas = []
         for key in set(now) | set(then):
@@ -226,12 +232,13 @@ def take_census(
     and tensors only autograd graphs hold (``AccumulateGrad.variable``, saved tensors). Models
     and optimizers found in the heap are used even when not passed. ``previous_batches``: the
     batches of earlier steps the engine still has. ``targets`` get paths in ``Census.paths``
-    whatever their category. Runs only on demand; its cost is in the result.
+    whatever their category. A frozen heap (``gc.freeze()``) is thawed for the census. Runs only on
+    demand; its cost is in the result.
     """
     start = time.perf_counter()
     if time_budget_s <= 0:
         raise ValueError(f"take_census(time_budget_s={time_budget_s}) must be positive; try 2.0.")
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), visible_heap():  # two censuses that saw different parts of a frozen heap would disagree
         warnings.simplefilter("ignore")
         n_objects, tensors, modules, optimizers = scan_heap()
         modules = unique(as_list(model) + modules, torch.nn.Module)

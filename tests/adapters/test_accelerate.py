@@ -19,6 +19,7 @@ from torch import nn
 
 from helpers import (
     GIB, MIB, BackwardTemporary, TemporaryNet, free_port, leave_rank, set_rank_environment, tensorboard_scalars, touch_temporary,
+    run_ranks,
 )
 from memcallbacks import MonitorConfig
 from memcallbacks.accelerate import AccelerateMemoryMonitor
@@ -269,11 +270,10 @@ def _rank_main(rank: int, world_size: int, port: int, out: str) -> None:
 @pytest.mark.slow
 def test_two_processes_log_max_over_ranks(tmp_path: Path) -> None:
     import torch._dynamo  # noqa: F401  - imported by every optimizer's __init__; forked ranks inherit it
-    import torch.multiprocessing as mp
 
     # fork: the ranks inherit the imports (a spawned rank spends ~10 s importing torch, accelerate and
     # torch._dynamo); they run single-threaded, so the parent's OpenMP pool does not matter
-    mp.start_processes(_rank_main, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True, start_method="fork")
+    run_ranks(_rank_main, (2, free_port(), str(tmp_path)))
 
     mem = tmp_path / "memcallbacks"
     ranks = [pd.read_csv(mem / f"history.rank{r}.csv").set_index("step") for r in (0, 1)]

@@ -25,7 +25,7 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import MIB, BoringModel, RandomDataModule, free_port, leave_rank, set_rank_environment, trainer_kwargs
+from helpers import MIB, BoringModel, RandomDataModule, free_port, leave_rank, set_rank_environment, trainer_kwargs, run_ranks
 from memcallbacks import Monitor
 from memcallbacks._runtime.lifecycle import WeakHook
 
@@ -148,9 +148,8 @@ def test_a_model_saved_with_a_monitor_attached_loads_without_memcallbacks(tmp_pa
 
 
 def test_ddp_wrapping_after_the_monitor_attached(tmp_path: Path) -> None:
-    import torch.multiprocessing as mp
 
-    mp.start_processes(_ddp_rank, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True, start_method="fork")
+    run_ranks(_ddp_rank, (2, free_port(), str(tmp_path)))
     for rank in (0, 1):
         assert (tmp_path / f"rows.{rank}").read_text() == "0,1,2,3"
 

@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 import torch
 
-from helpers import GIB, MIB, free_port, leave_rank, set_rank_environment, tensorboard_scalars, touch_temporary
+from helpers import GIB, MIB, free_port, leave_rank, set_rank_environment, tensorboard_scalars, touch_temporary, run_ranks
 
 transformers = pytest.importorskip("transformers")
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
@@ -194,10 +194,9 @@ def _rank_main(rank: int, world_size: int, port: int, out: str) -> None:
 @pytest.mark.slow
 def test_two_processes_log_max_over_ranks(tmp_path: Path) -> None:
     import torch._dynamo  # noqa: F401  - imported by every optimizer's __init__; forked ranks inherit it
-    import torch.multiprocessing as mp
 
     # fork: the ranks inherit the imports; they run single-threaded
-    mp.start_processes(_rank_main, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True, start_method="fork")
+    run_ranks(_rank_main, (2, free_port(), str(tmp_path)))
 
     mem = tmp_path / "out" / "memcallbacks"
     ranks = [pd.read_csv(mem / f"history.rank{r}.csv").set_index("step") for r in (0, 1)]

@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch import nn
 
+from helpers import run_ranks
 from memcallbacks.cli import estimate as _estimate_cli
 from memcallbacks.estimate import (
     GB,
@@ -517,10 +518,8 @@ def _distributed_worker(rank: int, world_size: int, port: int, out_dir: str) -> 
 
 @pytest.fixture(scope="module")
 def distributed_results(tmp_path_factory) -> list[dict]:
-    import torch.multiprocessing as mp
-
     out = tmp_path_factory.mktemp("dist")
-    mp.spawn(_distributed_worker, args=(2, _free_port(), str(out)), nprocs=2, join=True)
+    run_ranks(_distributed_worker, (2, _free_port(), str(out)), start_method="spawn")
     return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(2)]
 
 

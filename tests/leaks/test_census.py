@@ -305,6 +305,32 @@ def test_census_diff_ignores_a_loop_variable_bound_to_a_dataset_view():
     assert not [d for d in after.diff(before) if d.bytes < 0]
 
 
+def test_census_diff_never_counts_the_model_states_that_were_there_before():
+    """A census that missed a model (the pytest plugin freezes the heap after warm-up, and
+    ``gc.get_objects()`` leaves frozen objects out) and one that saw it: that model's parameters and
+    optimizer state were there all along and did not grow (a Transformers Trainer's test under the
+    plugin named "parameters grew by 28 tensors" from the previous test's model)."""
+    import gc
+
+    torch.manual_seed(0)
+    model, earlier = Net(), Net()
+    optimizer = torch.optim.Adam(earlier.parameters())
+    earlier(torch.randn(2, 64)).sum().backward()
+    optimizer.step()
+    holder = [earlier, optimizer]
+    del earlier, optimizer
+    gc.freeze()
+    try:
+        before = take_census(model=model, time_budget_s=BUDGET)  # the frozen model is not listed
+    finally:
+        gc.unfreeze()
+    model.cache.append(torch.zeros(64 * 1024))
+    after = take_census(model=model, time_budget_s=BUDGET)
+    assert {r.category for r in after.records} >= {"parameters", "optimizer state"}
+    assert [(d.holder, d.tensors) for d in after.diff(before) if d.bytes > 0] == [("Net.cache", 1)]
+    del holder
+
+
 def test_census_reports_cost_and_truncates_at_budget():
     keep = [torch.randn(8) for _ in range(3)]
     census = take_census(time_budget_s=BUDGET)
