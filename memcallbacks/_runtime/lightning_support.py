@@ -18,7 +18,7 @@ from memcallbacks._runtime.adapter_support import (
 )
 from memcallbacks._runtime.guard import entry_point
 from memcallbacks._runtime.preflight_steps import training_step
-from memcallbacks._runtime.run_start import output_folder
+from memcallbacks._runtime.lifecycle import output_folder
 
 __all__ = ["default_dir", "files_folder", "check_siblings", "start_session", "predict_step", "attach_fit", "ManualOptimizerHooks", "checkpoint_state",
            "add_eval_hooks"]

@@ -1,31 +1,32 @@
-"""The session every adapter drives: one run's step protocol (begin_step, boundary, end_step), orchestrating the plan, the engine, the checks and the run's end.
+"""The session every adapter drives: one run's start, its steps, evaluation loops and end.
 
 Adapters (Lightning, Accelerate, Transformers, the plain-loop ``Monitor``) own one
-:class:`Session` and only translate their framework's events into its calls. Nothing here
-imports a framework.
+:class:`Session` and only translate their framework's events into its calls. A step reads top to
+bottom here: :meth:`Session.begin_step`, :meth:`Session.boundary`, :meth:`Session.end_step`.
+Nothing here imports a framework.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 from memcallbacks._base.config import MonitorConfig
-from memcallbacks._base.columns import OPTIMIZER
+from memcallbacks._base.columns import E_STAGE, MONITOR_TIME_S, OPTIMIZER, PEAK_RESERVED
 from memcallbacks._base.findings import Finding
+from memcallbacks._files.outputs import check_writable
 from memcallbacks._runtime.auto_snapshot import AutoSnapshot
 from memcallbacks._runtime.cadence import LINGERING_EVERY_STEP_UNTIL, Cadence
 from memcallbacks._runtime.checks import StepChecks
+from memcallbacks._runtime.extras import extra_metrics
 from memcallbacks._runtime.finding_sink import FindingSink
-from memcallbacks._runtime.evaluation import begin_eval, end_eval, eval_batch
+from memcallbacks._runtime.lifecycle import claim_folder, output_folder, release_folder
 from memcallbacks._runtime.plan import StepPlan
 from memcallbacks._runtime.run_end import RunEnd, is_oom
-from memcallbacks._runtime.run_start import reset_run, restore_state, saved_state, start_run, stop_run
 from memcallbacks._runtime.sampling import MemoryEngine
-from memcallbacks._runtime.step_begin import begin_quiet, begin_sampled, begin_watched, micro_batch
-from memcallbacks._runtime.step_end import close_step
 from memcallbacks.trackers import Dashboard, Trackers
 
 log = logging.getLogger(__name__)
@@ -62,7 +63,7 @@ class Session:
         self.owner = owner  # the public class name, for messages
         self.engine = MemoryEngine(config)
         self.plan = StepPlan(config)
-        self.log_fn: LogFn | None = None  # adapters pass their own methods through weak_method (lifecycle.py)
+        self.log_fn: LogFn | None = None
         self.live = False  # between start() and stop(): owns its output folder
         self.output_dir: Path | None = None
         self.files: dict[str, str] = {}
@@ -77,7 +78,6 @@ class Session:
         """A step opened with ``defer_lingering=True`` still owes its lingering check."""
         self.title = ""
         self._warned: set[str] = set()
-        # read and set by step_begin.py and step_end.py:
         self.fast_s: float | None = None  # an unsampled step's own time so far (None: sampled, or not open)
         self.fast_typical = True  # the unsampled step found nothing (its cost chooses the intervals)
         self.marks = False  # this step's end leaves marks for the lingering check
@@ -132,8 +132,14 @@ class Session:
             getattr(observer, event)(*args)
 
     def reset(self) -> None:
-        """A new fit: no rows, events, findings or open step (run_start.py)."""
-        reset_run(self)
+        """A new fit: no rows, events, findings or open step; nothing quiet yet."""
+        self.engine.reset()
+        self.files = {}
+        self.events = []
+        self.sink.reset()
+        self.checks.reset()
+        self.step_open = self.quiet_step = False
+        self.plan.quiet_until = 0
 
     # ------------------------------------------------------------------ findings
     @property
@@ -164,22 +170,65 @@ class Session:
                 for finding in watch.check_lingering(self.current_step, batch):
                     self.add_finding(finding)
             except Exception as exc:
-                self.engine.fail(exc, "lingering check")
+                self.fail(exc, "lingering check")
             self.cadence.charge_other(time.perf_counter() - t0, "lingering")  # outside the step's timed parts
 
     def explain(self, batch: Any = None) -> Any:
         """Take a census now: live tensors by category, and who holds the suspicious ones."""
         return self.checks.explain(batch, ignore=[self])
 
-    # ------------------------------------------------------------------ start and stop (run_start.py)
-    def start(self, device: Any, **options: Any) -> None:
-        """Choose the device backend, the output folder and the intervals: :func:`~memcallbacks._runtime.run_start.start_run`
-        (its keyword options; ``PermissionError`` for a folder the run cannot write or must not share)."""
-        start_run(self, device, **options)
+    # ------------------------------------------------------------------ start and stop
+    def start(
+        self, device: Any, *, rank: int | None = None, world_size: int | None = None,
+        default_output_dir: str | os.PathLike[str] | None = None, framework_log_every: int | None = None,
+        logs: bool = True, log_first_step: bool = False, expected_steps: int | None = None,
+    ) -> None:
+        """Choose the device backend, the output folder and the sampling/logging intervals.
+
+        Raises ``PermissionError`` for an unwritable output folder, or one another live monitor
+        writes to: environment problems stop the run before training. Any other fault is contained.
+        ``expected_steps``: the run's length where the framework knows it (unused by the schedule,
+        which samples the first steps of every run)."""
+        config = self.config
+        if config.write_files:
+            folder = output_folder(config.output_dir, default_output_dir)
+            claim_folder(folder, self, self.owner)
+            self.output_dir = check_writable(folder, self.owner)
+            if config.auto_snapshot:
+                check_writable(os.path.join(folder, "snapshots"), "auto_snapshot")
+        self.live = True
+        # the plan first: even a monitor whose start fails below must agree with the other ranks on logged steps
+        log_every = config.log_every_n_steps or max(int(framework_log_every or 50), 1)
+        # a later stage of the same run (fit, then test) keeps the training cadence
+        self.plan.configure(log_every=log_every, logs=logs, log_first_step=log_first_step, keep=self.engine.seen_steps > 0)
+        try:
+            self._start_parts(device, rank, world_size)
+        except Exception as exc:  # backend selection, the first reads, the leak watch: never fatal
+            self.fail(exc, "monitor start")
+
+    def _start_parts(self, device: Any, rank: int | None, world_size: int | None) -> None:
+        config, engine = self.config, self.engine
+        engine.start(device, rank=rank, world_size=world_size)
+        self.plan.arm(engine.backend)
+        self.cadence.guard.announce = (self.log, self.owner) if engine.rank == 0 else None  # the budget's back-off, said once
+        self.checks.start(ignore=[self], device_is_host=self.device_kind == "cpu")
+        if self.snap is not None:
+            self.snap.stop()
+            self.snap = None
+        if config.auto_snapshot and self.output_dir is not None and engine.backend is not None:
+            self.snap = AutoSnapshot.for_backend(config, engine.backend, self.output_dir, engine.rank, engine.world_size, self.log)
+            self.snap.start()
 
     def stop(self) -> None:
         """Undo everything the session changed in the process; each part on its own, safe to call twice."""
-        stop_run(self)
+        self.live = False
+        release_folder(self.output_dir, self)
+        self.checks.stop(self.snap)  # the host channel, the snapshots, the leak watch, the model copies
+        try:
+            self.engine.stop()
+        except Exception:
+            self.log.exception("%s: could not close its device backend; continuing.", self.owner)
+            self.engine.backend = None
 
     # ------------------------------------------------------------------ what adapters read
     @property
@@ -273,12 +322,16 @@ class Session:
         if self._observers:
             self._notify("step_beginning", self.step_open)
         if self.step_open:
-            micro_batch(self)
+            self._micro_batch()
             return
         n = step if count is None else count
         self.current_step, self.current_count = step, n
         if not log and not sample and self.plan.quiet(n):
-            begin_quiet(self, step)
+            self.quiet_step = self.step_open = True  # only counted: nothing is measured
+            self.log_this_step = self.lingering_due = False
+            self.engine.quiet_step()
+            if self.snap is not None:
+                self.snap.step = step
             return
         self.quiet_step = False
         self.step_open = True
@@ -297,11 +350,66 @@ class Session:
             self.cadence.step_started(n)
             self.plan.read_s = 0.0
             if self.wants_sample(n, log) if sample is None else sample:
-                begin_sampled(self, step, epoch, batch_idx, batch, defer_lingering)
+                self._begin_sampled(step, epoch, batch_idx, batch, defer_lingering)
             else:
-                begin_watched(self, step, epoch, batch_idx, batch, defer_lingering)
+                self._begin_watched(step, epoch, batch_idx, batch, defer_lingering)
         except Exception as exc:
-            engine.fail(exc, "step start")
+            self.fail(exc, "step start")
+
+    def _micro_batch(self) -> None:
+        """A further micro-batch of the open step (gradient accumulation)."""
+        if self.engine.enabled:
+            try:
+                self.engine.micro_batch()
+            except Exception as exc:
+                self.fail(exc, "micro-batch boundary")
+
+    def _begin_watched(self, step: int, epoch: int, batch_idx: int, batch: Any, defer_lingering: bool) -> None:
+        """An unsampled step: the leak watch only (the lingering check, a memory read on some steps)."""
+        t0 = time.perf_counter()
+        checks = self.checks
+        found: list[Finding] = []
+        if checks.watch is not None:
+            found = checks.watch.before_baseline(step, batch, lingering=not defer_lingering)
+            found += checks.read(self.current_count, batch)
+        found += checks.host_read(step)
+        self.engine.begin_step(step, epoch, batch_idx, False)
+        self.fast_s = time.perf_counter() - t0 - self.plan.read_s  # charged at step end, with the end's own time
+        self.fast_typical = not found
+        for finding in found:
+            self.add_finding(finding)
+
+    def _begin_sampled(self, step: int, epoch: int, batch_idx: int, batch: Any, defer_lingering: bool) -> None:
+        """A sampled step: the watch, the baseline (also the watch's read), then the theory check.
+
+        The baseline reads ``allocated`` on the steps the plan names (``StepPlan.heap_due``); on the
+        others it stays NaN, unless the resident set has risen as far as the tripwire's threshold."""
+        engine, checks, plan = self.engine, self.checks, self.plan
+        watch = checks.watch
+        count = self.current_count
+        self.fast_s = None
+        self.marks = self.marks or self.samples_unmarked + 1 >= self.cadence.mark_every
+        t0 = time.perf_counter()
+        found = watch.before_baseline(step, batch, lingering=not defer_lingering) if watch is not None else []
+        check_state = checks.state.wanted and engine.optimizer_steps_total > 0
+        heap = plan.heap_due(count, check_state)
+        spent = time.perf_counter() - t0
+        engine.begin_step(step, epoch, batch_idx, True, heap)
+        t1 = time.perf_counter()
+        baseline = engine.step_baseline
+        if heap:
+            plan.heap_rss = engine.step_reserved
+        elif baseline is None and plan.heap_skipped(count, engine.step_reserved):
+            baseline = engine.fill_baseline(plan.take_read(count))  # charged as a read (plan.read_s)
+        found += checks.read(count, batch, baseline)
+        found += checks.host_read(step)
+        if check_state and baseline is not None:
+            finding = checks.state_finding(step, baseline, batch)
+            if finding is not None:
+                found.append(finding)
+        for finding in found:
+            self.add_finding(finding)
+        engine.add_own_time(spent + time.perf_counter() - t1 - plan.read_s)
 
     def count_quiet(self, steps: int) -> None:
         """``steps`` quiet steps an adapter skipped without calling :meth:`begin_step` (Lightning)."""
@@ -319,26 +427,97 @@ class Session:
             try:
                 engine.boundary(closing)
             except Exception as exc:
-                engine.fail(exc, "phase boundary")
+                self.fail(exc, "phase boundary")
         if self._observers:
             self._notify("phase_closed", closing)
 
     def end_step(
         self, closing: int = OPTIMIZER, *, log_step: int | None = None, batch: Any = None, loss: Any = None, outputs: Any = None
     ) -> list[Any] | None:
-        """Close the step, append its row and, on logged steps, emit its metrics through ``log_fn``.
+        """Close the step: its row, the quiet stretch after it and, on logged steps, its metrics.
 
         ``batch``, ``loss`` (the step's last) and ``outputs`` (the model's outputs the adapter saw)
         are handed to leak detection as weak references."""
-        if not self._observers:
-            return close_step(self, closing, log_step, batch, loss, outputs)
-        was_open = self.step_open
-        if was_open:
+        if self.quiet_step:
+            self.quiet_step = self.step_open = False
+            return None
+        observed = self._observers and self.step_open
+        if observed:
             self._notify("phase_closed", closing)
-        row = close_step(self, closing, log_step, batch, loss, outputs)
-        if was_open:
+        engine = self.engine
+        row = None
+        if self.lingering_due:
+            self.check_lingering(batch)  # charged on its own (charge_other), so timed before t_end
+        t_end = time.perf_counter()
+        if engine.enabled:
+            try:
+                row = self._close_row(closing, t_end, batch, loss, outputs)
+            except Exception as exc:
+                self.fail(exc, "step end")
+        self.step_open = False
+        self._plan_quiet()
+        if self.log_this_step and (row is not None or engine.world_size > 1):
+            try:
+                metrics = engine.log_values(row, self._extra_keys(row))
+                self.emit(metrics, self.current_step if log_step is None else log_step)
+            except Exception as exc:
+                self.fail(exc, "logging")
+        if observed:
             self._notify("step_ended", batch, loss)
         return row
+
+    def _close_row(self, closing: int, t_end: float, batch: Any, loss: Any, outputs: Any) -> list[Any] | None:
+        """The engine's row, the lingering marks, the tripwire, the pre-flight comparison, the budget, snapshots."""
+        engine, checks = self.engine, self.checks
+        sampled = engine.sampling
+        row = engine.end_step(closing)
+        # lingering references: every step at first (leaky loops leak from step 1), then after every
+        # mark_every-th sampled step (a check costs the next step its quietness)
+        watch = checks.watch
+        if watch is not None and (self.marks or checks.lingering_wants_mark):
+            t0 = time.perf_counter()
+            watch.end_step(self.current_step, batch, loss, outputs)
+            if row is not None:
+                row[MONITOR_TIME_S] += time.perf_counter() - t0
+            self.samples_unmarked = 0
+        elif sampled:
+            self.samples_unmarked += 1
+        self.marks = False
+        if row is not None:
+            if self.plan.rebase(row[PEAK_RESERVED], pinned=not getattr(engine.backend, "resets_hwm", False)):
+                self.log.debug("memcallbacks: the resident-set high-water mark is pinned above the resident set; the RSS tripwire reads statm")
+            checks.preflight.compare(row)
+            self.cadence.charge(row[MONITOR_TIME_S], sampled=True)
+        elif self.fast_s is not None:  # an unsampled step: its start and its end, as one cost
+            self.cadence.charge(self.fast_s + time.perf_counter() - t_end, sampled=False, typical=self.fast_typical)
+        self.fast_s = None
+        if self.snap is not None and (row is not None or self.sink.new):
+            new = self.sink.take_new()
+            if row is not None:
+                self.snap.after_row(self.current_step, row, new)
+            else:  # a watched step found something: the finding triggers, not the row
+                self.snap.after_findings(self.current_step, new)
+        return row
+
+    def _plan_quiet(self) -> None:
+        """After a step: the quiet stretch that follows, unless something needs the next step."""
+        checks = self.checks
+        watch = checks.watch
+        busy = (
+            not self.engine.enabled or self.lingering_due or checks.lingering_pending or checks.state.wanted or checks.preflight.due
+            or (self.snap is not None and self.snap.busy)
+            or (watch is not None and watch.collections is not None and watch.collections.due)
+        )
+        self.plan.plan_after(self.current_count, busy=busy, reads=watch is not None)
+
+    def _extra_keys(self, row: list[Any] | None) -> dict[str, float]:
+        """The keys a logged step adds to the engine's (extras.py)."""
+        dashboard, checks = self.dashboard, self.checks
+        return extra_metrics(
+            self.config, row, findings=self.sink.problems(), overhead=self.cadence.overhead, preflight=checks.preflight,
+            capacity=self.engine.capacity if dashboard.capacity else None, state=checks.state, snap=self.snap,
+            last_gc=checks.watch.last_gc if checks.watch is not None else None, host=checks.host_figures(),
+        )
 
     @property
     def dashboard(self) -> Dashboard:
@@ -351,15 +530,42 @@ class Session:
             if self.trackers is not None and self.config.log_to_trackers:
                 self.trackers.on_log(self.findings, self.dashboard)
 
-    # ------------------------------------------------------------------ evaluation (evaluation.py)
+    # ------------------------------------------------------------------ evaluation loops
     def begin_eval(self, stage: str, step: int, epoch: int = 0) -> None:
-        begin_eval(self, stage, step, epoch)
+        """An evaluation loop starts: recorded apart from training rows."""
+        engine = self.engine
+        if self.config.log_validation and engine.enabled:
+            try:
+                engine.begin_eval(stage, step, epoch)
+            except Exception as exc:
+                self.fail(exc, f"{stage} start")
 
     def eval_batch(self) -> None:
-        eval_batch(self)
+        if self.engine.enabled:
+            try:
+                self.engine.eval_batch()
+            except Exception as exc:
+                self.fail(exc, "evaluation batch")
 
     def end_eval(self, *, log_step: int, emit: bool = True) -> list[Any] | None:
-        return end_eval(self, log_step, emit)
+        """Close the evaluation loop's row and, unless ``emit`` is False or it is the sanity check, log it."""
+        engine = self.engine
+        if not self.config.log_validation:
+            return None
+        row = None
+        if engine.enabled:
+            try:
+                row = engine.end_eval()
+            except Exception as exc:
+                self.fail(exc, "evaluation end")
+        stage = row[E_STAGE] if row is not None else "validate"
+        if not emit or stage == "sanity_check" or (row is None and engine.world_size <= 1):
+            return row
+        try:
+            self.emit(engine.eval_log_values(row, stage), log_step)
+        except Exception as exc:
+            self.fail(exc, "evaluation logging")
+        return row
 
     # ------------------------------------------------------------------ results
     def format_report(self) -> str:
@@ -390,11 +596,18 @@ class Session:
         """What ``report.json`` holds: version, config, summary, findings, events and files."""
         return self.ending.report()
 
-    # ------------------------------------------------------------------ checkpointing (run_start.py)
+    # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:
         """The engine's checkpointed state plus the run's events and findings."""
-        return saved_state(self)
+        state = self.engine.state_dict()
+        state["events"] = list(self.events)
+        state["findings"] = self.sink.to_list()
+        return state
 
     def load_state_dict(self, state: dict[str, Any], key: str = "state_dict") -> None:
-        """Restore a checkpointed state; a bad one raises one ``ValueError`` naming ``key`` (see saved_state.py)."""
-        restore_state(self, state, key)
+        """Restore a checkpointed state; a bad one raises one ``ValueError`` naming ``key``."""
+        read = self.engine.load_state_dict(state, key)
+        if read is None:
+            return
+        self.events = read["events"]
+        self.sink.restore(read["findings"])

@@ -22,7 +22,7 @@ from torch import nn
 from memcallbacks import MonitorConfig
 from memcallbacks._base.columns import BACKWARD, FORWARD, MICRO_BATCHES, OPTIMIZER, STEP
 from memcallbacks._runtime.adapter_support import rank_zero_trackers
-from memcallbacks._runtime.run_start import output_folder
+from memcallbacks._runtime.lifecycle import output_folder
 from memcallbacks._runtime.session import Session
 
 pytestmark = pytest.mark.usefixtures("one_thread")
