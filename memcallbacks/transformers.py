@@ -193,7 +193,7 @@ class MemoryMonitorCallback(SessionResults, TrainerCallback):
         if monitor is None:
             return
         # decided when the step starts, identically on every rank (logged steps join a collective)
-        monitor.open_step(state.global_step, int(state.epoch or 0), self._batches, log=monitor.will_log(state.global_step))
+        monitor.open_step(state.global_step, int(state.epoch or 0), self._batches)
         self._batches += 1
 
     @entry_point("on_substep_end")
@@ -217,8 +217,12 @@ class MemoryMonitorCallback(SessionResults, TrainerCallback):
     @entry_point("on_step_end")
     def on_step_end(self, args: "TrainingArguments", state: "TrainerState", control: "TrainerControl", **kwargs: Any) -> None:
         monitor = self._monitor
-        if monitor is not None and monitor.close_step(log_step=state.global_step):
+        if monitor is None:
+            return
+        if monitor.close_step(log_step=state.global_step):
             control.should_log = True  # every rank: the Trainer's logging gathers the loss across ranks
+        if control.should_evaluate or control.should_save:  # decided by the Trainer's flow callback, which runs first
+            monitor.pause()  # evaluation and checkpoints are not step time
 
     def _stash(self, metrics: dict[str, float], step: int) -> None:
         self._pending = (step, metrics)

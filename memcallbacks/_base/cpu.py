@@ -213,7 +213,7 @@ class CpuBackend(MemoryBackend):
     def baseline(self, allocated: bool = True) -> tuple[int, int, int, int]:
         """``allocated=False`` leaves the heap unread (NaN in its place): ``mallinfo2`` walks every
         free chunk, 100-300 µs in a real fit, and the step plan asks for it only on the steps it
-        names (``StepPlan.heap_due``). Without ``mallinfo2`` the figure is the RSS, read anyway."""
+        names (``Schedule.heap_due``). Without ``mallinfo2`` the figure is the RSS, read anyway."""
         if self._generation != _fork_generation:
             self._open()
         heap = self.heap() if allocated or self._mallinfo2 is None else math.nan

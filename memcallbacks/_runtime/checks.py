@@ -13,9 +13,9 @@ from typing import Any, Callable
 from memcallbacks._base.config import MonitorConfig
 from memcallbacks._base.findings import Finding
 from memcallbacks._runtime.leak_watch import LeakWatch
-from memcallbacks._runtime.plan import StepPlan
 from memcallbacks._runtime.preflight_check import PreflightCheck
 from memcallbacks._runtime.sampling import MemoryEngine
+from memcallbacks._runtime.schedule import Schedule
 from memcallbacks._runtime.state_check import StateCheck
 from memcallbacks.host.channel import HostChannel
 from memcallbacks.leaks.census import format_top_holders
@@ -29,12 +29,12 @@ class StepChecks:
     (:attr:`state`) and the pre-flight (:attr:`preflight`) of one session."""
 
     def __init__(
-        self, config: MonitorConfig, engine: MemoryEngine, plan: StepPlan, owner: str, logger: logging.Logger,
+        self, config: MonitorConfig, engine: MemoryEngine, schedule: Schedule, owner: str, logger: logging.Logger,
         add_finding: Callable[[Finding], None], current_step: Callable[[], int],
     ) -> None:
         self.config = config
         self.engine = engine
-        self.plan = plan
+        self.schedule = schedule
         self.owner = owner
         self.log = logger
         self.watch: LeakWatch | None = None
@@ -57,9 +57,9 @@ class StepChecks:
         """A new leak watch (``ignore``: the monitor's own objects, never holders) and host channel."""
         if self.watch is not None:
             self.watch.stop()
-        cadence = self.plan.cadence
-        self.watch = LeakWatch(self.config, self.allocated_now, ignore=ignore, charge=cadence.charge_other, wake=self.plan.wake,
-                               ledger=cadence.ledger)
+        schedule = self.schedule
+        self.watch = LeakWatch(self.config, self.allocated_now, ignore=ignore, charge=schedule.charge_other, wake=schedule.wake,
+                               schedule=schedule)
         self.watch.start()
         if self.host is not None:
             self.host.close()
@@ -88,8 +88,8 @@ class StepChecks:
     def allocated_now(self) -> int | None:
         # the watch's read where there is one: the same number as backend.current()[0], without the
         # RSS read that comes with it on CPU
-        now = self.plan.allocated_now()
-        if now is not None or self.plan.read is not None:
+        now = self.schedule.allocated_now()
+        if now is not None or self.schedule.read is not None:
             return now
         backend = self.engine.backend
         return backend.current()[0] if backend is not None else None
@@ -111,9 +111,9 @@ class StepChecks:
         return finding
 
     def read(self, count: int, batch: Any, value: int | None = None) -> list[Finding]:
-        """Growth detection fed with ``value`` (a sampled step's baseline) or, on the steps the plan
+        """Growth detection fed with ``value`` (a sampled step's baseline) or, on the steps the schedule
         reads memory, with the watch's own read."""
-        plan = self.plan
+        plan = self.schedule
         if self.watch is None or plan.read is None:
             return []
         if value is None:
@@ -131,7 +131,7 @@ class StepChecks:
             return []
         census_s = host.census_seconds
         found = host.on_read(step)
-        self.plan.cadence.ledger.finding(host.census_seconds - census_s)  # split out of the step's charge, as the watch's censuses
+        self.schedule.book_finding(host.census_seconds - census_s)  # split out of the step's charge, as the watch's censuses
         return found
 
     # ------------------------------------------------------------------ what the session asks

@@ -78,7 +78,7 @@ class GatedHook(WeakHook):
     calls a hook at every forward (four a step under gradient accumulation of 4), and after the
     step's compute each full call costs 20-30 µs of cold caches (the nanoGPT-style loop of
     benchmarks/nanogpt_budget.py). An open call goes through ``meter`` (a
-    :class:`~memcallbacks._runtime.ledger.HookMeter`), which counts its whole time as the monitor's."""
+    :class:`~memcallbacks._runtime.schedule.HookMeter`), which counts its whole time as the monitor's."""
 
     __slots__ = ("open", "meter")
 

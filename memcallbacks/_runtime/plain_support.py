@@ -69,6 +69,12 @@ class PlainControls(SessionResults):
             self._model_hooks.evaluation(False, was_on)
             self._session.end_eval(log_step=self._step)
 
+    def pause(self) -> None:
+        """The time from here to the next step is not step time: an evaluation or a checkpoint the
+        monitor does not see (``evaluate()`` and ``state_dict()`` pause on their own). It keeps the
+        reported own-time share, and the budget, true to the training steps."""
+        self._session.pause()
+
     # ------------------------------------------------------------------ the end of the run
     @entry_point("record_exception()", unwinding=True)
     def record_exception(self, exc: BaseException) -> None:

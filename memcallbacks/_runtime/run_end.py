@@ -17,7 +17,7 @@ from memcallbacks._runtime import end_write
 from memcallbacks._runtime.end_write import wait_for_every_rank, write_detached
 from memcallbacks._runtime.guard import safe_str
 from memcallbacks._files.outputs import REPORT_VERSION, write_outputs
-from memcallbacks._runtime.cadence import DENSE_READ_STEPS
+from memcallbacks._runtime.schedule import DENSE_READ_STEPS
 from memcallbacks.host.ranks import find_imbalance
 from memcallbacks.trackers import RunOutputs
 from memcallbacks.trackers.ranks import receive_snapshots, snapshot_payload
@@ -86,7 +86,7 @@ class RunEnd:
             "memcallbacks_version": __version__,
             "framework": s.framework,
             "config": s.config.to_dict(),
-            "summary": dict(s.engine.summary(), cadence=s.cadence.summary(), rank_figures=self.rank_figures()),
+            "summary": dict(s.engine.summary(), cadence=s.schedule.summary(), rank_figures=self.rank_figures()),
             "findings": s.sink.to_list(),
             "events": list(s.events),
             **s.checks.report(),  # model_states, preflight, gc, host
@@ -114,7 +114,7 @@ class RunEnd:
         if host is not None:
             for finding in host.finish():  # a host growth still waiting for its second census
                 s.add_finding(finding)
-        s.cadence.charge_other(time.perf_counter() - t0, "findings")
+        s.schedule.charge_other(time.perf_counter() - t0, "findings")
 
     def finish(self, gather: bool) -> dict[str, str]:
         """``Session.finish`` after its observers heard of it: the files, with the gc watch off."""
@@ -140,7 +140,6 @@ class RunEnd:
         try:
             if engine.in_step and engine.enabled:
                 engine.end_step()
-            s.step_open = False
             self._finish_watch()
             if s.snap is not None:
                 s.snap.stop()  # writes a capture cut short by the end of training

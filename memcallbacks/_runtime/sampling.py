@@ -151,7 +151,7 @@ class MemoryEngine:
         """Start a training step. A sampled step takes the baseline and measures every phase; an
         unsampled one only counts, at almost no cost (its peaks still reach ``max_allocated`` at
         the next sample, since nothing resets the device's peak counter in between). ``heap=False``:
-        the baseline may leave ``allocated`` unread (NaN; the CPU heap, ``StepPlan.heap_due``)."""
+        the baseline may leave ``allocated`` unread (NaN; the CPU heap, ``Schedule.heap_due``)."""
         if self._open:  # the previous step never ended (e.g. an exception was swallowed)
             self.end_step()
         self._open = True

@@ -19,19 +19,18 @@ from memcallbacks._base.columns import E_STAGE, MONITOR_TIME_S, OPTIMIZER, PEAK_
 from memcallbacks._base.findings import Finding
 from memcallbacks._files.outputs import check_writable
 from memcallbacks._runtime.auto_snapshot import AutoSnapshot
-from memcallbacks._runtime.cadence import LINGERING_EVERY_STEP_UNTIL, Cadence
 from memcallbacks._runtime.checks import StepChecks
 from memcallbacks._runtime.extras import extra_metrics
 from memcallbacks._runtime.finding_sink import FindingSink
 from memcallbacks._runtime.lifecycle import claim_folder, output_folder, release_folder
-from memcallbacks._runtime.plan import StepPlan
 from memcallbacks._runtime.run_end import RunEnd, is_oom
 from memcallbacks._runtime.sampling import MemoryEngine
+from memcallbacks._runtime.schedule import LINGERING_EVERY_STEP_UNTIL, Schedule, StepKind
 from memcallbacks.trackers import Dashboard, Trackers
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Session", "LogFn", "is_oom", "LINGERING_EVERY_STEP_UNTIL"]
+__all__ = ["Session", "LogFn", "is_oom"]
 
 LogFn = Callable[[dict[str, float], int], None]
 
@@ -40,13 +39,13 @@ _KEEP: Any = object()  # attach(): a part not given keeps its current value
 
 
 class Session:
-    """One process's monitor state: what a step does (the plan), the measurements (the engine),
-    the checks (leak watch, host, theory, pre-flight: :attr:`checks`), the findings, and the
-    run's end (:attr:`ending`). Every method is safe to call when disabled.
+    """One process's monitor state: what each step is and the own time (:attr:`schedule`), the
+    measurements (:attr:`engine`), the checks (leak watch, host, theory, pre-flight: :attr:`checks`),
+    the findings, and the run's end (:attr:`ending`). Every method is safe to call when disabled.
 
     Adapters configure it with :meth:`attach` and drive it with the step protocol:
     ``begin_step`` → ``boundary`` (per phase) → ``end_step``, ``begin_eval``/``eval_batch``/
-    ``end_eval``, then ``finish`` and ``stop``. :attr:`plan` answers which steps are quiet."""
+    ``end_eval``, then ``finish`` and ``stop``."""
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -62,14 +61,14 @@ class Session:
         self.framework = framework
         self.owner = owner  # the public class name, for messages
         self.engine = MemoryEngine(config)
-        self.plan = StepPlan(config)
+        self.schedule = Schedule(config)
         self.log_fn: LogFn | None = None
         self.live = False  # between start() and stop(): owns its output folder
         self.output_dir: Path | None = None
         self.files: dict[str, str] = {}
         self.events: list[dict[str, Any]] = []
         self.sink = FindingSink(owner, self.log, self._rank)
-        self.checks = StepChecks(config, self.engine, self.plan, owner, self.log, self.sink.add, self._current_step)
+        self.checks = StepChecks(config, self.engine, self.schedule, owner, self.log, self.sink.add, self._current_step)
         self.ending = RunEnd(self)
         self.snap: AutoSnapshot | None = None
         self.trackers: Trackers | None = None  # rank zero's trackers (TensorBoard, W&B, MLflow)
@@ -78,18 +77,16 @@ class Session:
         """A step opened with ``defer_lingering=True`` still owes its lingering check."""
         self.title = ""
         self._warned: set[str] = set()
-        self.fast_s: float | None = None  # an unsampled step's own time so far (None: sampled, or not open)
-        self.fast_typical = True  # the unsampled step found nothing (its cost chooses the intervals)
-        self.marks = False  # this step's end leaves marks for the lingering check
+        self.kind: StepKind | None = None
+        """What the open step is (None: no step is open); decided once when it begins."""
+        self.watched_s = 0.0  # a watched step's own time at its start, charged at its end with the end's
+        self.watched_typical = True  # the watched step found nothing (its cost chooses the intervals)
+        self.leaves_marks = False  # this step's end leaves marks for the lingering check
         self.samples_unmarked = 0
-        self.quiet_step = False
-        """The open step is quiet: adapters may skip its other hooks (end_step and boundary do nothing)."""
-        self.step_open = False
-        self.log_this_step = False
         self.current_step = 0
         """The open step's number as the adapter gave it: the step of findings, rows and logs."""
         self.current_count = 0
-        """Steps before the open one, for the cadence (Lightning: batches that stepped)."""
+        """Steps before the open one, for the schedule (Lightning: batches that stepped)."""
 
     def _rank(self) -> int:  # methods, not lambdas: the session pickles (DDP spawn)
         return self.engine.rank
@@ -138,8 +135,9 @@ class Session:
         self.events = []
         self.sink.reset()
         self.checks.reset()
-        self.step_open = self.quiet_step = False
-        self.plan.quiet_until = 0
+        self.kind = None
+        self.schedule.quiet_until = 0
+        self.schedule.sample_next = False
 
     # ------------------------------------------------------------------ findings
     @property
@@ -171,7 +169,7 @@ class Session:
                     self.add_finding(finding)
             except Exception as exc:
                 self.fail(exc, "lingering check")
-            self.cadence.charge_other(time.perf_counter() - t0, "lingering")  # outside the step's timed parts
+            self.schedule.charge_other(time.perf_counter() - t0, "lingering")  # outside the step's timed parts
 
     def explain(self, batch: Any = None) -> Any:
         """Take a census now: live tensors by category, and who holds the suspicious ones."""
@@ -197,10 +195,10 @@ class Session:
             if config.auto_snapshot:
                 check_writable(os.path.join(folder, "snapshots"), "auto_snapshot")
         self.live = True
-        # the plan first: even a monitor whose start fails below must agree with the other ranks on logged steps
+        # the schedule first: even a monitor whose start fails below must agree with the other ranks on logged steps
         log_every = config.log_every_n_steps or max(int(framework_log_every or 50), 1)
         # a later stage of the same run (fit, then test) keeps the training cadence
-        self.plan.configure(log_every=log_every, logs=logs, log_first_step=log_first_step, keep=self.engine.seen_steps > 0)
+        self.schedule.configure(log_every=log_every, logs=logs, log_first_step=log_first_step, keep=self.engine.seen_steps > 0)
         try:
             self._start_parts(device, rank, world_size)
         except Exception as exc:  # backend selection, the first reads, the leak watch: never fatal
@@ -209,8 +207,8 @@ class Session:
     def _start_parts(self, device: Any, rank: int | None, world_size: int | None) -> None:
         config, engine = self.config, self.engine
         engine.start(device, rank=rank, world_size=world_size)
-        self.plan.arm(engine.backend)
-        self.cadence.guard.announce = (self.log, self.owner) if engine.rank == 0 else None  # the budget's back-off, said once
+        self.schedule.arm(engine.backend)
+        self.schedule.guard.announce = (self.log, self.owner) if engine.rank == 0 else None  # the budget's back-off, said once
         self.checks.start(ignore=[self], device_is_host=self.device_kind == "cpu")
         if self.snap is not None:
             self.snap.stop()
@@ -232,16 +230,17 @@ class Session:
 
     # ------------------------------------------------------------------ what adapters read
     @property
-    def cadence(self) -> Cadence:
-        return self.plan.cadence
+    def step_open(self) -> bool:
+        return self.kind is not None
 
     @property
-    def log_every(self) -> int:
-        return self.plan.cadence.log_every
+    def quiet_step(self) -> bool:
+        """The open step is quiet: adapters may skip its other hooks (end_step and boundary do nothing)."""
+        return self.kind is StepKind.QUIET
 
     @property
-    def sample_every(self) -> int:
-        return self.plan.cadence.sample_every
+    def log_this_step(self) -> bool:
+        return self.kind is StepKind.LOGGED
 
     @property
     def enabled(self) -> bool:
@@ -256,7 +255,7 @@ class Session:
     def detailed_step(self) -> bool:
         """True when the open step is sampled or lingering references are checked after it:
         adapters skip their per-step extras (output hooks, loss capture) otherwise."""
-        return self.engine.sampling or self.marks or self.checks.lingering_wants_mark
+        return self.engine.sampling or self.leaves_marks or self.checks.lingering_wants_mark
 
     @property
     def lingering_pending(self) -> bool:
@@ -298,47 +297,38 @@ class Session:
         """Whether the step after ``count`` steps is logged: every ``log_every`` steps (the monitor's
         ``log_every_n_steps``, else the framework's), plus the first step where the framework logs
         it; never when the run has nowhere to log. From counts only, so every rank agrees."""
-        return self.plan.will_log(count)
-
-    def wants_sample(self, count: int, log: bool) -> bool:
-        """Whether the step after ``count`` steps is measured in full: logged steps, every
-        ``sample_every``-th step (see :class:`Cadence`), and the step where the theory check is due."""
-        return self.plan.wants_sample(count, log) or (self.checks.state.wanted and self.engine.optimizer_steps_total > 0)
+        return self.schedule.will_log(count)
 
     # ------------------------------------------------------------------ steps
     def begin_step(
-        self, step: int, epoch: int = 0, batch_idx: int = 0, *, log: bool | None = None, count: int | None = None,
-        batch: Any = None, sample: bool | None = None, defer_lingering: bool = False,
+        self, step: int, epoch: int = 0, batch_idx: int = 0, *, count: int | None = None, kind: StepKind | None = None,
+        batch: Any = None, defer_lingering: bool = False,
     ) -> None:
-        """Open a step (or, if one is open, count a further micro-batch).
+        """Open a step (or, if one is open, count a further micro-batch: :meth:`micro_batch`).
 
-        ``count``: steps before this one, for the plan (default ``step``; Lightning passes batches
-        that stepped). ``log=None``: :meth:`will_log`; ``sample=None``: :meth:`wants_sample`.
-        ``batch`` is only looked at (leak detection), never kept. ``defer_lingering``: the caller
-        runs :meth:`check_lingering` later in the step (plain loops, whose loop variable still holds
-        the previous batch when the step begins). A step the plan calls quiet is only counted; its
-        ``boundary``/``end_step`` calls do nothing. Otherwise a step is *watched* (the leak watch
-        only) or *sampled* (per-phase peaks and a history row)."""
+        ``count``: steps before this one, for the schedule (default ``step``; Lightning passes batches
+        that stepped). ``kind``: what the schedule said this step is, where the adapter asked it
+        already (:meth:`Schedule.step_kind`, once per step). ``batch`` is only looked at (leak
+        detection), never kept. ``defer_lingering``: the caller runs :meth:`check_lingering` later in
+        the step (plain loops, whose loop variable still holds the previous batch). A quiet step is
+        only counted; its ``boundary``/``end_step`` calls do nothing."""
         if self._observers:
-            self._notify("step_beginning", self.step_open)
-        if self.step_open:
+            self._notify("step_beginning", self.kind is not None)
+        if self.kind is not None:
             self._micro_batch()
             return
         n = step if count is None else count
         self.current_step, self.current_count = step, n
-        if not log and not sample and self.plan.quiet(n):
-            self.quiet_step = self.step_open = True  # only counted: nothing is measured
-            self.log_this_step = self.lingering_due = False
+        # decided even when disabled, so that every rank agrees on which steps join a collective
+        self.kind = kind = self.schedule.step_kind(n) if kind is None else kind
+        if kind is StepKind.QUIET:  # only counted: nothing is measured
+            self.lingering_due = False
             self.engine.quiet_step()
             if self.snap is not None:
                 self.snap.step = step
             return
-        self.quiet_step = False
-        self.step_open = True
         self.lingering_due = defer_lingering
-        self.marks = n < LINGERING_EVERY_STEP_UNTIL
-        # decided even when disabled, so that every rank agrees on which steps join a collective
-        self.log_this_step = log = self.will_log(n) if log is None else log
+        self.leaves_marks = n < LINGERING_EVERY_STEP_UNTIL
         engine = self.engine
         if not engine.enabled:
             return
@@ -347,14 +337,20 @@ class Session:
             if self.snap.busy:  # a capture or a deferred dump counts steps
                 self.snap.on_step_start(step)
         try:
-            self.cadence.step_started(n)
-            self.plan.read_s = 0.0
-            if self.wants_sample(n, log) if sample is None else sample:
-                self._begin_sampled(step, epoch, batch_idx, batch, defer_lingering)
-            else:
+            self.schedule.step_started(n)
+            self.schedule.step_read_s = 0.0
+            if kind is StepKind.WATCHED:
                 self._begin_watched(step, epoch, batch_idx, batch, defer_lingering)
+            else:
+                self._begin_sampled(step, epoch, batch_idx, batch, defer_lingering)
         except Exception as exc:
             self.fail(exc, "step start")
+
+    def micro_batch(self) -> None:
+        """A further micro-batch of the open step (gradient accumulation)."""
+        if self._observers:
+            self._notify("step_beginning", True)
+        self._micro_batch()
 
     def _micro_batch(self) -> None:
         """A further micro-batch of the open step (gradient accumulation)."""
@@ -374,33 +370,32 @@ class Session:
             found += checks.read(self.current_count, batch)
         found += checks.host_read(step)
         self.engine.begin_step(step, epoch, batch_idx, False)
-        self.fast_s = time.perf_counter() - t0 - self.plan.read_s  # charged at step end, with the end's own time
-        self.fast_typical = not found
+        self.watched_s = time.perf_counter() - t0 - self.schedule.step_read_s  # charged at step end, with the end's
+        self.watched_typical = not found
         for finding in found:
             self.add_finding(finding)
 
     def _begin_sampled(self, step: int, epoch: int, batch_idx: int, batch: Any, defer_lingering: bool) -> None:
         """A sampled step: the watch, the baseline (also the watch's read), then the theory check.
 
-        The baseline reads ``allocated`` on the steps the plan names (``StepPlan.heap_due``); on the
-        others it stays NaN, unless the resident set has risen as far as the tripwire's threshold."""
-        engine, checks, plan = self.engine, self.checks, self.plan
+        The baseline reads ``allocated`` on the steps the schedule names (:meth:`Schedule.heap_due`); on
+        the others it stays NaN, unless the resident set has risen as far as the tripwire's threshold."""
+        engine, checks, schedule = self.engine, self.checks, self.schedule
         watch = checks.watch
         count = self.current_count
-        self.fast_s = None
-        self.marks = self.marks or self.samples_unmarked + 1 >= self.cadence.mark_every
+        self.leaves_marks = self.leaves_marks or self.samples_unmarked + 1 >= schedule.mark_every
         t0 = time.perf_counter()
         found = watch.before_baseline(step, batch, lingering=not defer_lingering) if watch is not None else []
         check_state = checks.state.wanted and engine.optimizer_steps_total > 0
-        heap = plan.heap_due(count, check_state)
+        heap = schedule.heap_due(count, check_state)
         spent = time.perf_counter() - t0
         engine.begin_step(step, epoch, batch_idx, True, heap)
         t1 = time.perf_counter()
         baseline = engine.step_baseline
         if heap:
-            plan.heap_rss = engine.step_reserved
-        elif baseline is None and plan.heap_skipped(count, engine.step_reserved):
-            baseline = engine.fill_baseline(plan.take_read(count))  # charged as a read (plan.read_s)
+            schedule.heap_rss = engine.step_reserved
+        elif baseline is None and schedule.heap_skipped(count, engine.step_reserved):
+            baseline = engine.fill_baseline(schedule.take_read(count))  # charged as a read (step_read_s)
         found += checks.read(count, batch, baseline)
         found += checks.host_read(step)
         if check_state and baseline is not None:
@@ -409,16 +404,12 @@ class Session:
                 found.append(finding)
         for finding in found:
             self.add_finding(finding)
-        engine.add_own_time(spent + time.perf_counter() - t1 - plan.read_s)
+        engine.add_own_time(spent + time.perf_counter() - t1 - schedule.step_read_s)
 
     def count_quiet(self, steps: int) -> None:
         """``steps`` quiet steps an adapter skipped without calling :meth:`begin_step` (Lightning)."""
         if steps > 0:
             self.engine.quiet_step(steps)
-
-    def wake(self) -> None:
-        """Something needs the next step: it is not quiet."""
-        self.plan.wake()
 
     def boundary(self, closing: int) -> None:
         """Phase ``closing`` ended (a :class:`~memcallbacks._base.columns.Phase`); the next one begins."""
@@ -438,10 +429,11 @@ class Session:
 
         ``batch``, ``loss`` (the step's last) and ``outputs`` (the model's outputs the adapter saw)
         are handed to leak detection as weak references."""
-        if self.quiet_step:
-            self.quiet_step = self.step_open = False
+        kind = self.kind
+        if kind is StepKind.QUIET:
+            self.kind = None
             return None
-        observed = self._observers and self.step_open
+        observed = self._observers and kind is not None
         if observed:
             self._notify("phase_closed", closing)
         engine = self.engine
@@ -451,12 +443,12 @@ class Session:
         t_end = time.perf_counter()
         if engine.enabled:
             try:
-                row = self._close_row(closing, t_end, batch, loss, outputs)
+                row = self._close_row(kind, closing, t_end, batch, loss, outputs)
             except Exception as exc:
                 self.fail(exc, "step end")
-        self.step_open = False
+        self.kind = None
         self._plan_quiet()
-        if self.log_this_step and (row is not None or engine.world_size > 1):
+        if kind is StepKind.LOGGED and (row is not None or engine.world_size > 1):
             try:
                 metrics = engine.log_values(row, self._extra_keys(row))
                 self.emit(metrics, self.current_step if log_step is None else log_step)
@@ -466,7 +458,7 @@ class Session:
             self._notify("step_ended", batch, loss)
         return row
 
-    def _close_row(self, closing: int, t_end: float, batch: Any, loss: Any, outputs: Any) -> list[Any] | None:
+    def _close_row(self, kind: StepKind | None, closing: int, t_end: float, batch: Any, loss: Any, outputs: Any) -> list[Any] | None:
         """The engine's row, the lingering marks, the tripwire, the pre-flight comparison, the budget, snapshots."""
         engine, checks = self.engine, self.checks
         sampled = engine.sampling
@@ -474,7 +466,7 @@ class Session:
         # lingering references: every step at first (leaky loops leak from step 1), then after every
         # mark_every-th sampled step (a check costs the next step its quietness)
         watch = checks.watch
-        if watch is not None and (self.marks or checks.lingering_wants_mark):
+        if watch is not None and (self.leaves_marks or checks.lingering_wants_mark):
             t0 = time.perf_counter()
             watch.end_step(self.current_step, batch, loss, outputs)
             if row is not None:
@@ -482,15 +474,14 @@ class Session:
             self.samples_unmarked = 0
         elif sampled:
             self.samples_unmarked += 1
-        self.marks = False
+        self.leaves_marks = False
         if row is not None:
-            if self.plan.rebase(row[PEAK_RESERVED], pinned=not getattr(engine.backend, "resets_hwm", False)):
+            if self.schedule.rebase(row[PEAK_RESERVED], pinned=not getattr(engine.backend, "resets_hwm", False)):
                 self.log.debug("memcallbacks: the resident-set high-water mark is pinned above the resident set; the RSS tripwire reads statm")
             checks.preflight.compare(row)
-            self.cadence.charge(row[MONITOR_TIME_S], sampled=True)
-        elif self.fast_s is not None:  # an unsampled step: its start and its end, as one cost
-            self.cadence.charge(self.fast_s + time.perf_counter() - t_end, sampled=False, typical=self.fast_typical)
-        self.fast_s = None
+            self.schedule.charge(row[MONITOR_TIME_S], sampled=True)
+        elif kind is StepKind.WATCHED:  # its start and its end, as one cost
+            self.schedule.charge(self.watched_s + time.perf_counter() - t_end, sampled=False, typical=self.watched_typical)
         if self.snap is not None and (row is not None or self.sink.new):
             new = self.sink.take_new()
             if row is not None:
@@ -508,13 +499,14 @@ class Session:
             or (self.snap is not None and self.snap.busy)
             or (watch is not None and watch.collections is not None and watch.collections.due)
         )
-        self.plan.plan_after(self.current_count, busy=busy, reads=watch is not None)
+        theory = checks.state.wanted and self.engine.optimizer_steps_total > 0  # the theory check samples the next step
+        self.schedule.plan_after(self.current_count, busy=busy, reads=watch is not None, sample_next=theory)
 
     def _extra_keys(self, row: list[Any] | None) -> dict[str, float]:
         """The keys a logged step adds to the engine's (extras.py)."""
         dashboard, checks = self.dashboard, self.checks
         return extra_metrics(
-            self.config, row, findings=self.sink.problems(), overhead=self.cadence.overhead, preflight=checks.preflight,
+            self.config, row, findings=self.sink.problems(), overhead=self.schedule.overhead, preflight=checks.preflight,
             capacity=self.engine.capacity if dashboard.capacity else None, state=checks.state, snap=self.snap,
             last_gc=checks.watch.last_gc if checks.watch is not None else None, host=checks.host_figures(),
         )
@@ -531,8 +523,17 @@ class Session:
                 self.trackers.on_log(self.findings, self.dashboard)
 
     # ------------------------------------------------------------------ evaluation loops
-    def begin_eval(self, stage: str, step: int, epoch: int = 0) -> None:
-        """An evaluation loop starts: recorded apart from training rows."""
+    def pause(self, count: int | None = None) -> None:
+        """Evaluation or a checkpoint between steps: its time is not step time (the own-time share).
+        ``count``: the steps done by now (default: those begun, each ended, where every step is begun)."""
+        if count is None and self.kind is None:
+            count = self.current_count + 1
+        self.schedule.pause(count)
+
+    def begin_eval(self, stage: str, step: int, epoch: int = 0, *, count: int | None = None) -> None:
+        """An evaluation loop starts: the step clock pauses, and its memory is recorded apart from
+        training rows. ``count``: as for :meth:`pause`."""
+        self.pause(count)
         engine = self.engine
         if self.config.log_validation and engine.enabled:
             try:
@@ -590,6 +591,7 @@ class Session:
         files: the folder keeps the previous run's set rather than an empty history."""
         if self._observers:
             self._notify("run_finishing")
+        self.kind = None  # an open step ends with the run: the run's end closes the engine's row
         return self.ending.finish(gather)
 
     def report(self) -> dict[str, Any]:
@@ -598,7 +600,8 @@ class Session:
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:
-        """The engine's checkpointed state plus the run's events and findings."""
+        """The engine's checkpointed state plus the run's events and findings (a checkpoint: the step clock pauses)."""
+        self.pause()
         state = self.engine.state_dict()
         state["events"] = list(self.events)
         state["findings"] = self.sink.to_list()

@@ -176,7 +176,7 @@ def test_quiet_steps_boundary_and_end_step_do_nothing(tmp_path, sessions):
     for step in range(50):  # 0..49: step 49 is logged; the plan after it covers 50..58
         tiny.step(s, step)
     rows_before = len(s.rows)
-    s.plan.trip = None  # the plan as planned, without the RSS tripwire cutting the stretch short
+    s.schedule.trip = None  # the schedule as planned, without the RSS tripwire cutting the stretch short
     s.begin_step(50)
     assert s.quiet_step and s.step_open and not s.sampling
     s.boundary(FORWARD)
