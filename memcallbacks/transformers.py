@@ -217,12 +217,19 @@ class MemoryMonitorCallback(SessionResults, TrainerCallback):
     @entry_point("on_step_end")
     def on_step_end(self, args: "TrainingArguments", state: "TrainerState", control: "TrainerControl", **kwargs: Any) -> None:
         monitor = self._monitor
-        if monitor is None:
-            return
-        if monitor.close_step(log_step=state.global_step):
+        if monitor is not None and monitor.close_step(log_step=state.global_step):
             control.should_log = True  # every rank: the Trainer's logging gathers the loss across ranks
-        if control.should_evaluate or control.should_save:  # decided by the Trainer's flow callback, which runs first
-            monitor.pause()  # evaluation and checkpoints are not step time
+
+    # the Trainer says so only after them: the step clock stops at the last step's end
+    @entry_point("on_evaluate")
+    def on_evaluate(self, args: "TrainingArguments", state: "TrainerState", control: "TrainerControl", **kwargs: Any) -> None:
+        if self._monitor is not None:
+            self._monitor.pause()  # evaluation is not step time
+
+    @entry_point("on_save")
+    def on_save(self, args: "TrainingArguments", state: "TrainerState", control: "TrainerControl", **kwargs: Any) -> None:
+        if self._monitor is not None:
+            self._monitor.pause()  # nor is a checkpoint
 
     def _stash(self, metrics: dict[str, float], step: int) -> None:
         self._pending = (step, metrics)

@@ -70,9 +70,9 @@ class PlainControls(SessionResults):
             self._session.end_eval(log_step=self._step)
 
     def pause(self) -> None:
-        """The time from here to the next step is not step time: an evaluation or a checkpoint the
-        monitor does not see (``evaluate()`` and ``state_dict()`` pause on their own). It keeps the
-        reported own-time share, and the budget, true to the training steps."""
+        """The time from the last step's end to the next step is not step time: an evaluation or a
+        checkpoint the monitor does not see (``evaluate()`` and ``state_dict()`` pause on their own),
+        said before it or after it. It keeps the own-time share, and the budget, true to the steps."""
         self._session.pause()
 
     # ------------------------------------------------------------------ the end of the run

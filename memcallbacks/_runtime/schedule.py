@@ -509,12 +509,14 @@ class Schedule:
         self.timed_s += elapsed
         self.steps += steps
 
-    def pause(self, count: int | None = None) -> None:
-        """Evaluation or a checkpoint between steps: the time from here to the next step's start is
-        not step time. ``count``: the steps done by now, whose time since the last start is kept."""
+    def pause(self, count: int | None = None, at: float | None = None) -> None:
+        """Evaluation or a checkpoint between steps: the time to the next step's start is not step
+        time. ``count``: the steps done by now, timed from the last start to ``at`` (default: now)."""
         anchor = self._anchor
         if anchor is not None and count is not None and count > anchor[0]:
-            self._time_steps(count - anchor[0], self.clock() - anchor[1])
+            end = self.clock() if at is None else at
+            if end > anchor[1]:
+                self._time_steps(count - anchor[0], end - anchor[1])
         self._anchor = None
 
     # ------------------------------------------------------------------ own time

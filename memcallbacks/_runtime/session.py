@@ -83,6 +83,7 @@ class Session:
         self.watched_typical = True  # the watched step found nothing (its cost chooses the intervals)
         self.leaves_marks = False  # this step's end leaves marks for the lingering check
         self.samples_unmarked = 0
+        self.step_ended_at = 0.0  # when the last step ended (time.perf_counter), for a pause said after the fact
         self.current_step = 0
         """The open step's number as the adapter gave it: the step of findings, rows and logs."""
         self.current_count = 0
@@ -432,6 +433,7 @@ class Session:
         kind = self.kind
         if kind is StepKind.QUIET:
             self.kind = None
+            self.step_ended_at = time.perf_counter()
             return None
         observed = self._observers and kind is not None
         if observed:
@@ -456,6 +458,7 @@ class Session:
                 self.fail(exc, "logging")
         if observed:
             self._notify("step_ended", batch, loss)
+        self.step_ended_at = time.perf_counter()
         return row
 
     def _close_row(self, kind: StepKind | None, closing: int, t_end: float, batch: Any, loss: Any, outputs: Any) -> list[Any] | None:
@@ -525,10 +528,16 @@ class Session:
     # ------------------------------------------------------------------ evaluation loops
     def pause(self, count: int | None = None) -> None:
         """Evaluation or a checkpoint between steps: its time is not step time (the own-time share).
-        ``count``: the steps done by now (default: those begun, each ended, where every step is begun)."""
-        if count is None and self.kind is None:
-            count = self.current_count + 1
-        self.schedule.pause(count)
+        ``count``: the steps done by now, timed up to now (Lightning, which skips quiet steps, passes
+        its own). By default, where every step is begun: those up to the open one, timed up to now, or
+        with no step open, up to the last one's end: adapters that hear of an evaluation or a
+        checkpoint only after it (Transformers' ``on_evaluate``, ``on_save``) pause then."""
+        if count is not None:
+            self.schedule.pause(count)
+        elif self.kind is None:  # between steps: from the last one's end (a pause said after the evaluation)
+            self.schedule.pause(self.current_count + 1, at=self.step_ended_at)
+        else:
+            self.schedule.pause(self.current_count + 1)
 
     def begin_eval(self, stage: str, step: int, epoch: int = 0, *, count: int | None = None) -> None:
         """An evaluation loop starts: the step clock pauses, and its memory is recorded apart from
