@@ -10,6 +10,7 @@ Logged keys (``memory/peak_forward_GiB``, ``memory/allocated_GiB``, ...): docs/m
 from __future__ import annotations
 
 import copy
+import functools
 import importlib
 import importlib.util
 import logging
@@ -261,7 +262,7 @@ class MemoryMonitor(SessionResults, *_callback_bases()):  # type: ignore[misc]
             self._session.stop()
 
     # ------------------------------------------------------------------ checkpointing
-    @property
+    @functools.cached_property  # Lightning reads it at every hook call (its profiler's name): computed once
     def state_key(self) -> str:
         """Where this monitor's state goes in ``checkpoint["callbacks"]``: one key per ``prefix``.
 

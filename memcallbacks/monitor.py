@@ -20,13 +20,13 @@ from torch import nn
 from memcallbacks._base.config import MonitorConfig, resolve_config
 from memcallbacks._base.columns import OPTIMIZER, OTHER
 from memcallbacks._runtime.adapter_support import OptimizerHooks, check_plain_arguments, phase_index
-from memcallbacks._runtime.device_check import device_for
+from memcallbacks._runtime.adapter_support import device_for
 from memcallbacks._runtime.guard import entry_point
 from memcallbacks._runtime.model_hooks import ModelHooks
 from memcallbacks._runtime.plain_support import PlainControls, plain_cleanup
 from memcallbacks._runtime.schedule import HookMeter
 from memcallbacks._runtime.session import LogFn, Session
-from memcallbacks._runtime.track_guard import AccumulationWindow, TrackGuard
+from memcallbacks._runtime.plain_support import AccumulationWindow, TrackGuard
 
 __all__ = ["Monitor"]
 

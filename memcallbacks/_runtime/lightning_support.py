@@ -17,7 +17,7 @@ from memcallbacks._runtime.adapter_support import (
     OptimizerHooks, lightning_strategy, precision_name, rank_zero_trackers, refuse_shared_folder, saved_state_of,
 )
 from memcallbacks._runtime.guard import entry_point
-from memcallbacks._runtime.preflight_steps import training_step
+from memcallbacks._runtime.preflight_check import training_step
 from memcallbacks._runtime.lifecycle import output_folder
 
 __all__ = ["default_dir", "files_folder", "check_siblings", "start_session", "predict_step", "attach_fit", "ManualOptimizerHooks", "checkpoint_state",

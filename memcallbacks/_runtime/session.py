@@ -20,7 +20,7 @@ from memcallbacks._base.findings import Finding
 from memcallbacks._files.outputs import check_writable
 from memcallbacks._runtime.auto_snapshot import AutoSnapshot
 from memcallbacks._runtime.checks import StepChecks
-from memcallbacks._runtime.extras import extra_metrics
+from memcallbacks._runtime.readout import extra_metrics
 from memcallbacks._runtime.finding_sink import FindingSink
 from memcallbacks._runtime.lifecycle import claim_folder, output_folder, release_folder
 from memcallbacks._runtime.run_end import RunEnd, is_oom
@@ -506,7 +506,7 @@ class Session:
         self.schedule.plan_after(self.current_count, busy=busy, reads=watch is not None, sample_next=theory)
 
     def _extra_keys(self, row: list[Any] | None) -> dict[str, float]:
-        """The keys a logged step adds to the engine's (extras.py)."""
+        """The keys a logged step adds to the engine's (readout.py)."""
         dashboard, checks = self.dashboard, self.checks
         return extra_metrics(
             self.config, row, findings=self.sink.problems(), overhead=self.schedule.overhead, preflight=checks.preflight,

@@ -26,7 +26,7 @@ from memcallbacks._runtime.model_hooks import ModelHooks
 from memcallbacks._runtime.plain_support import PlainControls
 from memcallbacks._files.report import load_output_dir
 from memcallbacks._runtime.sampling import MemoryEngine
-from memcallbacks._runtime.state_check import StateCheck
+from memcallbacks._runtime.checks import StateCheck
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerate_state", "one_thread")
 
