@@ -1,4 +1,4 @@
-"""Lightning adapter: ``MemoryMonitor``, a callback translating Lightning's hooks into the session's step protocol.
+"""Lightning adapter: ``MemoryMonitor``, a callback translating Lightning's hooks into session calls.
 
 Works with both package names, ``lightning.pytorch`` and ``pytorch_lightning``: the class derives
 from the ``Callback`` of every one that is installed, so either ``Trainer`` (and LightningCLI's

@@ -1,4 +1,4 @@
-"""``Monitor``: the framework-free memory monitor for plain PyTorch loops (and the base of the Accelerate adapter).
+"""``Monitor``: the framework-free monitor for plain PyTorch loops (the Accelerate adapter's base).
 
 Phases are found without annotations when a model is given: a forward pre-hook opens the step
 (when ``track``/``step`` are not used), a tensor hook on the model's output marks the start of

@@ -1,4 +1,4 @@
-"""Transformers adapter: ``MemoryMonitorCallback``, a ``TrainerCallback`` whose memory metrics join the Trainer's own logs.
+"""Transformers adapter: ``MemoryMonitorCallback``, whose metrics join the Trainer's own logs.
 
 Step boundaries come from the Trainer's events (``on_step_begin``, ``on_substep_end`` between
 micro-batches, ``on_pre_optimizer_step``/``on_optimizer_step`` around the optimizer step,

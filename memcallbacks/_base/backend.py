@@ -1,4 +1,4 @@
-"""The device seam's interface: what every memory backend answers (docs/metrics.md says what the numbers mean per device)."""
+"""The device seam's interface: what every memory backend answers (docs/metrics.md: per device)."""
 
 from __future__ import annotations
 

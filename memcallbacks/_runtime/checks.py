@@ -1,4 +1,4 @@
-"""The checks a step runs besides its measurement: the leak watch, the host channel, the theory check and the pre-flight.
+"""The checks a step runs besides its measurement: leak watch, host channel, theory, pre-flight.
 
 One composed part of :class:`~memcallbacks._runtime.session.Session`: the session decides which
 steps are watched or sampled and in what order things happen; this object owns the parts that
@@ -31,7 +31,7 @@ class StepChecks:
     (:attr:`state`) and the pre-flight (:attr:`preflight`) of one session."""
 
     def __init__(
-        self, config: MonitorConfig, engine: MemoryEngine, schedule: Schedule, owner: str, logger: logging.Logger,
+        self, config: MonitorConfig, engine: MemoryEngine, schedule: Schedule, *, owner: str, logger: logging.Logger,
         add_finding: Callable[[Finding], None], current_step: Callable[[], int],
     ) -> None:
         self.config = config

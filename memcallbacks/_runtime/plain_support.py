@@ -1,4 +1,4 @@
-"""What the plain loop's ``Monitor`` does besides translating its loop's events: its status, the calls that configure its session, its saved state, and its end (``close()``, a recorded exception, the context manager, undoing what it changed in the process).
+"""The plain loop's ``Monitor`` besides its loop's events: status, saved state, its end, track().
 
 :class:`PlainControls` is the base of :class:`~memcallbacks.Monitor` (``monitor.py``), as
 :class:`~memcallbacks._runtime.results.SessionResults` is the base of every adapter: its methods

@@ -1,4 +1,4 @@
-"""Pre-flight inside the monitor: predict the first batch's step before it runs, warn when it cannot fit, compare each sampled step with it.
+"""Pre-flight inside the monitor: predict the first batch's step, warn, compare sampled steps with it.
 
 The session owns one :class:`PreflightCheck`. Adapters hand it the first batch (Lightning, before
 step 0 starts) or let it watch the model's first training forward (the plain-loop ``Monitor`` and

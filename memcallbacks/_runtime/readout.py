@@ -1,4 +1,4 @@
-"""The engine's rows read out: a training step's logged keys and values, the history frames, and the run's summary.
+"""The engine's rows read out: a logged step's keys and values, the history frames, the summary.
 
 Functions of plain data (rows in :mod:`memcallbacks._base.columns`' layout), called by
 :class:`~memcallbacks._runtime.sampling.MemoryEngine` on logged steps and at the run's end.

@@ -68,7 +68,8 @@ class Session:
         self.files: dict[str, str] = {}
         self.events: list[dict[str, Any]] = []
         self.sink = FindingSink(owner, self.log, self._rank)
-        self.checks = StepChecks(config, self.engine, self.schedule, owner, self.log, self.sink.add, self._current_step)
+        self.checks = StepChecks(config, self.engine, self.schedule, owner=owner, logger=self.log, add_finding=self.sink.add,
+                                 current_step=self._current_step)
         self.ending = RunEnd(self)
         self.snap: AutoSnapshot | None = None
         self.trackers: Trackers | None = None  # rank zero's trackers (TensorBoard, W&B, MLflow)
@@ -445,7 +446,7 @@ class Session:
         t_end = time.perf_counter()
         if engine.enabled:
             try:
-                row = self._close_row(kind, closing, t_end, batch, loss, outputs)
+                row = self._close_row(kind, closing, t_end, batch=batch, loss=loss, outputs=outputs)
             except Exception as exc:
                 self.fail(exc, "step end")
         self.kind = None
@@ -461,7 +462,7 @@ class Session:
         self.step_ended_at = time.perf_counter()
         return row
 
-    def _close_row(self, kind: StepKind | None, closing: int, t_end: float, batch: Any, loss: Any, outputs: Any) -> list[Any] | None:
+    def _close_row(self, kind: StepKind | None, closing: int, t_end: float, *, batch: Any, loss: Any, outputs: Any) -> list[Any] | None:
         """The engine's row, the lingering marks, the tripwire, the pre-flight comparison, the budget, snapshots."""
         engine, checks = self.engine, self.checks
         sampled = engine.sampling
@@ -601,6 +602,7 @@ class Session:
         if self._observers:
             self._notify("run_finishing")
         self.kind = None  # an open step ends with the run: the run's end closes the engine's row
+        self.schedule.pause()  # what follows (the files, a test() stage) is not step time
         return self.ending.finish(gather)
 
     def report(self) -> dict[str, Any]:

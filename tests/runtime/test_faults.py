@@ -220,7 +220,7 @@ def test_every_framework_hook_is_guarded() -> None:
         (Monitor, None, ("_forward_pre", "_optimizer_pre", "_optimizer_post",
                          "open_step", "end_phase", "close_step", "_track_item", "_track_end", "_step_enter", "_phase_enter")),
         (PlainControls, None, ("close", "record_exception", "_exit_failing")),  # Monitor's base: its end of run
-        (AccelerateMemoryMonitor, None, ("close", "_backward_starts", "_backward_ends", "_step_complete", "_hook_prepared_models")),
+        (AccelerateMemoryMonitor, None, ("close", "_backward_starts", "_backward_ends", "_step_complete", "watch_prepared_models")),
         (ModelHooks, None, ("_forward_post", "_backward_start", "_backward_end")),  # the plain loop's model hooks
     ]
     unguarded = []
