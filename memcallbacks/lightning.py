@@ -20,7 +20,7 @@ import torch
 
 from memcallbacks._base.config import MonitorConfig, check_config_names, resolve_config
 from memcallbacks._base.columns import BACKWARD, FORWARD, OPTIMIZER, OTHER
-from memcallbacks._runtime.guard import entry_point, quiet_gate
+from memcallbacks._runtime.guard import entry_point, unguarded_hook
 from memcallbacks._runtime.results import SessionResults
 from memcallbacks._runtime.lightning_support import (
     ManualOptimizerHooks, add_eval_hooks, attach_fit, check_siblings, checkpoint_state, predict_step, start_session,
@@ -138,7 +138,7 @@ class MemoryMonitor(SessionResults, *_callback_bases()):  # type: ignore[misc]
 
     # The five step hooks: on a quiet step each returns after one attribute read, with no wrapper
     # frame: that check cannot raise, and everything else is in a guarded method.
-    @quiet_gate("on_train_batch_start")
+    @unguarded_hook("on_train_batch_start")
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int) -> None:
         # the schedule decides what the step is, once (it cannot raise; a fault reading Lightning's
         # counter leaves the step to the guarded method)
@@ -167,7 +167,7 @@ class MemoryMonitor(SessionResults, *_callback_bases()):  # type: ignore[misc]
         # one meaning of "step" in rows and findings: global_step
         session.begin_step(trainer.global_step, trainer.current_epoch, batch_idx, count=count, kind=kind, batch=batch)
 
-    @quiet_gate("on_before_backward")
+    @unguarded_hook("on_before_backward")
     def on_before_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: torch.Tensor) -> None:
         if not self._quiet:
             self._before_backward(loss)
@@ -177,7 +177,7 @@ class MemoryMonitor(SessionResults, *_callback_bases()):  # type: ignore[misc]
         self._session.boundary(FORWARD)
         self._loss = loss
 
-    @quiet_gate("on_after_backward")
+    @unguarded_hook("on_after_backward")
     def on_after_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         if not self._quiet:
             self._after_backward()
@@ -186,14 +186,14 @@ class MemoryMonitor(SessionResults, *_callback_bases()):  # type: ignore[misc]
     def _after_backward(self) -> None:
         self._session.boundary(BACKWARD)
 
-    @quiet_gate("on_before_optimizer_step")
+    @unguarded_hook("on_before_optimizer_step")
     def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: Any) -> None:
         # automatic optimization: from here to batch end is the optimizer phase (clipping included);
         # a plain assignment, which cannot fail
         if not self._quiet:
             self._stepped = True
 
-    @quiet_gate("on_train_batch_end")
+    @unguarded_hook("on_train_batch_end")
     def on_train_batch_end(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
     ) -> None:

@@ -192,7 +192,7 @@ class CpuBackend(MemoryBackend):
     def resets_hwm(self) -> bool:
         """Whether ``getrusage``'s high-water mark is reset at every phase boundary and not pinned
         above the resident set: then it is the resident set's peak since the last sampled step, which the
-        RSS tripwire can read for a fraction of a ``statm`` read's cost (``cadence.rss_tripwire``)."""
+        RSS tripwire can read for a fraction of a ``statm`` read's cost (``schedule.rss_tripwire``)."""
         return self.peak_source == PEAK_RSS_HWM and not self._use_status and sys.platform.startswith("linux")
 
     def heap(self) -> int | None:

@@ -112,7 +112,7 @@ class StepChecks:
             finding.details["census"] = {k: int(v) for k, v in census.bytes_by_category.items()}  # type: ignore[union-attr]
         return finding
 
-    def read(self, count: int, batch: Any, value: int | None = None) -> list[Finding]:
+    def detect_growth(self, count: int, batch: Any, value: int | None = None) -> list[Finding]:
         """Growth detection fed with ``value`` (a sampled step's baseline) or, on the steps the schedule
         reads memory, with the watch's own read."""
         plan = self.schedule
@@ -142,12 +142,6 @@ class StepChecks:
         """The last lingering check could not tell yet: the open step leaves marks for the next one."""
         lingering = self.watch.lingering if self.watch is not None else None
         return lingering is not None and lingering.wants_mark
-
-    @property
-    def lingering_pending(self) -> bool:
-        """The previous step left marks (batch references, a marked graph) for the lingering check."""
-        lingering = self.watch.lingering if self.watch is not None else None
-        return lingering is not None and lingering.pending
 
     def host_figures(self) -> dict[str, float] | None:
         """The host channel's figures for the logs and the per-rank comparison (None without one)."""

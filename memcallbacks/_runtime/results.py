@@ -88,7 +88,7 @@ class SessionResults(Guarded):
 
     def summary(self) -> dict[str, Any]:
         session = self._current_session()
-        return session.engine.summary() if session is not None else {}
+        return session.summary() if session is not None else {}
 
     def report(self) -> dict[str, Any]:
         """What ``report.json`` holds: version, config, summary, findings, events and files."""

@@ -71,6 +71,8 @@ class EndingSession(Protocol):
     def add_finding(self, finding: Finding) -> None: ...
     def format_report(self) -> str: ...
     def history_frame(self) -> Any: ...
+    def summary(self) -> dict[str, Any]: ...
+    def fail(self, exc: BaseException, where: str) -> None: ...
 
 
 class RunEnd:
@@ -123,7 +125,7 @@ class RunEnd:
             "memcallbacks_version": __version__,
             "framework": s.framework,
             "config": s.config.to_dict(),
-            "summary": dict(s.engine.summary(), cadence=s.schedule.summary(), rank_figures=self.rank_figures()),
+            "summary": dict(s.summary(), cadence=s.schedule.summary(), rank_figures=self.rank_figures()),
             "findings": s.sink.to_list(),
             "events": list(s.events),
             **s.checks.report(),  # model_states, preflight, gc, host
@@ -204,7 +206,7 @@ class RunEnd:
             s.log.error("%s: could not write the memory files to %s (%s); the files there are left as they were.",
                         s.owner, s.output_dir, exc.strerror or exc)
         except Exception as exc:
-            engine.fail(exc, "writing outputs")
+            s.fail(exc, "writing outputs")
         return s.files
 
     def _write(self, report: dict[str, Any], summaries: list[Any] | None, distributed: bool) -> dict[str, str]:

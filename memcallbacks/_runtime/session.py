@@ -74,6 +74,7 @@ class Session:
         self.snap: AutoSnapshot | None = None
         self.trackers: Trackers | None = None  # rank zero's trackers (TensorBoard, W&B, MLflow)
         self._observers: list[Any] = []
+        self.failed = False  # an internal error turned the monitor off (fail())
         self.lingering_due = False
         """A step opened with ``defer_lingering=True`` still owes its lingering check."""
         self.title = ""
@@ -155,8 +156,18 @@ class Session:
             self.log.warning(message)
 
     def fail(self, exc: BaseException, where: str) -> None:
-        """An internal error in an adapter's hook: logged once, and the monitor turns itself off."""
-        self.engine.fail(exc, where)
+        """The one containment path for an internal error (the guard's, and each step part's): logged
+        once with its traceback, and the monitor turns itself off for the run (``strict``: raised)."""
+        if self.config.strict:
+            raise exc
+        if not self.failed:
+            log.exception("memcallbacks: internal error in %s; the memory monitor disables itself and training goes on.", where, exc_info=exc)
+        self.failed = True
+        self.engine.enabled = False
+
+    def summary(self) -> dict[str, Any]:
+        """The engine's summary, with whether the monitor turned itself off after an internal error."""
+        return self.engine.summary(disabled_after_error=self.failed)
 
     def check_lingering(self, batch: Any = None) -> None:
         """Run the lingering check deferred by ``begin_step(defer_lingering=True)`` (once per step)."""
@@ -209,6 +220,7 @@ class Session:
     def _start_parts(self, device: Any, rank: int | None, world_size: int | None) -> None:
         config, engine = self.config, self.engine
         engine.start(device, rank=rank, world_size=world_size)
+        engine.enabled = not self.failed  # a monitor that failed stays off for every later stage
         self.schedule.arm(engine.backend)
         self.schedule.guard.announce = (self.log, self.owner) if engine.rank == 0 else None  # the budget's back-off, said once
         self.checks.start(ignore=[self], device_is_host=self.device_kind == "cpu")
@@ -262,7 +274,7 @@ class Session:
     @property
     def lingering_pending(self) -> bool:
         """The previous step left marks (batch references, a marked graph) for the lingering check."""
-        watch = self.checks.watch  # not checks.lingering_pending: no extra call on the plain loop's step path
+        watch = self.checks.watch
         lingering = watch.lingering if watch is not None else None
         return lingering is not None and lingering.pending
 
@@ -369,7 +381,7 @@ class Session:
         found: list[Finding] = []
         if checks.watch is not None:
             found = checks.watch.before_baseline(step, batch, lingering=not defer_lingering)
-            found += checks.read(self.current_count, batch)
+            found += checks.detect_growth(self.current_count, batch)
         found += checks.host_read(step)
         self.engine.begin_step(step, epoch, batch_idx, False)
         self.watched_s = time.perf_counter() - t0 - self.schedule.step_read_s  # charged at step end, with the end's
@@ -398,7 +410,7 @@ class Session:
             schedule.heap_rss = engine.step_reserved
         elif baseline is None and schedule.heap_skipped(count, engine.step_reserved):
             baseline = engine.fill_baseline(schedule.take_read(count))  # charged as a read (step_read_s)
-        found += checks.read(count, batch, baseline)
+        found += checks.detect_growth(count, batch, baseline)
         found += checks.host_read(step)
         if check_state and baseline is not None:
             finding = checks.state_finding(step, baseline, batch)
@@ -499,7 +511,7 @@ class Session:
         checks = self.checks
         watch = checks.watch
         busy = (
-            not self.engine.enabled or self.lingering_due or checks.lingering_pending or checks.state.wanted or checks.preflight.due
+            not self.engine.enabled or self.lingering_due or self.lingering_pending or checks.state.wanted or checks.preflight.due
             or (self.snap is not None and self.snap.busy)
             or (watch is not None and watch.collections is not None and watch.collections.due)
         )
