@@ -115,14 +115,14 @@ class StepChecks:
     def detect_growth(self, count: int, batch: Any, value: int | None = None) -> list[Finding]:
         """Growth detection fed with ``value`` (a sampled step's baseline) or, on the steps the schedule
         reads memory, with the watch's own read."""
-        plan = self.schedule
-        if self.watch is None or plan.read is None:
+        schedule = self.schedule
+        if self.watch is None or schedule.read is None:
             return []
         if value is None:
-            value = plan.take_read(count)
+            value = schedule.take_read(count)
             if value is None:
                 return []
-        plan.after_read(count, value)
+        schedule.after_read(count, value)
         return self.watch.after_baseline(count, value, batch)
 
     def host_read(self, step: int) -> list[Finding]:
