@@ -59,7 +59,7 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from memcallbacks import MemoryMonitor
 from memcallbacks._base import devices as _devices
 from memcallbacks._base.devices import CpuBackend, host_rss_reader, select_backend
-from memcallbacks._runtime.cadence import QUIET_FROM
+from memcallbacks._runtime.schedule import QUIET_FROM
 
 # benchmarks/_common.py: run as a script, this file's folder is sys.path[0]
 from _common import BARE, TARGET_LOG_EVERY, TARGET_RATIO, TARGET_US_PER_STEP

@@ -1,4 +1,4 @@
-"""Accelerate adapter: ``AccelerateMemoryMonitor``, the plain-loop :class:`~memcallbacks.Monitor` bound to an ``Accelerator``.
+"""Accelerate adapter: ``AccelerateMemoryMonitor``, the plain-loop ``Monitor`` bound to an Accelerator.
 
 Accelerate has no callback system, so the monitor sees the loop through hooks: module hooks on
 the prepared model(s) (forward, and the start of backward through a hook on the output), the
@@ -94,7 +94,7 @@ class AccelerateMemoryMonitor(Monitor):
             self._session.attach(title=type(model).__name__)
             self._set_training_objects()
         else:
-            self._hook_prepared_models()
+            self.watch_prepared_models()
         self._install_backward_wrapper()
 
     # ------------------------------------------------------------------ setup
@@ -112,7 +112,7 @@ class AccelerateMemoryMonitor(Monitor):
         self._session.attach(trackers=trackers)
 
     @entry_point("hooking the prepared models")
-    def _hook_prepared_models(self) -> None:
+    def watch_prepared_models(self) -> None:
         """Hook the models ``accelerator.prepare`` has seen that are not hooked yet."""
         if self._closed or not self._discover:
             return
@@ -212,7 +212,7 @@ class AccelerateMemoryMonitor(Monitor):
         accumulation window form one row (``micro_batches`` = gradient_accumulation_steps), the
         first window included.
         """
-        self._hook_prepared_models()
+        self.watch_prepared_models()
         if self._track_guard.nested():  # before _sync_aware: an inner loop must not end the outer step
             return iter(iterable)
         return super().track(self._sync_aware(iterable))
@@ -231,7 +231,7 @@ class AccelerateMemoryMonitor(Monitor):
 
     def step(self) -> Any:
         """``with monitor.step(): ...`` — one row for exactly this block (see :meth:`Monitor.step`)."""
-        self._hook_prepared_models()
+        self.watch_prepared_models()
         return super().step()
 
     @entry_point("close()")

@@ -1,4 +1,4 @@
-"""Lightning adapter: ``MemoryMonitor``, a callback translating Lightning's hooks into the session's step protocol.
+"""Lightning adapter: ``MemoryMonitor``, a callback translating Lightning's hooks into session calls.
 
 Works with both package names, ``lightning.pytorch`` and ``pytorch_lightning``: the class derives
 from the ``Callback`` of every one that is installed, so either ``Trainer`` (and LightningCLI's
@@ -10,6 +10,7 @@ Logged keys (``memory/peak_forward_GiB``, ``memory/allocated_GiB``, ...): docs/m
 from __future__ import annotations
 
 import copy
+import functools
 import importlib
 import importlib.util
 import logging
@@ -19,11 +20,12 @@ import torch
 
 from memcallbacks._base.config import MonitorConfig, check_config_names, resolve_config
 from memcallbacks._base.columns import BACKWARD, FORWARD, OPTIMIZER, OTHER
-from memcallbacks._runtime.guard import entry_point, quiet_gate
+from memcallbacks._runtime.guard import entry_point, unguarded_hook
 from memcallbacks._runtime.results import SessionResults
 from memcallbacks._runtime.lightning_support import (
     ManualOptimizerHooks, add_eval_hooks, attach_fit, check_siblings, checkpoint_state, predict_step, start_session,
 )
+from memcallbacks._runtime.schedule import StepKind
 from memcallbacks._runtime.session import Session
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -76,7 +78,7 @@ class MemoryMonitor(SessionResults, *_callback_bases()):  # type: ignore[misc]
     its checkpoint :attr:`state_key`) and, when they write files, its own ``output_dir``.
     """
 
-    _quiet = False  # the current step is quiet (the session's plan said so): the step hooks return at once
+    _quiet = False  # the current step is quiet (the schedule said so): the step hooks return at once
 
     def __init__(self, config: MonitorConfig | dict[str, Any] | None = None, **kwargs: Any) -> None:
         if config is None:
@@ -86,7 +88,7 @@ class MemoryMonitor(SessionResults, *_callback_bases()):  # type: ignore[misc]
         else:
             self.config = resolve_config(config, kwargs, "MemoryMonitor")
         self._session = Session(self.config, "lightning", "MemoryMonitor", log)
-        self._is_quiet = self._session.plan.quiet  # the plan's one quiet test, asked by the step hooks' gate
+        self._step_kind = self._session.schedule.step_kind  # asked once per step, by the step hooks' gate
         self._stepped = False
         self._automatic = True
         self._optimizer_hooks = ManualOptimizerHooks(self._session)  # manual optimization only: installed at train start
@@ -134,39 +136,38 @@ class MemoryMonitor(SessionResults, *_callback_bases()):  # type: ignore[misc]
         if not self._automatic and self._session.enabled:  # manual optimization: the optimizer's hooks bound its phase
             self._optimizer_hooks.install()
 
-    # The five step hooks: on a quiet step (Session.begin_step) each returns after one attribute
-    # read, with no wrapper frame: that check cannot raise, and everything else is in a guarded method.
-    @quiet_gate("on_train_batch_start")
+    # The five step hooks: on a quiet step each returns after one attribute read, with no wrapper
+    # frame: that check cannot raise, and everything else is in a guarded method.
+    @unguarded_hook("on_train_batch_start")
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int) -> None:
-        # the session's plan decides (StepPlan.quiet, which cannot raise; a fault reading Lightning's
+        # the schedule decides what the step is, once (it cannot raise; a fault reading Lightning's
         # counter leaves the step to the guarded method)
         try:
-            if self._is_quiet(trainer.fit_loop.epoch_loop._batches_that_stepped):
-                self._quiet = True  # most steps of a long run: skipped by every hook, counted at the next other step
-                return
+            kind: StepKind | None = self._step_kind(trainer.fit_loop.epoch_loop._batches_that_stepped)
         except Exception:
-            pass
-        self._train_batch_start(trainer, pl_module, batch, batch_idx)
+            kind = None
+        if kind is StepKind.QUIET:
+            self._quiet = True  # most steps of a long run: skipped by every hook, counted at the next other step
+            return
+        self._train_batch_start(trainer, pl_module, batch, batch_idx, kind)
 
     @entry_point("on_train_batch_start")
-    def _train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int) -> None:
+    def _train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int,
+                           kind: StepKind | None) -> None:
         session = self._session
         self._quiet = False
         if session.step_open:  # a further micro-batch of the open step (gradient accumulation)
-            session.begin_step(0)
+            session.micro_batch()
             return
         count = self._log_step(trainer)
         session.count_quiet(count - self._last_count - 1)
         self._last_count = count
         if session.preflight_due:  # preflight=True: this batch's step predicted on fake tensors, before it starts
             predict_step(session, batch, pl_module, batch_idx, self._automatic)
-        log_now = session.will_log(count)
-        if session.enabled and session.wants_sample(count, log_now):
-            session.begin_step(trainer.global_step, trainer.current_epoch, batch_idx, log=log_now, count=count, batch=batch, sample=True)
-        else:  # unsampled: the step number only (one meaning of "step" in rows and findings: global_step)
-            session.begin_step(trainer.global_step, 0, batch_idx, log=log_now, count=count, batch=batch, sample=False)
+        # one meaning of "step" in rows and findings: global_step
+        session.begin_step(trainer.global_step, trainer.current_epoch, batch_idx, count=count, kind=kind, batch=batch)
 
-    @quiet_gate("on_before_backward")
+    @unguarded_hook("on_before_backward")
     def on_before_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: torch.Tensor) -> None:
         if not self._quiet:
             self._before_backward(loss)
@@ -176,7 +177,7 @@ class MemoryMonitor(SessionResults, *_callback_bases()):  # type: ignore[misc]
         self._session.boundary(FORWARD)
         self._loss = loss
 
-    @quiet_gate("on_after_backward")
+    @unguarded_hook("on_after_backward")
     def on_after_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         if not self._quiet:
             self._after_backward()
@@ -185,14 +186,14 @@ class MemoryMonitor(SessionResults, *_callback_bases()):  # type: ignore[misc]
     def _after_backward(self) -> None:
         self._session.boundary(BACKWARD)
 
-    @quiet_gate("on_before_optimizer_step")
+    @unguarded_hook("on_before_optimizer_step")
     def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: Any) -> None:
         # automatic optimization: from here to batch end is the optimizer phase (clipping included);
         # a plain assignment, which cannot fail
         if not self._quiet:
             self._stepped = True
 
-    @quiet_gate("on_train_batch_end")
+    @unguarded_hook("on_train_batch_end")
     def on_train_batch_end(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
     ) -> None:
@@ -213,7 +214,8 @@ class MemoryMonitor(SessionResults, *_callback_bases()):  # type: ignore[misc]
     # ------------------------------------------------------------------ evaluation loops
     # validate/test/predict hooks (Lightning dispatches by name): made by add_eval_hooks below the class
     def _eval_start(self, trainer: "pl.Trainer", stage: str) -> None:
-        self._session.begin_eval("sanity_check" if trainer.sanity_checking else stage, trainer.global_step, trainer.current_epoch)
+        stage = "sanity_check" if trainer.sanity_checking else stage
+        self._session.begin_eval(stage, trainer.global_step, trainer.current_epoch, count=self._log_step(trainer))
 
     def _eval_batch(self) -> None:
         self._session.eval_batch()
@@ -260,7 +262,7 @@ class MemoryMonitor(SessionResults, *_callback_bases()):  # type: ignore[misc]
             self._session.stop()
 
     # ------------------------------------------------------------------ checkpointing
-    @property
+    @functools.cached_property  # Lightning reads it at every hook call (its profiler's name): computed once
     def state_key(self) -> str:
         """Where this monitor's state goes in ``checkpoint["callbacks"]``: one key per ``prefix``.
 
@@ -279,6 +281,8 @@ class MemoryMonitor(SessionResults, *_callback_bases()):  # type: ignore[misc]
 
     @entry_point("state_dict")
     def _state_dict(self) -> dict[str, Any]:
+        if self._trainer is not None:  # a checkpoint is being saved: its time is not step time
+            self._session.pause(self._log_step(self._trainer))
         return self._session.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -1,4 +1,4 @@
-"""``Monitor``: the framework-free memory monitor for plain PyTorch loops (and the base of the Accelerate adapter).
+"""``Monitor``: the framework-free monitor for plain PyTorch loops (the Accelerate adapter's base).
 
 Phases are found without annotations when a model is given: a forward pre-hook opens the step
 (when ``track``/``step`` are not used), a tensor hook on the model's output marks the start of
@@ -20,13 +20,13 @@ from torch import nn
 from memcallbacks._base.config import MonitorConfig, resolve_config
 from memcallbacks._base.columns import OPTIMIZER, OTHER
 from memcallbacks._runtime.adapter_support import OptimizerHooks, check_plain_arguments, phase_index
-from memcallbacks._runtime.device_check import device_for
+from memcallbacks._runtime.adapter_support import device_for
 from memcallbacks._runtime.guard import entry_point
-from memcallbacks._runtime.ledger import HookMeter
 from memcallbacks._runtime.model_hooks import ModelHooks
 from memcallbacks._runtime.plain_support import PlainControls, plain_cleanup
+from memcallbacks._runtime.schedule import HookMeter
 from memcallbacks._runtime.session import LogFn, Session
-from memcallbacks._runtime.track_guard import AccumulationWindow, TrackGuard
+from memcallbacks._runtime.plain_support import AccumulationWindow, TrackGuard
 
 __all__ = ["Monitor"]
 
@@ -79,7 +79,7 @@ class Monitor(PlainControls):
         self.config = resolve_config(config, kwargs, type(self).__name__)
         self._session = Session(self.config, self.framework, self._public_name or type(self).__name__, logging.getLogger(type(self).__module__))
         self._session.attach(log_fn=log_fn)
-        self._meter = HookMeter(self._session.plan)  # every hook call's whole time is the monitor's own
+        self._meter = HookMeter(self._session.schedule)  # every hook call's whole time is the monitor's own
         self._model_hooks = ModelHooks(self._session, self._forward_pre, self._meter)  # the forward hooks, the step's outputs
         self._optimizer_hooks = OptimizerHooks(self._optimizer_pre, self._optimizer_post, self._meter)  # installed by _install_hooks
         self._step = 0
@@ -211,7 +211,7 @@ class Monitor(PlainControls):
             self._end()
         window.size += 1
         if session.step_open:
-            session.begin_step(self._step, 0, batch_idx)  # counts a micro-batch
+            session.micro_batch()
         else:
             # the caller's loop variable still holds the previous batch until this yield returns:
             # check for lingering references at the step's first forward/optimizer hook instead
@@ -266,14 +266,14 @@ class Monitor(PlainControls):
     # framework's events open and close steps; the model hooks still find forward and backward.
 
     @entry_point("open_step()")
-    def open_step(self, step: int, epoch: int = 0, batch_idx: int = 0, *, log: bool | None = None) -> None:
+    def open_step(self, step: int, epoch: int = 0, batch_idx: int = 0) -> None:
         """The framework started optimizer step ``step``; a further micro-batch if one is open."""
         if self._session.step_open:
-            self._session.begin_step(step)
+            self._session.micro_batch()
             return
         self._model_hooks.backward_open = False
         self._step = step  # for OOM events
-        self._session.begin_step(step, epoch, batch_idx, log=log)
+        self._session.begin_step(step, epoch, batch_idx)
 
     @entry_point("end_phase()")
     def end_phase(self, phase: int) -> None:

@@ -1,4 +1,4 @@
-"""Transformers adapter: ``MemoryMonitorCallback``, a ``TrainerCallback`` whose memory metrics join the Trainer's own logs.
+"""Transformers adapter: ``MemoryMonitorCallback``, whose metrics join the Trainer's own logs.
 
 Step boundaries come from the Trainer's events (``on_step_begin``, ``on_substep_end`` between
 micro-batches, ``on_pre_optimizer_step``/``on_optimizer_step`` around the optimizer step,
@@ -193,7 +193,7 @@ class MemoryMonitorCallback(SessionResults, TrainerCallback):
         if monitor is None:
             return
         # decided when the step starts, identically on every rank (logged steps join a collective)
-        monitor.open_step(state.global_step, int(state.epoch or 0), self._batches, log=monitor.will_log(state.global_step))
+        monitor.open_step(state.global_step, int(state.epoch or 0), self._batches)
         self._batches += 1
 
     @entry_point("on_substep_end")
@@ -219,6 +219,17 @@ class MemoryMonitorCallback(SessionResults, TrainerCallback):
         monitor = self._monitor
         if monitor is not None and monitor.close_step(log_step=state.global_step):
             control.should_log = True  # every rank: the Trainer's logging gathers the loss across ranks
+
+    # the Trainer says so only after them: the step clock stops at the last step's end
+    @entry_point("on_evaluate")
+    def on_evaluate(self, args: "TrainingArguments", state: "TrainerState", control: "TrainerControl", **kwargs: Any) -> None:
+        if self._monitor is not None:
+            self._monitor.pause()  # evaluation is not step time
+
+    @entry_point("on_save")
+    def on_save(self, args: "TrainingArguments", state: "TrainerState", control: "TrainerControl", **kwargs: Any) -> None:
+        if self._monitor is not None:
+            self._monitor.pause()  # nor is a checkpoint
 
     def _stash(self, metrics: dict[str, float], step: int) -> None:
         self._pending = (step, metrics)

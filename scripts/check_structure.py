@@ -1,11 +1,17 @@
 """Check memcallbacks' structure rules with the ast module (docs/architecture.md says why).
 
-Rules:
-  * every module under memcallbacks/ has at most MODULE_LIMIT lines, an adapter (``monitor.py`` included) at most ADAPTER_LIMIT;
+Rules (split by concept, not by size: a cohesive class may be long, a function may not):
+  * every class has at most CLASS_LIMIT lines, every module at most MODULE_LIMIT, an adapter
+    (``monitor.py`` included) at most ADAPTER_LIMIT;
   * every function has at most FUNCTION_LIMIT lines, its docstring excluded;
+  * a function on the step path (STEP_PATH's modules) takes at most STEP_PARAMS positional
+    parameters (``self`` aside); more go keyword-only;
+  * no function takes ``session: Any`` (an IDE cannot follow it);
+  * a module's first docstring line is at most DOC_LINE characters;
   * no import circle between memcallbacks modules (imports inside functions and under
     ``TYPE_CHECKING`` count);
-  * no ``from x import _private`` of another module's private name;
+  * no ``from x import _private`` of another module's private name, and no reach into one:
+    ``other._name`` or ``getattr(other, "_name")`` where ``_name`` is private to another module;
   * the adapters and the pytest plugin never reach into a session (``session._``, ``._session._``,
     ``.engine.``) nor assign an attribute on it;
   * the libraries never import the runtime (``memcallbacks._runtime``).
@@ -26,9 +32,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "memcallbacks"
 
-MODULE_LIMIT = 400
-ADAPTER_LIMIT = 300
+CLASS_LIMIT = 600
+MODULE_LIMIT = 700
+ADAPTER_LIMIT = 320
 FUNCTION_LIMIT = 60
+STEP_PARAMS = 5
+DOC_LINE = 100
+# the modules a training step runs through: their functions keep to STEP_PARAMS positional parameters
+STEP_PATH = ("_runtime/session.py", "_runtime/schedule.py", "_runtime/sampling.py", "_runtime/checks.py",
+             "_runtime/leak_watch.py", "_runtime/model_hooks.py", "lightning.py", "accelerate.py", "transformers.py", "monitor.py")
 
 # the adapters: they translate a framework's events into the session's protocol and never reach into it
 ADAPTERS = ("lightning.py", "accelerate.py", "transformers.py", "monitor.py")
@@ -188,17 +200,76 @@ def session_reach(path: Path, source: str, tree: ast.AST) -> list[str]:
     return found
 
 
+def private_names(tree: ast.AST) -> set[str]:
+    """The private names a module defines: its functions, classes, methods and attributes (``x._name = ...``)."""
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        name = ""
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            name = node.name
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            name = node.attr
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            name = node.id
+        elif isinstance(node, ast.arg):
+            name = node.arg
+        if name.startswith("_") and not name.startswith("__"):
+            found.add(name)
+    return found
+
+
+def private_reaches(where: str, tree: ast.AST, own: set[str], others: set[str]) -> list[str]:
+    """``x._name`` (``x`` not ``self``/``cls``) and ``getattr(x, "_name")`` where ``_name`` is private to
+    another memcallbacks module (a framework's private names are not ours to police here)."""
+    found = []
+    for node in ast.walk(tree):
+        name = ""
+        if isinstance(node, ast.Attribute) and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+            root = node.value
+            while isinstance(root, ast.Attribute):
+                root = root.value
+            name = "" if isinstance(root, ast.Name) and root.id == "torch" else node.attr  # torch's own private API
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr", "setattr")
+              and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)):
+            name = node.args[1].value
+        if name.startswith("_") and not name.startswith("__") and name in others and name not in own:
+            found.append(f"{where}:{node.lineno}: reaches {name} (private to another module)")
+    return found
+
+
+def function_rules(where: str, tree: ast.AST, step_path: bool) -> list[str]:
+    """No ``session: Any``; on the step path, at most STEP_PARAMS positional parameters."""
+    found = []
+    for qualname, node in function_names(tree):
+        args = node.args  # type: ignore[attr-defined]
+        positional = [a.arg for a in args.posonlyargs + args.args if a.arg not in ("self", "cls")]
+        for a in args.posonlyargs + args.args + args.kwonlyargs:
+            if a.arg == "session" and isinstance(a.annotation, ast.Name) and a.annotation.id == "Any":
+                found.append(f"{where}: function {qualname} takes session: Any")
+        if step_path and len(positional) > STEP_PARAMS:
+            found.append(f"{where}: function {qualname} takes {len(positional)} positional parameters (limit {STEP_PARAMS}; "
+                         "make the rest keyword-only)")
+    return found
+
+
+def class_sizes(where: str, tree: ast.AST) -> list[str]:
+    return [f"{where}: class {node.name} has {node.end_lineno - node.lineno + 1} lines (limit {CLASS_LIMIT})"  # type: ignore[operator]
+            for node in ast.walk(tree) if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > CLASS_LIMIT]  # type: ignore[operator]
+
+
 def check() -> list[str]:
     problems: list[str] = []
     files = sorted(PACKAGE.rglob("*.py"))
     modules = {module_name(p): p for p in files}
     names = set(modules)
     graph: dict[str, set[str]] = {}
+    trees = {path: ast.parse(path.read_text(), filename=str(path)) for path in files}
+    defined = {path: private_names(tree) for path, tree in trees.items()}
     for path in files:
         name = module_name(path)
         where = rel(path)
         source = path.read_text()
-        tree = ast.parse(source, filename=str(path))
+        tree = trees[path]
         is_package = path.name == "__init__.py"
         lines = len(source.splitlines())
         top = path.relative_to(PACKAGE).parts
@@ -211,6 +282,14 @@ def check() -> list[str]:
             short = qualname.rsplit(".", 1)[-1]
             if length > FUNCTION_LIMIT and f"{where}::{short}" not in ALLOWED_LONG_FUNCTIONS:
                 problems.append(f"{where}: function {qualname} has {length} lines (limit {FUNCTION_LIMIT})")
+        problems += class_sizes(where, tree)
+        inner = path.relative_to(PACKAGE).as_posix()
+        problems += function_rules(where, tree, inner in STEP_PATH)
+        others = set().union(*(names_ for other, names_ in defined.items() if other != path))
+        problems += private_reaches(where, tree, defined[path], others)
+        first = _first_line(path)
+        if len(first) > DOC_LINE:
+            problems.append(f"{where}: first docstring line has {len(first)} characters (limit {DOC_LINE})")
         graph[name] = imports_of(name, is_package, tree, names)
         problems += [f"{where}: {imp} (a private name of another module)" for imp in private_imports(name, is_package, tree, names)]
         if adapter or top[0] == "pytest_plugin":
@@ -223,7 +302,7 @@ def check() -> list[str]:
     return problems
 
 
-TREE_WIDTH = 154  # docs/architecture.md's tree lines are cut at this width
+TREE_WIDTH = 8 + 23 + DOC_LINE  # docs/architecture.md's tree lines: indent, the name column, a first docstring line (never cut)
 
 
 def _first_line(path: Path) -> str:

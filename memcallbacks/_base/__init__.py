@@ -1,1 +1,1 @@
-"""Base modules: config, findings, units, storage, history columns, the device seam, private torch APIs, collectives. They import nothing above them."""
+"""Base modules: config, findings, units, columns, the device seam, collectives; nothing above them."""

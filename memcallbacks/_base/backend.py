@@ -1,4 +1,4 @@
-"""The device seam's interface: what every memory backend answers (docs/metrics.md says what the numbers mean per device)."""
+"""The device seam's interface: what every memory backend answers (docs/metrics.md: per device)."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ class MemoryBackend:
     heap_cost_s: float = 0.0
     """What reading ``allocated`` costs, a running estimate in seconds: 0 where it is an allocator's
     counter (read on every sampled step); the CPU backend measures its heap read (glibc's
-    ``mallinfo2``), which the step plan reads only on the steps it names (``StepPlan.heap_due``)."""
+    ``mallinfo2``), which the step schedule reads only on the steps it names (``Schedule.heap_due``)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device

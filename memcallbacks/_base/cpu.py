@@ -128,7 +128,7 @@ class CpuBackend(MemoryBackend):
 
     - ``allocated``: bytes in use by the C heap (glibc ``mallinfo2``: ``uordblks + hblkhd``),
       which is where torch's CPU allocator puts tensors. Falls back to RSS off glibc. The read
-      walks every free chunk; its measured cost (:attr:`heap_cost_s`) lets the step plan skip it
+      walks every free chunk; its measured cost (:attr:`heap_cost_s`) lets the step schedule skip it
       on sampled steps it does not name (``baseline(allocated=False)``: NaN).
     - ``reserved``: the resident set size (RSS) of the process.
     - peaks: the kernel's resident-set high-water mark, reset at every phase boundary by
@@ -192,7 +192,7 @@ class CpuBackend(MemoryBackend):
     def resets_hwm(self) -> bool:
         """Whether ``getrusage``'s high-water mark is reset at every phase boundary and not pinned
         above the resident set: then it is the resident set's peak since the last sampled step, which the
-        RSS tripwire can read for a fraction of a ``statm`` read's cost (``cadence.rss_tripwire``)."""
+        RSS tripwire can read for a fraction of a ``statm`` read's cost (``schedule.rss_tripwire``)."""
         return self.peak_source == PEAK_RSS_HWM and not self._use_status and sys.platform.startswith("linux")
 
     def heap(self) -> int | None:
@@ -206,14 +206,14 @@ class CpuBackend(MemoryBackend):
         return int(info.uordblks + info.hblkhd)
 
     def observe_heap_cost(self, seconds: float) -> None:
-        """One heap read took ``seconds`` (here, or the step plan's own read of the same figure)."""
+        """One heap read took ``seconds`` (here, or the step schedule's own read of the same figure)."""
         cost = self.heap_cost_s
         self.heap_cost_s = seconds if cost == 0.0 else cost + (seconds - cost) * HEAP_COST_WEIGHT
 
     def baseline(self, allocated: bool = True) -> tuple[int, int, int, int]:
         """``allocated=False`` leaves the heap unread (NaN in its place): ``mallinfo2`` walks every
-        free chunk, 100-300 µs in a real fit, and the step plan asks for it only on the steps it
-        names (``StepPlan.heap_due``). Without ``mallinfo2`` the figure is the RSS, read anyway."""
+        free chunk, 100-300 µs in a real fit, and the step schedule asks for it only on the steps it
+        names (``Schedule.heap_due``). Without ``mallinfo2`` the figure is the RSS, read anyway."""
         if self._generation != _fork_generation:
             self._open()
         heap = self.heap() if allocated or self._mallinfo2 is None else math.nan

@@ -1,4 +1,4 @@
-"""The one device seam: allocated/reserved bytes and resettable peaks for CUDA, other accelerators and CPU.
+"""The one device seam: allocated/reserved bytes and resettable peaks for CUDA, accelerators, CPU.
 
 Nothing outside this module (and ``_torch_private``) names ``torch.cuda``. A backend is chosen
 once, from the device the framework trains on, and every later call goes through the small

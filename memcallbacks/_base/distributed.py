@@ -1,4 +1,4 @@
-"""torch.distributed helpers: rank/world discovery, one-collective max-over-ranks reduction, object gather.
+"""torch.distributed helpers: rank and world, one-collective max over ranks, object gather.
 
 Every collective's tensors go to :func:`_collective_device` (the monitored device under NCCL), never
 to ``torch.cuda.current_device()``.

@@ -1,1 +1,1 @@
-"""File output: history.csv, report.json, memory.png, the text report, saved state; written atomically, bounded."""
+"""File output: history.csv, report.json, memory.png, the text report; written atomically, bounded."""

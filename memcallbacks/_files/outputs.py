@@ -1,4 +1,4 @@
-"""Files the monitor leaves behind: ``history.csv``, ``report.json`` and ``memory.png``, written atomically."""
+"""Files the monitor leaves: ``history.csv``, ``report.json`` and ``memory.png``, written atomically."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""This rank's end-of-run file set, written by a fresh interpreter: ``python -m memcallbacks._files.writer_process PAYLOAD``.
+"""This rank's end-of-run files, written by a fresh interpreter (``python -m`` this module).
 
 The rank (see :mod:`memcallbacks._runtime.end_write`) saves what :func:`write_outputs` needs as
 plain data (the history frames, the report and the rank summaries as JSON values, the plot's

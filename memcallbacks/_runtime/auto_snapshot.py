@@ -191,7 +191,7 @@ class AutoSnapshot:
         if capture is None or not capture.finished:
             return
         written = capture.write(max_bytes=self._remaining())
-        self._account(self._capture_reason, int(capture._first_step or self.step), {k: str(v) for k, v in written.items()})
+        self._account(self._capture_reason, int(capture.first_step or self.step), {k: str(v) for k, v in written.items()})
 
     # ------------------------------------------------------------------ hooks from the core
     def on_step_start(self, step: int) -> None:

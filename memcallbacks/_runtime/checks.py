@@ -1,27 +1,29 @@
-"""The checks a step runs besides its measurement: the leak watch, the host channel, the theory check and the pre-flight.
+"""The checks a step runs besides its measurement: leak watch, host channel, theory, pre-flight.
 
 One composed part of :class:`~memcallbacks._runtime.session.Session`: the session decides which
 steps are watched or sampled and in what order things happen; this object owns the parts that
 check a step and hands back what they found. The session's guard is around every call.
 """
 
+
 from __future__ import annotations
 
 import logging
 from typing import Any, Callable
-
 from memcallbacks._base.config import MonitorConfig
 from memcallbacks._base.findings import Finding
 from memcallbacks._runtime.leak_watch import LeakWatch
-from memcallbacks._runtime.plan import StepPlan
 from memcallbacks._runtime.preflight_check import PreflightCheck
 from memcallbacks._runtime.sampling import MemoryEngine
-from memcallbacks._runtime.state_check import StateCheck
+from memcallbacks._runtime.schedule import Schedule
 from memcallbacks.host.channel import HostChannel
 from memcallbacks.leaks.census import format_top_holders
 from memcallbacks.leaks.search_failure import search_or_note
+from memcallbacks._base.units import format_bytes
+from memcallbacks.estimate.measure import estimate_for, hidden_state_bytes, measure_model_states
+from memcallbacks.leaks.tensors import batch_bytes
 
-__all__ = ["StepChecks"]
+__all__ = ["StepChecks", "StateCheck"]
 
 
 class StepChecks:
@@ -29,12 +31,12 @@ class StepChecks:
     (:attr:`state`) and the pre-flight (:attr:`preflight`) of one session."""
 
     def __init__(
-        self, config: MonitorConfig, engine: MemoryEngine, plan: StepPlan, owner: str, logger: logging.Logger,
+        self, config: MonitorConfig, engine: MemoryEngine, schedule: Schedule, *, owner: str, logger: logging.Logger,
         add_finding: Callable[[Finding], None], current_step: Callable[[], int],
     ) -> None:
         self.config = config
         self.engine = engine
-        self.plan = plan
+        self.schedule = schedule
         self.owner = owner
         self.log = logger
         self.watch: LeakWatch | None = None
@@ -57,9 +59,9 @@ class StepChecks:
         """A new leak watch (``ignore``: the monitor's own objects, never holders) and host channel."""
         if self.watch is not None:
             self.watch.stop()
-        cadence = self.plan.cadence
-        self.watch = LeakWatch(self.config, self.allocated_now, ignore=ignore, charge=cadence.charge_other, wake=self.plan.wake,
-                               ledger=cadence.ledger)
+        schedule = self.schedule
+        self.watch = LeakWatch(self.config, self.allocated_now, ignore=ignore, charge=schedule.charge_other, wake=schedule.wake,
+                               schedule=schedule)
         self.watch.start()
         if self.host is not None:
             self.host.close()
@@ -88,8 +90,8 @@ class StepChecks:
     def allocated_now(self) -> int | None:
         # the watch's read where there is one: the same number as backend.current()[0], without the
         # RSS read that comes with it on CPU
-        now = self.plan.allocated_now()
-        if now is not None or self.plan.read is not None:
+        now = self.schedule.allocated_now()
+        if now is not None or self.schedule.read is not None:
             return now
         backend = self.engine.backend
         return backend.current()[0] if backend is not None else None
@@ -110,17 +112,17 @@ class StepChecks:
             finding.details["census"] = {k: int(v) for k, v in census.bytes_by_category.items()}  # type: ignore[union-attr]
         return finding
 
-    def read(self, count: int, batch: Any, value: int | None = None) -> list[Finding]:
-        """Growth detection fed with ``value`` (a sampled step's baseline) or, on the steps the plan
+    def detect_growth(self, count: int, batch: Any, value: int | None = None) -> list[Finding]:
+        """Growth detection fed with ``value`` (a sampled step's baseline) or, on the steps the schedule
         reads memory, with the watch's own read."""
-        plan = self.plan
-        if self.watch is None or plan.read is None:
+        schedule = self.schedule
+        if self.watch is None or schedule.read is None:
             return []
         if value is None:
-            value = plan.take_read(count)
+            value = schedule.take_read(count)
             if value is None:
                 return []
-        plan.after_read(count, value)
+        schedule.after_read(count, value)
         return self.watch.after_baseline(count, value, batch)
 
     def host_read(self, step: int) -> list[Finding]:
@@ -131,7 +133,7 @@ class StepChecks:
             return []
         census_s = host.census_seconds
         found = host.on_read(step)
-        self.plan.cadence.ledger.finding(host.census_seconds - census_s)  # split out of the step's charge, as the watch's censuses
+        self.schedule.book_finding(host.census_seconds - census_s)  # split out of the step's charge, as the watch's censuses
         return found
 
     # ------------------------------------------------------------------ what the session asks
@@ -140,12 +142,6 @@ class StepChecks:
         """The last lingering check could not tell yet: the open step leaves marks for the next one."""
         lingering = self.watch.lingering if self.watch is not None else None
         return lingering is not None and lingering.wants_mark
-
-    @property
-    def lingering_pending(self) -> bool:
-        """The previous step left marks (batch references, a marked graph) for the lingering check."""
-        lingering = self.watch.lingering if self.watch is not None else None
-        return lingering is not None and lingering.pending
 
     def host_figures(self) -> dict[str, float] | None:
         """The host channel's figures for the logs and the per-rank comparison (None without one)."""
@@ -184,3 +180,101 @@ class StepChecks:
             self.preflight.release()
         except Exception:
             self.log.exception("%s: could not release the pre-flight model copy; continuing.", self.owner)
+
+
+# ---------------------------------------------------------------------- the live theory check: the step-start baseline against params, grads and optimizer state
+class StateCheck:
+    """Measured baseline against theory, once, at the first step after the first optimizer step."""
+
+    def __init__(self, config: MonitorConfig) -> None:
+        self.config = config
+        self.model: Any = None
+        self.optimizer: Any = None
+        self.precision: str | None = None
+        self.strategy: str | None = None
+        self.world_size: int | None = None
+        self.done = False
+        self.expected_level: float | None = None  # allocated bytes the baseline should show, batch excluded
+        self.expected_states = 0
+        self.batch_bytes = 0
+        self.info: dict[str, Any] = {}
+        self._start_states = 0
+        self._start_allocated: int | None = None
+
+    def set_objects(
+        self, model: Any, optimizer: Any, *, precision: str | None = None, strategy: str | None = None,
+        world_size: int | None = None, allocated_now: Callable[[], int | None] | None = None,
+    ) -> None:
+        """``allocated_now()``: the allocator's bytes, read right after the model states are measured
+        as the CPU comparison's reference. Not the heap at monitor start: Lightning builds, wraps or
+        shards the model (``configure_model``, DDP, ``fully_shard``) in between, which would offset
+        the check by the change in model size."""
+        self.model, self.optimizer = model, optimizer
+        self.precision, self.strategy, self.world_size = precision, strategy, world_size
+        self.done = False
+        if model is not None:
+            # what already existed when measuring started (params, and state of a resumed run)
+            self._start_states = measure_model_states(model, optimizer).get("total", 0) + hidden_state_bytes(model)
+            self._start_allocated = allocated_now() if allocated_now is not None else None
+
+    @property
+    def wanted(self) -> bool:
+        return self.config.estimate_model_states and not self.done and self.model is not None
+
+    def check(self, step: int, baseline: int, start_allocated: int, device_kind: str, batch: Any) -> Finding | None:
+        self.done = True
+        model, optimizer = self.model, self.optimizer
+        grads_alive = any(p.grad is not None for p in model.parameters())
+        est = estimate_for(
+            model,
+            optimizer,
+            precision=self.precision,
+            strategy=self.strategy,
+            world_size=self.world_size,
+            set_to_none=not grads_alive,
+        )
+        measured = measure_model_states(model, optimizer)
+        self.batch_bytes = batch_bytes(batch) if batch is not None else 0
+        expected_parts = est.expected_measurement()
+        if device_kind == "cpu":
+            # training on the host: "device" and "host" state (e.g. Adam's step counters) share the heap;
+            # the heap also holds the interpreter and libraries, so compare growth since the start
+            self.expected_states = int(est.device_steady + est.host_steady)
+            reference = start_allocated if self._start_allocated is None else self._start_allocated
+            self.expected_level = reference - self._start_states + self.expected_states
+            expected = {k: int(expected_parts.get(f"device_{k}", 0) + expected_parts.get(f"host_{k}", 0)) for k in ("params", "grads", "optimizer")}
+        else:
+            self.expected_states = int(est.device_steady)
+            self.expected_level = float(est.device_steady)
+            expected = {k: int(expected_parts.get(f"device_{k}", 0)) for k in ("params", "grads", "optimizer")}
+        expected["buffers"] = int(est.device_buffers)
+        unexplained = int(baseline - self.expected_level - self.batch_bytes)
+        self.info = {
+            "step": step,
+            "strategy": est.strategy,
+            "precision": est.precision,
+            "world_size": est.world_size,
+            "expected_steady_bytes": self.expected_states,
+            "expected": expected,
+            "measured_model_states": {k: int(v) for k, v in measured.items()},
+            "baseline_bytes": int(baseline),
+            "batch_bytes": self.batch_bytes,
+            "unexplained_bytes": unexplained,
+            "margin_bytes": self.config.unexplained_margin_bytes,
+        }
+        if unexplained <= self.config.unexplained_margin_bytes:
+            return None
+        message = (
+            f"At the start of step {step}, {format_bytes(baseline)} was allocated, but params, grads and optimizer "
+            f"state should take {format_bytes(self.expected_states)} ({est.strategy}, {est.precision}, world size "
+            f"{est.world_size}) and the batch {format_bytes(self.batch_bytes)}: {format_bytes(unexplained)} is "
+            f"unexplained (margin {format_bytes(self.config.unexplained_margin_bytes)}). Look for tensors kept "
+            "between steps: caches on the model, outputs or losses stored for logging without .detach()/.item(), "
+            "a previous batch, or other models on the device. The census below says which categories hold it."
+        )
+        return Finding(kind="unexplained", step=step, message=message, bytes=unexplained, details=dict(self.info))
+
+    def unexplained(self, baseline: float) -> float | None:
+        if self.expected_level is None or baseline != baseline:
+            return None
+        return baseline - self.expected_level - self.batch_bytes

@@ -1,4 +1,4 @@
-"""The end-of-run write under distributed training: not killed with a failing peer, not outliving ``fit()``.
+"""The end-of-run write under distributed training: not killed with a failing peer, not outliving fit.
 
 When one rank raises, the launcher takes the others down: Lightning's child-process observer
 SIGKILLs every rank (the main process included) within 5 s of a child's non-zero exit, torch's

@@ -21,25 +21,25 @@ class FindingSink:
         self.reset()
 
     def reset(self) -> None:
-        self.log_ = FindingLog()
+        self.kept = FindingLog()  # one finding per cause
         self.new: list[Finding] = []
         self._holders_logged: set[str] = set()
 
     @property
     def findings(self) -> list[Finding]:
-        return self.log_.findings
+        return self.kept.findings
 
     def add(self, finding: Finding) -> None:
         """Keep one finding per cause; log a new cause once on rank zero (a problem as a warning,
         advice at INFO), and a change of state (settled, re-opened) once more."""
-        if self.log_.add(finding):
+        if self.kept.add(finding):
             self.new.append(finding)
             if self.rank() == 0:
                 announce(self.log, self.owner, finding)
             if finding.holders:
                 self._holders_logged.add(finding.key)
-        elif self.log_.changed is not None and self.rank() == 0:  # settled, or re-opened (docs/findings.md)
-            announce(self.log, self.owner, self.log_.changed, changed=True)
+        elif self.kept.changed is not None and self.rank() == 0:  # settled, or re-opened (docs/findings.md)
+            announce(self.log, self.owner, self.kept.changed, changed=True)
         elif finding.holders and finding.key not in self._holders_logged:
             # growth: the holders come from a second census some steps after the first warning
             self._holders_logged.add(finding.key)
@@ -49,20 +49,20 @@ class FindingSink:
 
     def problems(self) -> int:
         """Open problems: findings that are neither settled growth nor advice (``memory/findings``)."""
-        return self.log_.problems()
+        return self.kept.problems()
 
     def take_new(self) -> list[Finding]:
         new, self.new = self.new, []
         return new
 
     def to_list(self) -> list[dict[str, Any]]:
-        return self.log_.to_list()
+        return self.kept.to_list()
 
     def restore(self, items: list[dict[str, Any]]) -> None:
         """Findings read back from a checkpoint; unreadable ones are dropped."""
         fields = set(Finding.__dataclass_fields__)
         for item in items:
             try:
-                self.log_.add(Finding(**{k: v for k, v in item.items() if k in fields}))
+                self.kept.add(Finding(**{k: v for k, v in item.items() if k in fields}))
             except (TypeError, ValueError):
                 self.log.debug("dropping unreadable finding from checkpoint: %r", item)

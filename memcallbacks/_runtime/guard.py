@@ -26,7 +26,7 @@ from memcallbacks._base.errors import OutputDirError, UsageError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["UsageError", "OutputDirError", "entry_point", "quiet_gate", "contain", "safe_str"]
+__all__ = ["UsageError", "OutputDirError", "Guarded", "session_of", "entry_point", "unguarded_hook", "contain", "safe_str"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -43,20 +43,30 @@ def safe_str(exc: BaseException, limit: int = 2000) -> str:
     return text[:limit]
 
 
-def _session_of(owner: Any) -> Any:
-    getter = getattr(owner, "_current_session", None)
+class Guarded:
+    """An object whose methods are entry points: the guard hands a fault to :meth:`_current_session`'s
+    session (an adapter whose session is made per run overrides it)."""
+
+    _session: Any = None
+
+    def _current_session(self) -> Any:
+        return self._session
+
+
+def session_of(owner: Any) -> Any:
+    """The session an entry point's owner runs now (None: none yet, or not a :class:`Guarded`)."""
     try:
-        return getter() if getter is not None else getattr(owner, "_session", None)
+        return owner._current_session() if isinstance(owner, Guarded) else None
     except Exception:
         return None
 
 
 def contain(owner: Any, exc: BaseException, where: str, *, unwinding: bool = False) -> None:
     """Hand an internal error to the owner's session (log once, disable); never raises when ``unwinding``."""
-    session = _session_of(owner)
+    session = session_of(owner)
     try:
         if session is not None:
-            session.engine.fail(exc, where)  # re-raises under strict
+            session.fail(exc, where)  # re-raises under strict
         else:
             log.exception("memcallbacks: internal error in %s; the memory monitor disables itself and training goes on.", where, exc_info=exc)
     except Exception as again:
@@ -89,13 +99,13 @@ def entry_point(where: str, *, unwinding: bool = False) -> Callable[[F], F]:
     return decorate
 
 
-def quiet_gate(where: str) -> Callable[[F], F]:
+def unguarded_hook(where: str) -> Callable[[F], F]:
     """Mark a framework hook that needs no guard frame: its own body only reads attributes that
     always exist (a quiet step's check) and hands everything else to an :func:`entry_point` method.
     Lightning calls five hooks per step; on a quiet step this saves a wrapper call in each."""
 
     def mark(fn: F) -> F:
-        fn.__memcallbacks_entry_point__ = f"{where} (quiet gate)"  # type: ignore[attr-defined]
+        fn.__memcallbacks_entry_point__ = f"{where} (unguarded)"  # type: ignore[attr-defined]
         return fn
 
     return mark

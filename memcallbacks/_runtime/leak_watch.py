@@ -1,11 +1,9 @@
-"""The leak watch, wired to step boundaries: the lingering check, growth, cycles and the census the session calls around each step.
+"""The leak watch at step boundaries: lingering references, growth, cycles and the census.
 
 ``LeakWatch`` runs the detectors (lingering references in :mod:`memcallbacks.leaks.lingering`, baseline
 growth in :mod:`memcallbacks.leaks.growth`, periodic garbage collection in :mod:`memcallbacks.leaks.cycles`)
-and, when one fires, the census of :mod:`memcallbacks.leaks.census` to name the holders.
-``StateCheck`` compares the step-start baseline with what
-:mod:`memcallbacks.estimate` says params, grads and optimizer state should take. Both are
-framework-free; adapters hand over the batch, the loss and the training objects.
+and, when one fires, the census of :mod:`memcallbacks.leaks.census` to name the holders. It is
+framework-free; the session hands over the batch, the loss and the training objects.
 """
 
 from __future__ import annotations
@@ -55,14 +53,14 @@ class LeakWatch:
         *,
         charge: Callable[[float], None] | None = None,
         wake: Callable[[], None] | None = None,
-        ledger: Any = None,
+        schedule: Any = None,
     ) -> None:
         """``charge``: told the seconds the garbage-collection callback spends reading memory;
         ``wake``: called when a large automatic collection makes the next step inspect the garbage;
-        ``ledger``: told the seconds of each lingering check and of each census and holder search
-        (:class:`memcallbacks._runtime.ledger.Ledger`), so that the budget sees every part."""
+        ``schedule``: booked the seconds of each lingering check and of each census and holder search
+        (:class:`memcallbacks._runtime.schedule.Schedule`), so that the budget sees every part."""
         self.config = config
-        self.ledger = ledger
+        self.schedule = schedule
         self._ignore = ignore  # our own objects, never reported as holders
         self.lingering = (
             LingeringDetector(min_bytes=config.lingering_min_bytes) if config.detect_leaks else None
@@ -120,22 +118,22 @@ class LeakWatch:
     def check_lingering(self, step: int, batch: Any) -> list[Finding]:
         if self.lingering is None:
             return []
-        ledger = self.ledger
-        if ledger is None or not self.lingering.pending:
+        schedule = self.schedule
+        if schedule is None or not self.lingering.pending:
             return self._check_lingering(step, batch)
-        t0, f0 = time.perf_counter(), ledger.finding_s
+        t0, f0 = time.perf_counter(), schedule.booked_finding_s
         scans = self.lingering.heap_scans
         # a heap scan (a graph root no variable reaches) is taken when the budget has paid for the last one
         last = self._last_scan
-        self.lingering.heap_allowed = last is None or ledger.affords(last[1], step - last[0])
+        self.lingering.heap_allowed = last is None or schedule.affords(last[1], step - last[0])
         try:
             return self._check_lingering(step, batch)
         finally:
-            spent = time.perf_counter() - t0 - (ledger.finding_s - f0)
+            spent = time.perf_counter() - t0 - (schedule.booked_finding_s - f0)
             if self.lingering.heap_scans > scans:
-                ledger.heap_scans += self.lingering.heap_scans - scans
+                schedule.heap_scans += self.lingering.heap_scans - scans
                 self._last_scan = (step, spent)
-            ledger.lingering(spent)
+            schedule.book_lingering(spent)
 
     def _check_lingering(self, step: int, batch: Any) -> list[Finding]:
         assert self.lingering is not None
@@ -153,8 +151,8 @@ class LeakWatch:
                 with visible_heap():
                     finding = self._chain(step, chain)
             finally:
-                if self.ledger is not None:
-                    self.ledger.finding(time.perf_counter() - t0)
+                if self.schedule is not None:
+                    self.schedule.book_finding(time.perf_counter() - t0)
             if finding is not None:
                 found.append(finding)
         return found
@@ -186,13 +184,13 @@ class LeakWatch:
         return holders_unavailable(finding, failure) if failure is not None and finding is not None else finding
 
     def _find_holders(self, targets: list[Any]) -> Any:
-        """:func:`find_holders` with the monitor's own objects ignored, its time told to the ledger."""
+        """:func:`find_holders` with the monitor's own objects ignored, its time booked as finding work."""
         t0 = time.perf_counter()
         try:
             return find_holders(targets, time_budget_s=self.config.census_time_budget_s, ignore=self._ignore)
         finally:
-            if self.ledger is not None:
-                self.ledger.finding(time.perf_counter() - t0)
+            if self.schedule is not None:
+                self.schedule.book_finding(time.perf_counter() - t0)
 
     def _garbage_note(self, targets: list[Any]) -> Any:
         if self.collections is not None:
@@ -364,8 +362,8 @@ class LeakWatch:
             return None
         finally:
             self._census_s = time.perf_counter() - t0
-            if self.ledger is not None:
-                self.ledger.finding(self._census_s)
+            if self.schedule is not None:
+                self.schedule.book_finding(self._census_s)
         return census
 
     def census(self, batch: Any = None) -> Census:

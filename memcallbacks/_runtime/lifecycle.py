@@ -25,7 +25,7 @@ from memcallbacks._base.errors import OutputDirError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["weak_method", "WeakHook", "GatedHook", "InertHook", "Cleanup", "claim_folder", "release_folder"]
+__all__ = ["weak_method", "WeakHook", "GatedHook", "InertHook", "Cleanup", "claim_folder", "release_folder", "output_folder"]
 
 
 def weak_method(method: Any) -> "WeakHook":
@@ -78,7 +78,7 @@ class GatedHook(WeakHook):
     calls a hook at every forward (four a step under gradient accumulation of 4), and after the
     step's compute each full call costs 20-30 µs of cold caches (the nanoGPT-style loop of
     benchmarks/nanogpt_budget.py). An open call goes through ``meter`` (a
-    :class:`~memcallbacks._runtime.ledger.HookMeter`), which counts its whole time as the monitor's."""
+    :class:`~memcallbacks._runtime.schedule.HookMeter`), which counts its whole time as the monitor's."""
 
     __slots__ = ("open", "meter")
 
@@ -216,7 +216,7 @@ _claims: dict[str, Any] = {}  # realpath -> weakref to the owning Session
 _claims_lock = threading.Lock()
 
 
-def claim_folder(folder: str | os.PathLike[str], session: Any, owner: str) -> None:
+def claim_folder(folder: str | os.PathLike[str], session: object, owner: str) -> None:
     """Refuse a folder another live monitor writes to: its files would overwrite this one's."""
     key = os.path.realpath(folder)
     with _claims_lock:
@@ -224,14 +224,14 @@ def claim_folder(folder: str | os.PathLike[str], session: Any, owner: str) -> No
         other = ref() if ref is not None else None
         if other is not None and other is not session and getattr(other, "live", False):
             raise OutputDirError(
-                f"{owner}: output_dir {str(folder)!r} is already used by a running {other.owner}, so one would overwrite "
+                f"{owner}: output_dir {str(folder)!r} is already used by a running {getattr(other, 'owner', 'monitor')}, so one would overwrite "
                 "the other's history.csv, report.json and memory.png. Give each monitor its own output_dir=..., close() "
                 "the other one first, or pass write_files=False to all but one."
             )
         _claims[key] = weakref.ref(session)
 
 
-def release_folder(folder: str | os.PathLike[str] | None, session: Any) -> None:
+def release_folder(folder: str | os.PathLike[str] | None, session: object) -> None:
     if folder is None:
         return
     key = os.path.realpath(folder)
@@ -239,3 +239,10 @@ def release_folder(folder: str | os.PathLike[str] | None, session: Any) -> None:
         ref = _claims.get(key)
         if ref is not None and ref() in (session, None):
             del _claims[key]
+
+
+def output_folder(output_dir: Any, default: Any) -> str:
+    """Where a run's files go: ``output_dir``, else the adapter's default (the framework's log folder),
+    else ``memcallbacks_output`` in the working directory (not ``./memcallbacks``: from a source
+    checkout that is the package). Resolved once, at start: a later ``chdir`` must not move them."""
+    return os.path.realpath(output_dir or default or os.path.join(os.getcwd(), "memcallbacks_output"))

@@ -1,4 +1,4 @@
-"""What the Lightning adapter does besides translating hooks: where its files go, refusing a sibling monitor's folder, starting its session from the Trainer, the training objects, and the evaluation loops' hooks.
+"""The Lightning adapter besides its hooks: its folder, its session's start, the evaluation hooks.
 
 Functions of a Trainer and a LightningModule read by duck typing: nothing here imports Lightning
 (``lightning.py`` does, and calls these).
@@ -9,16 +9,19 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from memcallbacks._base.config import MonitorConfig
 from memcallbacks._base.columns import OPTIMIZER, OTHER
 from memcallbacks._runtime.adapter_support import (
     OptimizerHooks, lightning_strategy, precision_name, rank_zero_trackers, refuse_shared_folder, saved_state_of,
 )
-from memcallbacks._runtime.guard import entry_point
-from memcallbacks._runtime.preflight_steps import training_step
-from memcallbacks._runtime.run_start import output_folder
+from memcallbacks._runtime.guard import Guarded, entry_point
+from memcallbacks._runtime.preflight_check import training_step
+from memcallbacks._runtime.lifecycle import output_folder
+
+if TYPE_CHECKING:  # pragma: no cover
+    from memcallbacks._runtime.session import Session
 
 __all__ = ["default_dir", "files_folder", "check_siblings", "start_session", "predict_step", "attach_fit", "ManualOptimizerHooks", "checkpoint_state",
            "add_eval_hooks"]
@@ -53,7 +56,7 @@ def check_siblings(monitor: Any, trainer: Any, cls: type) -> None:
                          [(o.config, files_folder(trainer, o.config)) for o in others])
 
 
-def start_session(session: Any, trainer: Any, emit: Callable[[dict[str, float], int], None], owner: str, log: logging.Logger) -> None:
+def start_session(session: Session, trainer: Any, emit: Callable[[dict[str, float], int], None], owner: str, log: logging.Logger) -> None:
     """Start ``session`` for ``trainer``: its loggers (``emit``), rank zero's trackers, device, rank, folder and intervals."""
     if not trainer.loggers:
         session.warn_once(
@@ -73,14 +76,14 @@ def start_session(session: Any, trainer: Any, emit: Callable[[dict[str, float], 
     )
 
 
-def predict_step(session: Any, batch: Any, pl_module: Any, batch_idx: int, automatic: bool) -> None:
+def predict_step(session: Session, batch: Any, pl_module: Any, batch_idx: int, automatic: bool) -> None:
     """``preflight=True``: this batch's step predicted on fake tensors, before it starts (``training_step`` as
     the forward; a manual-optimization module is skipped: it runs its own backward and optimizer steps)."""
     manual = None if automatic else "manual optimization (training_step runs its own backward and optimizer steps)"
     session.run_preflight(batch, model=pl_module, forward_fn=training_step(batch_idx), skip=manual, grads_through_forward=True)
 
 
-def attach_fit(session: Any, trainer: Any, pl_module: Any) -> None:
+def attach_fit(session: Session, trainer: Any, pl_module: Any) -> None:
     """The fit's title, model, optimizer (one, or none), precision, strategy and world size, told to ``session``."""
     optimizers = list(trainer.optimizers)
     session.attach(
@@ -93,12 +96,12 @@ def attach_fit(session: Any, trainer: Any, pl_module: Any) -> None:
     )
 
 
-class ManualOptimizerHooks:
+class ManualOptimizerHooks(Guarded):
     """Manual optimization: the optimizer's own hooks bound the optimizer phase exactly (its
     pre-hook closes ``OTHER``, its hook ``OPTIMIZER``). Held by the adapter; torch's global hook
     table holds these methods weakly (:class:`OptimizerHooks`)."""
 
-    def __init__(self, session: Any) -> None:
+    def __init__(self, session: Session) -> None:
         self._session = session  # the guard (entry_point) hands a fault to it
         self.hooks: OptimizerHooks | None = None  # made at the first install (a train start), after any pickling
 

@@ -1,4 +1,4 @@
-"""The plain loop's model hooks: the forward hooks a ``Monitor`` puts on its models (on only while they do something), the step's output tensors they keep, and the backward boundaries they mark.
+"""The plain loop's model hooks: forward hooks on only while needed, outputs kept, backward marked.
 
 Every hook registered here is a :class:`~memcallbacks._runtime.lifecycle.WeakHook` (lifecycle.py:
 pickled and copied models reference that class), made anew for each registration; the monitor
@@ -9,19 +9,23 @@ without ``close()`` is still freed at once and its hooks go inert.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import nn
 
 from memcallbacks._base.columns import BACKWARD, FORWARD
-from memcallbacks._runtime.guard import entry_point
+from memcallbacks._runtime.guard import Guarded, entry_point
 from memcallbacks._runtime.lifecycle import GatedHook, weak_method
+
+if TYPE_CHECKING:  # pragma: no cover
+    from memcallbacks._runtime.schedule import HookMeter
+    from memcallbacks._runtime.session import Session
 
 __all__ = ["ModelHooks", "first_grad_tensors", "remove_all"]
 
 
-class ModelHooks:
+class ModelHooks(Guarded):
     """The plain loop's hooks on its models, on only while they do something: the monitor's forward
     pre-hook (``pre``, a bound method: it opens steps in auto mode), and the forward hook, the
     output tensors' hook and the backward-end callback here, which keep the step's output graph
@@ -31,7 +35,7 @@ class ModelHooks:
     lingering marks to check), since any module hook sends every forward through torch's slower
     hooked call path."""
 
-    def __init__(self, session: Any, pre: Callable[..., Any], meter: Any = None) -> None:
+    def __init__(self, session: Session, pre: Callable[..., Any], meter: HookMeter | None = None) -> None:
         self._session = session  # the guard (entry_point) hands a fault to it
         self._pre = weakref.WeakMethod(pre)
         self.meter = meter  # times each open hook call whole (HookMeter)

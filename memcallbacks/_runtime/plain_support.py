@@ -1,4 +1,4 @@
-"""What the plain loop's ``Monitor`` does besides translating its loop's events: its status, the calls that configure its session, its saved state, and its end (``close()``, a recorded exception, the context manager, undoing what it changed in the process).
+"""The plain loop's ``Monitor`` besides its loop's events: status, saved state, its end, track().
 
 :class:`PlainControls` is the base of :class:`~memcallbacks.Monitor` (``monitor.py``), as
 :class:`~memcallbacks._runtime.results.SessionResults` is the base of every adapter: its methods
@@ -7,17 +7,22 @@ are Monitor's public API and read the monitor's own state (``_session``, ``_clos
 on the step path (``track()``'s items, ``step()``, the hooks).
 """
 
+
 from __future__ import annotations
 
 import contextlib
 import logging
 from typing import TYPE_CHECKING, Any, Iterator, TypeVar
-
 from memcallbacks._runtime.adapter_support import saved_step
 from memcallbacks._runtime.guard import entry_point
 from memcallbacks._runtime.lifecycle import Cleanup
 from memcallbacks._runtime.model_hooks import remove_all
 from memcallbacks._runtime.results import SessionResults
+import inspect
+import weakref
+from typing import Any, Iterator
+
+__all__ = []
 
 if TYPE_CHECKING:  # pragma: no cover
     import weakref
@@ -68,6 +73,12 @@ class PlainControls(SessionResults):
         finally:
             self._model_hooks.evaluation(False, was_on)
             self._session.end_eval(log_step=self._step)
+
+    def pause(self) -> None:
+        """The time from the last step's end to the next step is not step time: an evaluation or a
+        checkpoint the monitor does not see (``evaluate()`` and ``state_dict()`` pause on their own),
+        said before it or after it. It keeps the own-time share, and the budget, true to the steps."""
+        self._session.pause()
 
     # ------------------------------------------------------------------ the end of the run
     @entry_point("record_exception()", unwinding=True)
@@ -156,3 +167,54 @@ class PlainControls(SessionResults):
         key = f"{type(self).__name__}.load_state_dict"
         self._session.load_state_dict(state, key)
         self._step = saved_step(state, self._step, key)
+
+
+# ---------------------------------------------------------------------- track()'s bookkeeping: one running loop per monitor, and the gradient-accumulation window
+log = logging.getLogger("memcallbacks.monitor")
+
+__all__ = ["TrackGuard", "AccumulationWindow"]
+
+
+class TrackGuard:
+    def __init__(self, owner: str) -> None:
+        self.owner = owner
+        self._running: weakref.ref[Any] | None = None
+        self._warned = False
+
+    def nested(self) -> bool:
+        """Is a ``track()`` loop running? Then the new one is ignored (one warning per monitor)."""
+        running = self._running() if self._running is not None else None
+        if running is None or inspect.getgeneratorstate(running) != inspect.GEN_SUSPENDED:
+            return False
+        if not self._warned:
+            self._warned = True
+            log.warning("%s.track() was called inside a loop over another %s.track(): the inner loop is not tracked (its "
+                        "items are part of the outer loop's step, not rows of their own). Call track() on the one loop whose "
+                        "items are training steps.", self.owner, self.owner)
+        return True
+
+    def started(self, items: Iterator[Any]) -> Iterator[Any]:
+        self._running = weakref.ref(items)
+        return items
+
+
+class AccumulationWindow:
+    """``track()``'s gradient-accumulation window: the batches since the last row that ended with an
+    optimizer step, and whether a batch without one continues the open step."""
+
+    def __init__(self, accumulates: bool) -> None:
+        # True when a batch that ends without an optimizer step is gradient accumulation (the next
+        # batch continues the open step): an optimizer is known, given to the monitor or seen stepping
+        # by the global hooks. False again after a window overflowed (see Monitor.max_micro_batches)
+        # until the next optimizer step. The Accelerate adapter sets it too.
+        self.accumulates = accumulates
+        self.size = 0  # track()ed batches since the last row that ended with an optimizer step
+        self.longest = 0  # the most batches seen between two optimizer steps (Monitor._end updates both)
+
+    def overflows(self, limit: int) -> bool:
+        """This many batches without an optimizer step is not accumulation (the optimizer is idle): the
+        open step ends, and each item is a row of its own until an optimizer step is seen again."""
+        if self.size >= limit and self.size >= 2 * self.longest:
+            self.accumulates = False
+            return True
+        return False

@@ -1,4 +1,4 @@
-"""The public results every adapter exposes (history, peaks, findings, files, report), read from its session."""
+"""The public results every adapter exposes (history, peaks, findings, files), read from its session."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from memcallbacks._base.findings import Finding
+from memcallbacks._runtime.guard import Guarded
 
 if TYPE_CHECKING:  # pragma: no cover
     from memcallbacks._runtime.session import Session
@@ -13,7 +14,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["SessionResults"]
 
 
-class SessionResults:
+class SessionResults(Guarded):
     """The public results of an adapter, read from the session of its current (or last) run.
 
     Adapters that own one session for their lifetime set ``_session``; adapters whose session is
@@ -87,7 +88,7 @@ class SessionResults:
 
     def summary(self) -> dict[str, Any]:
         session = self._current_session()
-        return session.engine.summary() if session is not None else {}
+        return session.summary() if session is not None else {}
 
     def report(self) -> dict[str, Any]:
         """What ``report.json`` holds: version, config, summary, findings, events and files."""

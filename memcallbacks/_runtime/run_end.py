@@ -7,22 +7,30 @@ never raises.
 
 from __future__ import annotations
 
+import logging
 import time
-from typing import Any
+from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 
 from memcallbacks._base import distributed as _distributed
+from memcallbacks._base.config import MonitorConfig
+from memcallbacks._base.findings import Finding
 from memcallbacks._runtime import end_write
 from memcallbacks._runtime.end_write import wait_for_every_rank, write_detached
+from memcallbacks._runtime.checks import StepChecks
+from memcallbacks._runtime.finding_sink import FindingSink
 from memcallbacks._runtime.guard import safe_str
+from memcallbacks._runtime.sampling import MemoryEngine
+from memcallbacks._runtime.schedule import Schedule
 from memcallbacks._files.outputs import REPORT_VERSION, write_outputs
-from memcallbacks._runtime.cadence import DENSE_READ_STEPS
+from memcallbacks._runtime.schedule import DENSE_READ_STEPS
 from memcallbacks.host.ranks import find_imbalance
 from memcallbacks.trackers import RunOutputs
 from memcallbacks.trackers.ranks import receive_snapshots, snapshot_payload
 
-__all__ = ["RunEnd", "is_oom"]
+__all__ = ["RunEnd", "EndingSession", "is_oom"]
 
 
 def is_oom(exc: BaseException) -> bool:
@@ -35,11 +43,42 @@ def is_oom(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and "out of memory" in safe_str(exc).lower()
 
 
-class RunEnd:
-    """The end of a run, for one :class:`Session` (``session``: read through its public parts;
-    typed ``Any`` because the session module imports this one)."""
+class EndingSession(Protocol):
+    """What the run's end reads of its :class:`~memcallbacks._runtime.session.Session` (which imports this module)."""
 
-    def __init__(self, session: Any) -> None:
+    config: MonitorConfig
+    engine: MemoryEngine
+    schedule: Schedule
+    checks: StepChecks
+    sink: FindingSink
+    log: logging.Logger
+    owner: str
+    framework: str
+    title: str
+    current_step: int
+    events: list[dict[str, Any]]
+    files: dict[str, str]
+    output_dir: Path | None
+    snap: Any
+    trackers: Any
+
+    @property
+    def findings(self) -> list[Finding]: ...
+    @property
+    def dashboard(self) -> Any: ...
+    @property
+    def device_kind(self) -> str: ...
+    def add_finding(self, finding: Finding) -> None: ...
+    def format_report(self) -> str: ...
+    def history_frame(self) -> Any: ...
+    def summary(self) -> dict[str, Any]: ...
+    def fail(self, exc: BaseException, where: str) -> None: ...
+
+
+class RunEnd:
+    """The end of a run, for one session, read through the parts :class:`EndingSession` names."""
+
+    def __init__(self, session: EndingSession) -> None:
         self.session = session
 
     def record_exception(self, exc: BaseException, step: int) -> None:
@@ -86,7 +125,7 @@ class RunEnd:
             "memcallbacks_version": __version__,
             "framework": s.framework,
             "config": s.config.to_dict(),
-            "summary": dict(s.engine.summary(), cadence=s.cadence.summary(), rank_figures=self.rank_figures()),
+            "summary": dict(s.summary(), cadence=s.schedule.summary(), rank_figures=self.rank_figures()),
             "findings": s.sink.to_list(),
             "events": list(s.events),
             **s.checks.report(),  # model_states, preflight, gc, host
@@ -114,7 +153,7 @@ class RunEnd:
         if host is not None:
             for finding in host.finish():  # a host growth still waiting for its second census
                 s.add_finding(finding)
-        s.cadence.charge_other(time.perf_counter() - t0, "findings")
+        s.schedule.charge_other(time.perf_counter() - t0, "findings")
 
     def finish(self, gather: bool) -> dict[str, str]:
         """``Session.finish`` after its observers heard of it: the files, with the gc watch off."""
@@ -140,7 +179,6 @@ class RunEnd:
         try:
             if engine.in_step and engine.enabled:
                 engine.end_step()
-            s.step_open = False
             self._finish_watch()
             if s.snap is not None:
                 s.snap.stop()  # writes a capture cut short by the end of training
@@ -168,7 +206,7 @@ class RunEnd:
             s.log.error("%s: could not write the memory files to %s (%s); the files there are left as they were.",
                         s.owner, s.output_dir, exc.strerror or exc)
         except Exception as exc:
-            engine.fail(exc, "writing outputs")
+            s.fail(exc, "writing outputs")
         return s.files
 
     def _write(self, report: dict[str, Any], summaries: list[Any] | None, distributed: bool) -> dict[str, str]:

@@ -71,9 +71,7 @@ class MemoryEngine:
         self.capacity: int | None = None
         self._host_rss: Callable[[], int] | None = None
         self.rank, self.world_size = 0, 1
-        self.enabled = False
-        self.failed = False
-        self.on_error: Callable[[BaseException], None] | None = None
+        self.enabled = False  # recording: off until start(), and after the session's failure (Session.fail)
         self.reset()
 
     # ------------------------------------------------------------------ lifecycle
@@ -91,7 +89,6 @@ class MemoryEngine:
         self._open = False
         self._step_opt = 0
         self._eval: list[Any] | None = None
-        self._check_countdown = 0
 
     def start(self, device: Any, *, rank: int | None = None, world_size: int | None = None) -> None:
         """Pick the device backend and start measuring (call once per fit, before the first step)."""
@@ -107,7 +104,7 @@ class MemoryEngine:
         if rank is None or world_size is None:
             rank, world_size = _distributed.rank_and_world()
         self.rank, self.world_size = rank, world_size
-        self.enabled = not self.failed
+        self.enabled = True
         self._peaks(self.backend.baseline())
 
     def stop(self) -> None:
@@ -120,23 +117,11 @@ class MemoryEngine:
             self.backend.close()
             self.backend = None  # a later start() picks a fresh one
 
-    def fail(self, exc: BaseException, where: str) -> None:
-        """Record an internal error: log it once with its traceback and disable the monitor."""
-        if self.config.strict:
-            raise exc
-        if not self.failed:
-            log.exception("memcallbacks: internal error in %s; the memory monitor disables itself and training goes on.", where, exc_info=exc)
-        self.failed = True
-        self.enabled = False
-        if self.on_error is not None:
-            self.on_error(exc)
-
     def __getstate__(self) -> dict[str, Any]:
         # OS handles do not travel (DDP spawn pickles callbacks into the workers); start() makes new ones
         state = dict(self.__dict__)
         state["backend"] = None
         state["_host_rss"] = None
-        state["on_error"] = None
         return state
 
     # ------------------------------------------------------------------ the hot path
@@ -151,7 +136,7 @@ class MemoryEngine:
         """Start a training step. A sampled step takes the baseline and measures every phase; an
         unsampled one only counts, at almost no cost (its peaks still reach ``max_allocated`` at
         the next sample, since nothing resets the device's peak counter in between). ``heap=False``:
-        the baseline may leave ``allocated`` unread (NaN; the CPU heap, ``StepPlan.heap_due``)."""
+        the baseline may leave ``allocated`` unread (NaN; the CPU heap, ``Schedule.heap_due``)."""
         if self._open:  # the previous step never ended (e.g. an exception was swallowed)
             self.end_step()
         self._open = True
@@ -341,7 +326,7 @@ class MemoryEngine:
     def eval_frame(self) -> Any:
         return eval_frame(self.eval_rows)
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self, *, disabled_after_error: bool = False) -> dict[str, Any]:
         """Per-phase maxima, lifetime peaks and the monitor's own cost, as plain JSON-able values."""
         counts: dict[str, Any] = {
             "steps_recorded": len(self.rows),
@@ -352,7 +337,7 @@ class MemoryEngine:
             "max_reserved_bytes": self.max_reserved,
             "rank": self.rank,
             "world_size": self.world_size,
-            "disabled_after_error": self.failed,
+            "disabled_after_error": disabled_after_error,
         }
         return summarise(counts, self.rows, self.eval_rows, self.device_info, self.capacity)
 

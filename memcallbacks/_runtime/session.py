@@ -1,36 +1,36 @@
-"""The session every adapter drives: one run's step protocol (begin_step, boundary, end_step), orchestrating the plan, the engine, the checks and the run's end.
+"""The session every adapter drives: one run's start, its steps, evaluation loops and end.
 
 Adapters (Lightning, Accelerate, Transformers, the plain-loop ``Monitor``) own one
-:class:`Session` and only translate their framework's events into its calls. Nothing here
-imports a framework.
+:class:`Session` and only translate their framework's events into its calls. A step reads top to
+bottom here: :meth:`Session.begin_step`, :meth:`Session.boundary`, :meth:`Session.end_step`.
+Nothing here imports a framework.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 from memcallbacks._base.config import MonitorConfig
-from memcallbacks._base.columns import OPTIMIZER
+from memcallbacks._base.columns import E_STAGE, MONITOR_TIME_S, OPTIMIZER, PEAK_RESERVED
 from memcallbacks._base.findings import Finding
+from memcallbacks._files.outputs import check_writable
 from memcallbacks._runtime.auto_snapshot import AutoSnapshot
-from memcallbacks._runtime.cadence import LINGERING_EVERY_STEP_UNTIL, Cadence
 from memcallbacks._runtime.checks import StepChecks
+from memcallbacks._runtime.readout import extra_metrics
 from memcallbacks._runtime.finding_sink import FindingSink
-from memcallbacks._runtime.evaluation import begin_eval, end_eval, eval_batch
-from memcallbacks._runtime.plan import StepPlan
+from memcallbacks._runtime.lifecycle import claim_folder, output_folder, release_folder
 from memcallbacks._runtime.run_end import RunEnd, is_oom
-from memcallbacks._runtime.run_start import reset_run, restore_state, saved_state, start_run, stop_run
 from memcallbacks._runtime.sampling import MemoryEngine
-from memcallbacks._runtime.step_begin import begin_quiet, begin_sampled, begin_watched, micro_batch
-from memcallbacks._runtime.step_end import close_step
+from memcallbacks._runtime.schedule import LINGERING_EVERY_STEP_UNTIL, Schedule, StepKind
 from memcallbacks.trackers import Dashboard, Trackers
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Session", "LogFn", "is_oom", "LINGERING_EVERY_STEP_UNTIL"]
+__all__ = ["Session", "LogFn", "is_oom"]
 
 LogFn = Callable[[dict[str, float], int], None]
 
@@ -39,13 +39,13 @@ _KEEP: Any = object()  # attach(): a part not given keeps its current value
 
 
 class Session:
-    """One process's monitor state: what a step does (the plan), the measurements (the engine),
-    the checks (leak watch, host, theory, pre-flight: :attr:`checks`), the findings, and the
-    run's end (:attr:`ending`). Every method is safe to call when disabled.
+    """One process's monitor state: what each step is and the own time (:attr:`schedule`), the
+    measurements (:attr:`engine`), the checks (leak watch, host, theory, pre-flight: :attr:`checks`),
+    the findings, and the run's end (:attr:`ending`). Every method is safe to call when disabled.
 
     Adapters configure it with :meth:`attach` and drive it with the step protocol:
     ``begin_step`` → ``boundary`` (per phase) → ``end_step``, ``begin_eval``/``eval_batch``/
-    ``end_eval``, then ``finish`` and ``stop``. :attr:`plan` answers which steps are quiet."""
+    ``end_eval``, then ``finish`` and ``stop``."""
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -61,35 +61,35 @@ class Session:
         self.framework = framework
         self.owner = owner  # the public class name, for messages
         self.engine = MemoryEngine(config)
-        self.plan = StepPlan(config)
-        self.log_fn: LogFn | None = None  # adapters pass their own methods through weak_method (lifecycle.py)
+        self.schedule = Schedule(config)
+        self.log_fn: LogFn | None = None
         self.live = False  # between start() and stop(): owns its output folder
         self.output_dir: Path | None = None
         self.files: dict[str, str] = {}
         self.events: list[dict[str, Any]] = []
         self.sink = FindingSink(owner, self.log, self._rank)
-        self.checks = StepChecks(config, self.engine, self.plan, owner, self.log, self.sink.add, self._current_step)
+        self.checks = StepChecks(config, self.engine, self.schedule, owner=owner, logger=self.log, add_finding=self.sink.add,
+                                 current_step=self._current_step)
         self.ending = RunEnd(self)
         self.snap: AutoSnapshot | None = None
         self.trackers: Trackers | None = None  # rank zero's trackers (TensorBoard, W&B, MLflow)
         self._observers: list[Any] = []
+        self.failed = False  # an internal error turned the monitor off (fail())
         self.lingering_due = False
         """A step opened with ``defer_lingering=True`` still owes its lingering check."""
         self.title = ""
         self._warned: set[str] = set()
-        # read and set by step_begin.py and step_end.py:
-        self.fast_s: float | None = None  # an unsampled step's own time so far (None: sampled, or not open)
-        self.fast_typical = True  # the unsampled step found nothing (its cost chooses the intervals)
-        self.marks = False  # this step's end leaves marks for the lingering check
+        self.kind: StepKind | None = None
+        """What the open step is (None: no step is open); decided once when it begins."""
+        self.watched_s = 0.0  # a watched step's own time at its start, charged at its end with the end's
+        self.watched_typical = True  # the watched step found nothing (its cost chooses the intervals)
+        self.leaves_marks = False  # this step's end leaves marks for the lingering check
         self.samples_unmarked = 0
-        self.quiet_step = False
-        """The open step is quiet: adapters may skip its other hooks (end_step and boundary do nothing)."""
-        self.step_open = False
-        self.log_this_step = False
+        self.step_ended_at = 0.0  # when the last step ended (time.perf_counter), for a pause said after the fact
         self.current_step = 0
         """The open step's number as the adapter gave it: the step of findings, rows and logs."""
         self.current_count = 0
-        """Steps before the open one, for the cadence (Lightning: batches that stepped)."""
+        """Steps before the open one, for the schedule (Lightning: batches that stepped)."""
 
     def _rank(self) -> int:  # methods, not lambdas: the session pickles (DDP spawn)
         return self.engine.rank
@@ -132,8 +132,15 @@ class Session:
             getattr(observer, event)(*args)
 
     def reset(self) -> None:
-        """A new fit: no rows, events, findings or open step (run_start.py)."""
-        reset_run(self)
+        """A new fit: no rows, events, findings or open step; nothing quiet yet."""
+        self.engine.reset()
+        self.files = {}
+        self.events = []
+        self.sink.reset()
+        self.checks.reset()
+        self.kind = None
+        self.schedule.quiet_until = 0
+        self.schedule.sample_next = False
 
     # ------------------------------------------------------------------ findings
     @property
@@ -149,8 +156,18 @@ class Session:
             self.log.warning(message)
 
     def fail(self, exc: BaseException, where: str) -> None:
-        """An internal error in an adapter's hook: logged once, and the monitor turns itself off."""
-        self.engine.fail(exc, where)
+        """The one containment path for an internal error (the guard's, and each step part's): logged
+        once with its traceback, and the monitor turns itself off for the run (``strict``: raised)."""
+        if self.config.strict:
+            raise exc
+        if not self.failed:
+            log.exception("memcallbacks: internal error in %s; the memory monitor disables itself and training goes on.", where, exc_info=exc)
+        self.failed = True
+        self.engine.enabled = False
+
+    def summary(self) -> dict[str, Any]:
+        """The engine's summary, with whether the monitor turned itself off after an internal error."""
+        return self.engine.summary(disabled_after_error=self.failed)
 
     def check_lingering(self, batch: Any = None) -> None:
         """Run the lingering check deferred by ``begin_step(defer_lingering=True)`` (once per step)."""
@@ -164,35 +181,80 @@ class Session:
                 for finding in watch.check_lingering(self.current_step, batch):
                     self.add_finding(finding)
             except Exception as exc:
-                self.engine.fail(exc, "lingering check")
-            self.cadence.charge_other(time.perf_counter() - t0, "lingering")  # outside the step's timed parts
+                self.fail(exc, "lingering check")
+            self.schedule.charge_other(time.perf_counter() - t0, "lingering")  # outside the step's timed parts
 
     def explain(self, batch: Any = None) -> Any:
         """Take a census now: live tensors by category, and who holds the suspicious ones."""
         return self.checks.explain(batch, ignore=[self])
 
-    # ------------------------------------------------------------------ start and stop (run_start.py)
-    def start(self, device: Any, **options: Any) -> None:
-        """Choose the device backend, the output folder and the intervals: :func:`~memcallbacks._runtime.run_start.start_run`
-        (its keyword options; ``PermissionError`` for a folder the run cannot write or must not share)."""
-        start_run(self, device, **options)
+    # ------------------------------------------------------------------ start and stop
+    def start(
+        self, device: Any, *, rank: int | None = None, world_size: int | None = None,
+        default_output_dir: str | os.PathLike[str] | None = None, framework_log_every: int | None = None,
+        logs: bool = True, log_first_step: bool = False, expected_steps: int | None = None,
+    ) -> None:
+        """Choose the device backend, the output folder and the sampling/logging intervals.
+
+        Raises ``PermissionError`` for an unwritable output folder, or one another live monitor
+        writes to: environment problems stop the run before training. Any other fault is contained.
+        ``expected_steps``: the run's length where the framework knows it (unused by the schedule,
+        which samples the first steps of every run)."""
+        config = self.config
+        if config.write_files:
+            folder = output_folder(config.output_dir, default_output_dir)
+            claim_folder(folder, self, self.owner)
+            self.output_dir = check_writable(folder, self.owner)
+            if config.auto_snapshot:
+                check_writable(os.path.join(folder, "snapshots"), "auto_snapshot")
+        self.live = True
+        # the schedule first: even a monitor whose start fails below must agree with the other ranks on logged steps
+        log_every = config.log_every_n_steps or max(int(framework_log_every or 50), 1)
+        # a later stage of the same run (fit, then test) keeps the training cadence
+        self.schedule.configure(log_every=log_every, logs=logs, log_first_step=log_first_step, keep=self.engine.seen_steps > 0)
+        try:
+            self._start_parts(device, rank, world_size)
+        except Exception as exc:  # backend selection, the first reads, the leak watch: never fatal
+            self.fail(exc, "monitor start")
+
+    def _start_parts(self, device: Any, rank: int | None, world_size: int | None) -> None:
+        config, engine = self.config, self.engine
+        engine.start(device, rank=rank, world_size=world_size)
+        engine.enabled = not self.failed  # a monitor that failed stays off for every later stage
+        self.schedule.arm(engine.backend)
+        self.schedule.guard.announce = (self.log, self.owner) if engine.rank == 0 else None  # the budget's back-off, said once
+        self.checks.start(ignore=[self], device_is_host=self.device_kind == "cpu")
+        if self.snap is not None:
+            self.snap.stop()
+            self.snap = None
+        if config.auto_snapshot and self.output_dir is not None and engine.backend is not None:
+            self.snap = AutoSnapshot.for_backend(config, engine.backend, self.output_dir, engine.rank, engine.world_size, self.log)
+            self.snap.start()
 
     def stop(self) -> None:
         """Undo everything the session changed in the process; each part on its own, safe to call twice."""
-        stop_run(self)
+        self.live = False
+        release_folder(self.output_dir, self)
+        self.checks.stop(self.snap)  # the host channel, the snapshots, the leak watch, the model copies
+        try:
+            self.engine.stop()
+        except Exception:
+            self.log.exception("%s: could not close its device backend; continuing.", self.owner)
+            self.engine.backend = None
 
     # ------------------------------------------------------------------ what adapters read
     @property
-    def cadence(self) -> Cadence:
-        return self.plan.cadence
+    def step_open(self) -> bool:
+        return self.kind is not None
 
     @property
-    def log_every(self) -> int:
-        return self.plan.cadence.log_every
+    def quiet_step(self) -> bool:
+        """The open step is quiet: adapters may skip its other hooks (end_step and boundary do nothing)."""
+        return self.kind is StepKind.QUIET
 
     @property
-    def sample_every(self) -> int:
-        return self.plan.cadence.sample_every
+    def log_this_step(self) -> bool:
+        return self.kind is StepKind.LOGGED
 
     @property
     def enabled(self) -> bool:
@@ -207,12 +269,12 @@ class Session:
     def detailed_step(self) -> bool:
         """True when the open step is sampled or lingering references are checked after it:
         adapters skip their per-step extras (output hooks, loss capture) otherwise."""
-        return self.engine.sampling or self.marks or self.checks.lingering_wants_mark
+        return self.engine.sampling or self.leaves_marks or self.checks.lingering_wants_mark
 
     @property
     def lingering_pending(self) -> bool:
         """The previous step left marks (batch references, a marked graph) for the lingering check."""
-        watch = self.checks.watch  # not checks.lingering_pending: no extra call on the plain loop's step path
+        watch = self.checks.watch
         lingering = watch.lingering if watch is not None else None
         return lingering is not None and lingering.pending
 
@@ -249,43 +311,38 @@ class Session:
         """Whether the step after ``count`` steps is logged: every ``log_every`` steps (the monitor's
         ``log_every_n_steps``, else the framework's), plus the first step where the framework logs
         it; never when the run has nowhere to log. From counts only, so every rank agrees."""
-        return self.plan.will_log(count)
-
-    def wants_sample(self, count: int, log: bool) -> bool:
-        """Whether the step after ``count`` steps is measured in full: logged steps, every
-        ``sample_every``-th step (see :class:`Cadence`), and the step where the theory check is due."""
-        return self.plan.wants_sample(count, log) or (self.checks.state.wanted and self.engine.optimizer_steps_total > 0)
+        return self.schedule.will_log(count)
 
     # ------------------------------------------------------------------ steps
     def begin_step(
-        self, step: int, epoch: int = 0, batch_idx: int = 0, *, log: bool | None = None, count: int | None = None,
-        batch: Any = None, sample: bool | None = None, defer_lingering: bool = False,
+        self, step: int, epoch: int = 0, batch_idx: int = 0, *, count: int | None = None, kind: StepKind | None = None,
+        batch: Any = None, defer_lingering: bool = False,
     ) -> None:
-        """Open a step (or, if one is open, count a further micro-batch).
+        """Open a step (or, if one is open, count a further micro-batch: :meth:`micro_batch`).
 
-        ``count``: steps before this one, for the plan (default ``step``; Lightning passes batches
-        that stepped). ``log=None``: :meth:`will_log`; ``sample=None``: :meth:`wants_sample`.
-        ``batch`` is only looked at (leak detection), never kept. ``defer_lingering``: the caller
-        runs :meth:`check_lingering` later in the step (plain loops, whose loop variable still holds
-        the previous batch when the step begins). A step the plan calls quiet is only counted; its
-        ``boundary``/``end_step`` calls do nothing. Otherwise a step is *watched* (the leak watch
-        only) or *sampled* (per-phase peaks and a history row)."""
+        ``count``: steps before this one, for the schedule (default ``step``; Lightning passes batches
+        that stepped). ``kind``: what the schedule said this step is, where the adapter asked it
+        already (:meth:`Schedule.step_kind`, once per step). ``batch`` is only looked at (leak
+        detection), never kept. ``defer_lingering``: the caller runs :meth:`check_lingering` later in
+        the step (plain loops, whose loop variable still holds the previous batch). A quiet step is
+        only counted; its ``boundary``/``end_step`` calls do nothing."""
         if self._observers:
-            self._notify("step_beginning", self.step_open)
-        if self.step_open:
-            micro_batch(self)
+            self._notify("step_beginning", self.kind is not None)
+        if self.kind is not None:
+            self._micro_batch()
             return
         n = step if count is None else count
         self.current_step, self.current_count = step, n
-        if not log and not sample and self.plan.quiet(n):
-            begin_quiet(self, step)
-            return
-        self.quiet_step = False
-        self.step_open = True
-        self.lingering_due = defer_lingering
-        self.marks = n < LINGERING_EVERY_STEP_UNTIL
         # decided even when disabled, so that every rank agrees on which steps join a collective
-        self.log_this_step = log = self.will_log(n) if log is None else log
+        self.kind = kind = self.schedule.step_kind(n) if kind is None else kind
+        if kind is StepKind.QUIET:  # only counted: nothing is measured
+            self.lingering_due = False
+            self.engine.quiet_step()
+            if self.snap is not None:
+                self.snap.step = step
+            return
+        self.lingering_due = defer_lingering
+        self.leaves_marks = n < LINGERING_EVERY_STEP_UNTIL
         engine = self.engine
         if not engine.enabled:
             return
@@ -294,23 +351,79 @@ class Session:
             if self.snap.busy:  # a capture or a deferred dump counts steps
                 self.snap.on_step_start(step)
         try:
-            self.cadence.step_started(n)
-            self.plan.read_s = 0.0
-            if self.wants_sample(n, log) if sample is None else sample:
-                begin_sampled(self, step, epoch, batch_idx, batch, defer_lingering)
+            self.schedule.step_started(n)
+            self.schedule.step_read_s = 0.0
+            if kind is StepKind.WATCHED:
+                self._begin_watched(step, epoch, batch_idx, batch, defer_lingering)
             else:
-                begin_watched(self, step, epoch, batch_idx, batch, defer_lingering)
+                self._begin_sampled(step, epoch, batch_idx, batch, defer_lingering)
         except Exception as exc:
-            engine.fail(exc, "step start")
+            self.fail(exc, "step start")
+
+    def micro_batch(self) -> None:
+        """A further micro-batch of the open step (gradient accumulation)."""
+        if self._observers:
+            self._notify("step_beginning", True)
+        self._micro_batch()
+
+    def _micro_batch(self) -> None:
+        """A further micro-batch of the open step (gradient accumulation)."""
+        if self.engine.enabled:
+            try:
+                self.engine.micro_batch()
+            except Exception as exc:
+                self.fail(exc, "micro-batch boundary")
+
+    def _begin_watched(self, step: int, epoch: int, batch_idx: int, batch: Any, defer_lingering: bool) -> None:
+        """An unsampled step: the leak watch only (the lingering check, a memory read on some steps)."""
+        t0 = time.perf_counter()
+        checks = self.checks
+        found: list[Finding] = []
+        if checks.watch is not None:
+            found = checks.watch.before_baseline(step, batch, lingering=not defer_lingering)
+            found += checks.detect_growth(self.current_count, batch)
+        found += checks.host_read(step)
+        self.engine.begin_step(step, epoch, batch_idx, False)
+        self.watched_s = time.perf_counter() - t0 - self.schedule.step_read_s  # charged at step end, with the end's
+        self.watched_typical = not found
+        for finding in found:
+            self.add_finding(finding)
+
+    def _begin_sampled(self, step: int, epoch: int, batch_idx: int, batch: Any, defer_lingering: bool) -> None:
+        """A sampled step: the watch, the baseline (also the watch's read), then the theory check.
+
+        The baseline reads ``allocated`` on the steps the schedule names (:meth:`Schedule.heap_due`); on
+        the others it stays NaN, unless the resident set has risen as far as the tripwire's threshold."""
+        engine, checks, schedule = self.engine, self.checks, self.schedule
+        watch = checks.watch
+        count = self.current_count
+        self.leaves_marks = self.leaves_marks or self.samples_unmarked + 1 >= schedule.mark_every
+        t0 = time.perf_counter()
+        found = watch.before_baseline(step, batch, lingering=not defer_lingering) if watch is not None else []
+        check_state = checks.state.wanted and engine.optimizer_steps_total > 0
+        heap = schedule.heap_due(count, check_state)
+        spent = time.perf_counter() - t0
+        engine.begin_step(step, epoch, batch_idx, True, heap)
+        t1 = time.perf_counter()
+        baseline = engine.step_baseline
+        if heap:
+            schedule.heap_rss = engine.step_reserved
+        elif baseline is None and schedule.heap_skipped(count, engine.step_reserved):
+            baseline = engine.fill_baseline(schedule.take_read(count))  # charged as a read (step_read_s)
+        found += checks.detect_growth(count, batch, baseline)
+        found += checks.host_read(step)
+        if check_state and baseline is not None:
+            finding = checks.state_finding(step, baseline, batch)
+            if finding is not None:
+                found.append(finding)
+        for finding in found:
+            self.add_finding(finding)
+        engine.add_own_time(spent + time.perf_counter() - t1 - schedule.step_read_s)
 
     def count_quiet(self, steps: int) -> None:
         """``steps`` quiet steps an adapter skipped without calling :meth:`begin_step` (Lightning)."""
         if steps > 0:
             self.engine.quiet_step(steps)
-
-    def wake(self) -> None:
-        """Something needs the next step: it is not quiet."""
-        self.plan.wake()
 
     def boundary(self, closing: int) -> None:
         """Phase ``closing`` ended (a :class:`~memcallbacks._base.columns.Phase`); the next one begins."""
@@ -319,26 +432,100 @@ class Session:
             try:
                 engine.boundary(closing)
             except Exception as exc:
-                engine.fail(exc, "phase boundary")
+                self.fail(exc, "phase boundary")
         if self._observers:
             self._notify("phase_closed", closing)
 
     def end_step(
         self, closing: int = OPTIMIZER, *, log_step: int | None = None, batch: Any = None, loss: Any = None, outputs: Any = None
     ) -> list[Any] | None:
-        """Close the step, append its row and, on logged steps, emit its metrics through ``log_fn``.
+        """Close the step: its row, the quiet stretch after it and, on logged steps, its metrics.
 
         ``batch``, ``loss`` (the step's last) and ``outputs`` (the model's outputs the adapter saw)
         are handed to leak detection as weak references."""
-        if not self._observers:
-            return close_step(self, closing, log_step, batch, loss, outputs)
-        was_open = self.step_open
-        if was_open:
+        kind = self.kind
+        if kind is StepKind.QUIET:
+            self.kind = None
+            self.step_ended_at = time.perf_counter()
+            return None
+        observed = self._observers and kind is not None
+        if observed:
             self._notify("phase_closed", closing)
-        row = close_step(self, closing, log_step, batch, loss, outputs)
-        if was_open:
+        engine = self.engine
+        row = None
+        if self.lingering_due:
+            self.check_lingering(batch)  # charged on its own (charge_other), so timed before t_end
+        t_end = time.perf_counter()
+        if engine.enabled:
+            try:
+                row = self._close_row(kind, closing, t_end, batch=batch, loss=loss, outputs=outputs)
+            except Exception as exc:
+                self.fail(exc, "step end")
+        self.kind = None
+        self._plan_quiet()
+        if kind is StepKind.LOGGED and (row is not None or engine.world_size > 1):
+            try:
+                metrics = engine.log_values(row, self._extra_keys(row))
+                self.emit(metrics, self.current_step if log_step is None else log_step)
+            except Exception as exc:
+                self.fail(exc, "logging")
+        if observed:
             self._notify("step_ended", batch, loss)
+        self.step_ended_at = time.perf_counter()
         return row
+
+    def _close_row(self, kind: StepKind | None, closing: int, t_end: float, *, batch: Any, loss: Any, outputs: Any) -> list[Any] | None:
+        """The engine's row, the lingering marks, the tripwire, the pre-flight comparison, the budget, snapshots."""
+        engine, checks = self.engine, self.checks
+        sampled = engine.sampling
+        row = engine.end_step(closing)
+        # lingering references: every step at first (leaky loops leak from step 1), then after every
+        # mark_every-th sampled step (a check costs the next step its quietness)
+        watch = checks.watch
+        if watch is not None and (self.leaves_marks or checks.lingering_wants_mark):
+            t0 = time.perf_counter()
+            watch.end_step(self.current_step, batch, loss, outputs)
+            if row is not None:
+                row[MONITOR_TIME_S] += time.perf_counter() - t0
+            self.samples_unmarked = 0
+        elif sampled:
+            self.samples_unmarked += 1
+        self.leaves_marks = False
+        if row is not None:
+            if self.schedule.rebase(row[PEAK_RESERVED], pinned=not getattr(engine.backend, "resets_hwm", False)):
+                self.log.debug("memcallbacks: the resident-set high-water mark is pinned above the resident set; the RSS tripwire reads statm")
+            checks.preflight.compare(row)
+            self.schedule.charge(row[MONITOR_TIME_S], sampled=True)
+        elif kind is StepKind.WATCHED:  # its start and its end, as one cost
+            self.schedule.charge(self.watched_s + time.perf_counter() - t_end, sampled=False, typical=self.watched_typical)
+        if self.snap is not None and (row is not None or self.sink.new):
+            new = self.sink.take_new()
+            if row is not None:
+                self.snap.after_row(self.current_step, row, new)
+            else:  # a watched step found something: the finding triggers, not the row
+                self.snap.after_findings(self.current_step, new)
+        return row
+
+    def _plan_quiet(self) -> None:
+        """After a step: the quiet stretch that follows, unless something needs the next step."""
+        checks = self.checks
+        watch = checks.watch
+        busy = (
+            not self.engine.enabled or self.lingering_due or self.lingering_pending or checks.state.wanted or checks.preflight.due
+            or (self.snap is not None and self.snap.busy)
+            or (watch is not None and watch.collections is not None and watch.collections.due)
+        )
+        theory = checks.state.wanted and self.engine.optimizer_steps_total > 0  # the theory check samples the next step
+        self.schedule.plan_after(self.current_count, busy=busy, reads=watch is not None, sample_next=theory)
+
+    def _extra_keys(self, row: list[Any] | None) -> dict[str, float]:
+        """The keys a logged step adds to the engine's (readout.py)."""
+        dashboard, checks = self.dashboard, self.checks
+        return extra_metrics(
+            self.config, row, findings=self.sink.problems(), overhead=self.schedule.overhead, preflight=checks.preflight,
+            capacity=self.engine.capacity if dashboard.capacity else None, state=checks.state, snap=self.snap,
+            last_gc=checks.watch.last_gc if checks.watch is not None else None, host=checks.host_figures(),
+        )
 
     @property
     def dashboard(self) -> Dashboard:
@@ -351,15 +538,57 @@ class Session:
             if self.trackers is not None and self.config.log_to_trackers:
                 self.trackers.on_log(self.findings, self.dashboard)
 
-    # ------------------------------------------------------------------ evaluation (evaluation.py)
-    def begin_eval(self, stage: str, step: int, epoch: int = 0) -> None:
-        begin_eval(self, stage, step, epoch)
+    # ------------------------------------------------------------------ evaluation loops
+    def pause(self, count: int | None = None) -> None:
+        """Evaluation or a checkpoint between steps: its time is not step time (the own-time share).
+        ``count``: the steps done by now, timed up to now (Lightning, which skips quiet steps, passes
+        its own). By default, where every step is begun: those up to the open one, timed up to now, or
+        with no step open, up to the last one's end: adapters that hear of an evaluation or a
+        checkpoint only after it (Transformers' ``on_evaluate``, ``on_save``) pause then."""
+        if count is not None:
+            self.schedule.pause(count)
+        elif self.kind is None:  # between steps: from the last one's end (a pause said after the evaluation)
+            self.schedule.pause(self.current_count + 1, at=self.step_ended_at)
+        else:
+            self.schedule.pause(self.current_count + 1)
+
+    def begin_eval(self, stage: str, step: int, epoch: int = 0, *, count: int | None = None) -> None:
+        """An evaluation loop starts: the step clock pauses, and its memory is recorded apart from
+        training rows. ``count``: as for :meth:`pause`."""
+        self.pause(count)
+        engine = self.engine
+        if self.config.log_validation and engine.enabled:
+            try:
+                engine.begin_eval(stage, step, epoch)
+            except Exception as exc:
+                self.fail(exc, f"{stage} start")
 
     def eval_batch(self) -> None:
-        eval_batch(self)
+        if self.engine.enabled:
+            try:
+                self.engine.eval_batch()
+            except Exception as exc:
+                self.fail(exc, "evaluation batch")
 
     def end_eval(self, *, log_step: int, emit: bool = True) -> list[Any] | None:
-        return end_eval(self, log_step, emit)
+        """Close the evaluation loop's row and, unless ``emit`` is False or it is the sanity check, log it."""
+        engine = self.engine
+        if not self.config.log_validation:
+            return None
+        row = None
+        if engine.enabled:
+            try:
+                row = engine.end_eval()
+            except Exception as exc:
+                self.fail(exc, "evaluation end")
+        stage = row[E_STAGE] if row is not None else "validate"
+        if not emit or stage == "sanity_check" or (row is None and engine.world_size <= 1):
+            return row
+        try:
+            self.emit(engine.eval_log_values(row, stage), log_step)
+        except Exception as exc:
+            self.fail(exc, "evaluation logging")
+        return row
 
     # ------------------------------------------------------------------ results
     def format_report(self) -> str:
@@ -384,17 +613,27 @@ class Session:
         files: the folder keeps the previous run's set rather than an empty history."""
         if self._observers:
             self._notify("run_finishing")
+        self.kind = None  # an open step ends with the run: the run's end closes the engine's row
+        self.schedule.pause()  # what follows (the files, a test() stage) is not step time
         return self.ending.finish(gather)
 
     def report(self) -> dict[str, Any]:
         """What ``report.json`` holds: version, config, summary, findings, events and files."""
         return self.ending.report()
 
-    # ------------------------------------------------------------------ checkpointing (run_start.py)
+    # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:
-        """The engine's checkpointed state plus the run's events and findings."""
-        return saved_state(self)
+        """The engine's checkpointed state plus the run's events and findings (a checkpoint: the step clock pauses)."""
+        self.pause()
+        state = self.engine.state_dict()
+        state["events"] = list(self.events)
+        state["findings"] = self.sink.to_list()
+        return state
 
     def load_state_dict(self, state: dict[str, Any], key: str = "state_dict") -> None:
-        """Restore a checkpointed state; a bad one raises one ``ValueError`` naming ``key`` (see saved_state.py)."""
-        restore_state(self, state, key)
+        """Restore a checkpointed state; a bad one raises one ``ValueError`` naming ``key``."""
+        read = self.engine.load_state_dict(state, key)
+        if read is None:
+            return
+        self.events = read["events"]
+        self.sink.restore(read["findings"])

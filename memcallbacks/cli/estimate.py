@@ -1,4 +1,4 @@
-"""``memcallbacks estimate``: model-state memory per rank for several strategies and world sizes, as a table."""
+"""``memcallbacks estimate``: model-state memory per rank for strategies and world sizes, a table."""
 
 from __future__ import annotations
 

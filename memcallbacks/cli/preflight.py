@@ -1,4 +1,4 @@
-"""``memcallbacks preflight``: predict one training step's memory per phase from a model and a batch spec."""
+"""``memcallbacks preflight``: predict one training step's memory per phase from a model and batch."""
 
 from __future__ import annotations
 

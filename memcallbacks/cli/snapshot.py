@@ -1,4 +1,4 @@
-"""``memcallbacks render SNAPSHOT`` and ``memcallbacks summary SNAPSHOT``: read any memory snapshot pickle offline."""
+"""``memcallbacks render`` and ``memcallbacks summary``: read any memory snapshot pickle offline."""
 
 from __future__ import annotations
 

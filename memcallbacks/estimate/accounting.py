@@ -1,4 +1,4 @@
-"""Per-rank accounting behind :func:`~memcallbacks.estimate.estimate`: shard sizes, placement by strategy, phase peaks.
+"""Per-rank accounting behind ``estimate()``: shard sizes, placement by strategy, phase peaks.
 
 Pure arithmetic over element counts, shapes and dtypes; the formulas and their sources are in
 ``docs/theory.md``. ``compute.py`` checks the arguments and turns a model or counts into

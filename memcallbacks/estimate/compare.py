@@ -1,4 +1,4 @@
-"""Several estimates side by side (:func:`compare`), and one estimate per strategy and world size (:func:`estimate_grid`)."""
+"""Several estimates side by side (``compare``), one per strategy and world size (``estimate_grid``)."""
 
 from __future__ import annotations
 

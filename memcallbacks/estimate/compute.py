@@ -1,4 +1,4 @@
-"""Model-state memory per rank (params, grads, optimizer state, sharding buffers) from a model or from counts.
+"""Model-state memory per rank (params, grads, optimizer state, sharding buffers).
 
 This module is arithmetic over shapes and dtypes: it never reads tensor data, never calls
 ``torch.cuda`` and works on models built on the meta device. Every formula, its source and its

@@ -1,4 +1,4 @@
-"""What FSDP wraps / ZeRO-3 gathers ("units", "layers") in a model, and which torch wrapper the model is in."""
+"""What FSDP wraps / ZeRO-3 gathers (units, layers) in a model, and which torch wrapper it is in."""
 
 from __future__ import annotations
 

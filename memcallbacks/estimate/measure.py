@@ -1,4 +1,4 @@
-"""Live helpers for the monitor: the bytes params, grads and optimizer state hold right now, and the estimate for them.
+"""Live helpers for the monitor: the bytes model states hold right now, and their estimate.
 
 :func:`measure_model_states` counts the bytes held right now by parameters, ``.grad`` and optimizer
 state; :func:`estimate_for` builds the estimate from the same live objects, and

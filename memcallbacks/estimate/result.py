@@ -1,4 +1,4 @@
-"""The result of :func:`~memcallbacks.estimate.estimate`: model-state bytes per rank, by component and phase."""
+"""The result of ``estimate()``: model-state bytes per rank, by component and phase."""
 
 from __future__ import annotations
 

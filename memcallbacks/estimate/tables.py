@@ -1,4 +1,4 @@
-"""Names and specs :func:`~memcallbacks.estimate.estimate` accepts: strategies, precisions, optimizers, and the argument checks.
+"""What ``estimate()`` accepts: strategies, precisions, optimizers, and the argument checks.
 
 Every check raises a ``ValueError`` naming the function, the argument, its value and the fix.
 """

@@ -1,4 +1,4 @@
-"""Host growth: the leak test of :mod:`memcallbacks.leaks.growth` on two host series, with its lifecycle (raised, settled, re-opened).
+"""Host growth: the leak test of ``leaks/growth.py`` on two host series, with its lifecycle.
 
 Two :class:`~memcallbacks.leaks.growth.GrowthDetector` instances (composition, same test, same
 latency): one on the Python-object series (``sys.getallocatedblocks()`` x

@@ -1,4 +1,4 @@
-"""Leak detection and attribution: growth, lingering references, cycles, the tensor census and who holds what."""
+"""Leak detection and attribution: growth, lingering references, cycles, the census, holders."""
 
 from memcallbacks.leaks.census import Census, take_census
 from memcallbacks.leaks.holders import find_holders

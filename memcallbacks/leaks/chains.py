@@ -1,4 +1,4 @@
-"""Graph chains: the autograd graphs of several earlier steps alive at once (a running total without ``.detach()``).
+"""Graph chains: autograd graphs of several earlier steps alive at once (a total without detach()).
 
 ``self.total = self.total + loss`` links every step's graph to the next one. After ``backward()``
 each graph holds few bytes (its nodes, no saved tensors), so neither the lingering threshold nor

@@ -1,4 +1,4 @@
-"""Reference cycles that hold tensors: periodic garbage collection at step boundaries, and what it freed."""
+"""Reference cycles that hold tensors: garbage collection at step boundaries, and what it freed."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Cycles at default settings: what Python's own (automatic) collections free, seen through ``gc.callbacks``.
+"""Cycles at default settings: what Python's automatic collections free, seen through gc.callbacks.
 
 Reference counting cannot free a reference cycle; tensors in one live until the cyclic garbage
 collector runs. :class:`CollectionWatch` puts a callback in ``gc.callbacks`` that reads the

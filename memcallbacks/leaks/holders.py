@@ -1,4 +1,4 @@
-"""Who holds a tensor: reference paths from the roots (frame locals, module globals) to target storages."""
+"""Who holds a tensor: reference paths from the roots (frame locals, globals) to target storages."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Kept outputs: weak references to the storages of a step's model outputs (``logits``, ``outputs``), and to its batch's tensors.
+"""Kept outputs: weak references to a step's model outputs' storages and its batch's tensors.
 
 A loop variable that holds the previous step's forward output through the next step costs its
 storage (often several MiB of logits). The lingering detector watches the outputs the adapters

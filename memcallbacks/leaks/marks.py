@@ -1,4 +1,4 @@
-"""Graph marks: the sentinel key in ``grad_fn.metadata``, and finding the live tensor whose graph carries a mark."""
+"""Graph marks: a sentinel key in ``grad_fn.metadata``, and the live tensor whose graph carries one."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Tensors in batches and autograd graphs: describe, find and walk them (shared by the census and the detectors)."""
+"""Tensors in batches and autograd graphs: describe, find and walk them (census and detectors)."""
 
 from __future__ import annotations
 

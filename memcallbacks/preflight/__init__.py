@@ -1,4 +1,4 @@
-"""Pre-flight: predict a training step's memory per phase (activations included) on fake tensors, before it runs.
+"""Pre-flight: predict a training step's memory per phase on fake tensors, before it runs.
 
 ``predict(model, batch, optimizer)`` runs two training steps of a structural copy of the model on
 ``FakeTensorMode`` tensors (right shapes and dtypes, no memory, nothing computed), follows every

@@ -1,4 +1,4 @@
-"""From a tracked step's storage events to per-phase peaks, the breakdown at each peak and the top modules."""
+"""From a tracked step's storage events to per-phase peaks, the breakdown at each, top modules."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Fake copies of a model, its optimizer and a batch: right shapes and dtypes, no memory, real untouched."""
+"""Fake copies of a model, its optimizer and a batch: right shapes and dtypes, no memory."""
 
 from __future__ import annotations
 

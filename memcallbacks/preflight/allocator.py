@@ -1,4 +1,4 @@
-"""How the CUDA caching allocator turns requested bytes into allocated and reserved bytes (a model of it).
+"""How the CUDA caching allocator turns requested bytes into allocated and reserved bytes.
 
 The rules, from ``c10/cuda/CUDACachingAllocator.cpp`` (torch 2.x, default configuration; the
 constants live in ``c10/core/CachingDeviceAllocator.h`` in recent versions):

@@ -1,4 +1,4 @@
-"""``max_batch_size()``: the largest batch whose predicted peak fits a capacity, found over fake runs only."""
+"""``max_batch_size()``: the largest batch whose predicted peak fits a capacity (fake runs only)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Ground truth on CPU: one real training step's exact allocated bytes per phase, from ``torch.profiler``'s memory events."""
+"""Ground truth on CPU: one real step's allocated bytes per phase, from torch.profiler's events."""
 
 from __future__ import annotations
 

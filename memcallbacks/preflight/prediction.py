@@ -1,4 +1,4 @@
-"""The :class:`Prediction` a pre-flight returns: per-phase peaks, the breakdown at each, the top modules."""
+"""The ``Prediction`` a pre-flight returns: per-phase peaks, the breakdown at each, top modules."""
 
 from __future__ import annotations
 

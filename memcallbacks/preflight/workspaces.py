@@ -1,4 +1,4 @@
-"""How many cuBLAS workspaces a CUDA training step holds, and from which event on: one per thread that runs matmuls.
+"""How many cuBLAS workspaces a CUDA training step holds, and from when: one per matmul thread.
 
 ``aten/src/ATen/cuda/CublasHandlePool.cpp``: ``getCurrentCUDABlasHandle()`` reserves a handle from a
 ``thread_local`` pool window (each thread that calls cuBLAS gets a handle of its own) and

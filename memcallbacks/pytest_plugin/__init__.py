@@ -22,12 +22,15 @@ See docs/pytest.md.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import pytest
 
 from memcallbacks._base.units import format_bytes
 from memcallbacks.pytest_plugin.limits import PHASE_NAMES, Limits, parse_fail_on, parse_size
+
+if TYPE_CHECKING:  # pragma: no cover
+    from memcallbacks.pytest_plugin.session import TrainMemory
 
 __all__ = ["train_memory"]
 
@@ -142,7 +145,7 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
     return result
 
 
-def _warn_short(item: pytest.Item, session: Any) -> None:
+def _warn_short(item: pytest.Item, session: TrainMemory) -> None:
     warmup = session.current_limits.warmup
     for probe in session.probes:
         if 0 < probe.steps <= warmup:
@@ -152,7 +155,7 @@ def _warn_short(item: pytest.Item, session: Any) -> None:
             ))
 
 
-def _regressions(item: pytest.Item, session: Any) -> list[str]:
+def _regressions(item: pytest.Item, session: TrainMemory) -> list[str]:
     config = item.config
     if not config.getoption("--train-memory-fail-on-increase") or getattr(config, "cache", None) is None:
         return []
@@ -181,7 +184,7 @@ def _regressions(item: pytest.Item, session: Any) -> list[str]:
     return out
 
 
-def _store(item: pytest.Item, session: Any) -> None:
+def _store(item: pytest.Item, session: TrainMemory) -> None:
     if getattr(item.config, "cache", None) is None:
         return
     peaks, source = session.phase_peaks()

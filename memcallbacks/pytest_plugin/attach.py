@@ -1,4 +1,4 @@
-"""Attaching monitors to the trainers a test builds: constructor wrappers installed for one test and removed after it.
+"""Attaching monitors to the trainers a test builds: constructor wrappers for one test.
 
 Only frameworks already imported (or importable without side effects the test did not ask for)
 are patched, and only while a ``train_memory`` test runs: Lightning's ``Trainer`` (both
@@ -13,6 +13,8 @@ import importlib
 import logging
 import sys
 from typing import Any, Callable
+
+from memcallbacks._runtime.guard import session_of
 
 log = logging.getLogger(__name__)
 
@@ -57,16 +59,16 @@ def lightning_bookkeeping(trainer: Any) -> list[Any]:
 class Patches:
     """Constructor wrappers for one test; :meth:`remove` puts every original back (safe to call twice)."""
 
-    def __init__(self, session: Any) -> None:
-        self.session = session
+    def __init__(self, train_memory: Any) -> None:
+        self.session = train_memory  # the test's TrainMemory (pytest_plugin/session.py, which imports this module)
         self._undo: list[Callable[[], None]] = []
         self._busy: list[str] = []  # frameworks whose constructor is running (a Trainer builds an Accelerator)
-        self._trainer_cell: list[Any] = []  # a weak reference to the Transformers Trainer being built
+        self._trainer_cell: list[Any] = []  # a weak reference to the Trainer being built
 
     def install(self) -> None:
         for package in ("lightning.pytorch", "pytorch_lightning"):
             if _imported(package):
-                self._wrap(package, "Trainer", self._lightning_kwargs)
+                self._wrap(package, "Trainer", self._lightning_kwargs, after=self._trainer_built)
         if _imported("accelerate"):
             self._wrap("accelerate", "Accelerator", None, after=self._accelerator_built)
         if _imported("transformers.trainer"):
@@ -119,7 +121,9 @@ class Patches:
             mine = MemoryMonitor(**self.session.monitor_config())
             callbacks.append(mine)
         kwargs["callbacks"] = callbacks
-        self.session.probe(mine._current_session(), name="Lightning Trainer", bookkeeping=lambda: lightning_bookkeeping(mine._trainer))
+        cell = self._trainer_cell  # the Trainer being built, once its constructor has returned
+        self.session.probe(session_of(mine), name="Lightning Trainer",
+                           bookkeeping=lambda: lightning_bookkeeping(cell[0]() if cell else None))
 
     def _trainer_built(self, trainer: Any) -> None:
         from memcallbacks.pytest_plugin.trainer_locals import remember_trainer
@@ -133,7 +137,7 @@ class Patches:
         if "transformers" in self._busy:
             return  # the Trainer's own Accelerator: the Trainer's callback already watches this loop
         monitor = AccelerateMemoryMonitor(accelerator, **self.session.monitor_config())
-        self.session.probe(monitor._current_session(), name="Accelerator", census_every_step=True)
+        self.session.probe(session_of(monitor), name="Accelerator", census_every_step=True)
         self.session.closers.append(monitor.close)
         prepare = accelerator.prepare
 
@@ -141,7 +145,7 @@ class Patches:
             # the monitor was built before the test's prepare(): hook the models it prepares now,
             # since a loop without monitor.track() never asks the monitor to look for them
             result = prepare(*args, **kwargs)
-            monitor._hook_prepared_models()
+            monitor.watch_prepared_models()
             return result
 
         accelerator.prepare = prepare_and_hook  # an instance attribute, gone with the accelerator

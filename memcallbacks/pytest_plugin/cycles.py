@@ -1,4 +1,4 @@
-"""Reference cycles in a ``train_memory`` test: ``gc.collect()`` at the census points, and the tensors only it freed.
+"""Reference cycles in a ``train_memory`` test: gc.collect() at the censuses, what only it freed.
 
 The monitor finds cycles only with ``gc_every_n_steps`` (a collection costs time in training).
 A test can pay for it. Around each census of a probe:

@@ -1,4 +1,4 @@
-"""The ``train_memory`` marker's limits: size strings ("4 MiB", "2 GiB", "0 B") parsed and checked once, before the test runs."""
+"""The ``train_memory`` marker's limits: size strings parsed and checked once, before the test."""
 
 from __future__ import annotations
 

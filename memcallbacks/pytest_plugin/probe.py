@@ -1,4 +1,4 @@
-"""What the pytest plugin measures on one monitor: step marks, two tensor censuses, and exact CPU phase peaks.
+"""What the pytest plugin measures on one monitor: step marks, two censuses, CPU phase peaks.
 
 A :class:`Probe` observes one :class:`~memcallbacks._runtime.session.Session`'s step protocol
 (``Session.observe``: the calls every adapter makes at step and phase boundaries), so it works the same for Lightning,

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 from memcallbacks._base.units import format_bytes
+from memcallbacks._runtime.guard import session_of
 from memcallbacks.pytest_plugin.limits import PHASE_NAMES, Limits
 from memcallbacks.pytest_plugin.probe import Probe, host_growth_bytes
 from memcallbacks.pytest_plugin.timeline import Timeline
@@ -128,7 +129,7 @@ class TrainMemory:
 
         self.start()
         monitor = Monitor(model, optimizer, **{**self.monitor_config(), **config})
-        self.probe(monitor._current_session(), name="train_memory.track()")
+        self.probe(session_of(monitor), name="train_memory.track()")
         self.closers.append(monitor.close)
         try:
             yield from monitor.track(batches)

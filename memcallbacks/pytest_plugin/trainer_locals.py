@@ -1,4 +1,4 @@
-"""The pytest plugin on a Transformers ``Trainer``: both censuses at a step end, and the Trainer's per-step tensors as carry-over.
+"""The pytest plugin on a Transformers Trainer: both censuses at a step end, its per-step tensors.
 
 The Trainer hands callbacks no batch and ends training with ``on_train_end`` after its loop has
 dropped the last batch, its prefetched next batch and its loss tensors; a census there sees less
@@ -19,6 +19,7 @@ import sys
 import weakref
 from typing import Any
 
+from memcallbacks._runtime.guard import session_of
 from memcallbacks.leaks.roots import frame_locals
 
 log = logging.getLogger(__name__)
@@ -72,7 +73,7 @@ def transformers_bookkeeping(trainer: Any) -> list[Any]:
     return [obj for obj in out if obj is not None]
 
 
-def attach_transformers(session: Any, callback: Any, trainer_cell: list[Any]) -> None:
+def attach_transformers(train_memory: Any, callback: Any, trainer_cell: list[Any]) -> None:
     """Probe every ``train()`` of the callback's Trainer: the end census at the last step's ``on_step_end``.
 
     ``trainer_cell`` holds a weak reference to the Trainer once its constructor has returned.
@@ -85,9 +86,10 @@ def attach_transformers(session: Any, callback: Any, trainer_cell: list[Any]) ->
 
     def probed_train_begin(*args: Any, **kw: Any) -> Any:
         result = on_train_begin(*args, **kw)
-        if callback._monitor is not None:  # a new Monitor per train(): probe each
-            session.probe(
-                callback._current_session(), name="Transformers Trainer",
+        session = session_of(callback)
+        if session is not None:  # a new Monitor per train(): probe each
+            train_memory.probe(
+                session, name="Transformers Trainer",
                 bookkeeping=lambda: transformers_bookkeeping(trainer()),
                 last_step=lambda: last["step"],
             )

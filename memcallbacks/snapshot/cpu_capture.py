@@ -1,4 +1,4 @@
-"""CPU capture: profile the next training steps with ``torch.profiler`` and keep them as a memory snapshot."""
+"""CPU capture: profile the next training steps with torch.profiler, kept as a memory snapshot."""
 
 from __future__ import annotations
 
@@ -88,6 +88,11 @@ class CpuCapture:
     def active(self) -> bool:
         """True between :meth:`start` and the end of the capture."""
         return self._prof is not None
+
+    @property
+    def first_step(self) -> int | None:
+        """The step the capture began at (None before it starts)."""
+        return self._first_step
 
     @property
     def finished(self) -> bool:

@@ -1,4 +1,4 @@
-"""The snapshot file: format constants, writing within a byte budget, reading only plain data, checking the structure.
+"""The snapshot file: format constants, writing within a byte budget, reading plain data only.
 
 A snapshot is the plain dict ``torch.cuda.memory._snapshot()`` returns, pickled with protocol 4
 so pytorch.org/memory_viz loads it: ``segments`` (the allocator's state at the end, blocks with

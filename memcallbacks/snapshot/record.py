@@ -1,4 +1,4 @@
-"""CUDA allocator history: start and stop recording, mark steps, dump a snapshot (also from inside an OOM).
+"""CUDA allocator history: start and stop recording, mark steps, dump a snapshot (also in an OOM).
 
 Every private torch call goes through :mod:`memcallbacks._base.torch_private`.
 """

@@ -1,4 +1,4 @@
-"""Render a snapshot offline: one self-contained HTML page (no scripts, no network) and a PNG of the curve."""
+"""Render a snapshot offline: one self-contained HTML page (no scripts) and a PNG of the curve."""
 
 from __future__ import annotations
 

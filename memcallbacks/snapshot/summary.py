@@ -1,4 +1,4 @@
-"""Summarise a snapshot: the allocated curve, the peak and what was live at it, what stayed alive, OOMs."""
+"""Summarise a snapshot: the allocated curve, the peak and what was live, what stayed, OOMs."""
 
 from __future__ import annotations
 

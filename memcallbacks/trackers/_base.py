@@ -1,4 +1,4 @@
-"""What every tracker is handed: the dashboard to set up while training, and the run's outputs at the end."""
+"""What every tracker is handed: the dashboard while training, the run's outputs at the end."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Snapshots are rank-local; under torch.distributed every rank's snapshot files travel to rank zero at the end.
+"""Snapshots are rank-local: under torch.distributed each rank's files travel to rank zero.
 
 Only rank zero holds the trackers (Lightning's loggers, Accelerate's trackers and the Transformers
 callbacks write from the main process), and a non-zero rank's files may sit on another node. So,

@@ -1,4 +1,4 @@
-"""TensorBoard: one custom-scalars layout per run (multi-line memory charts) and the findings in the TEXT tab."""
+"""TensorBoard: one custom-scalars layout per run (memory charts), findings in the TEXT tab."""
 
 from __future__ import annotations
 

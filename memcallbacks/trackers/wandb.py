@@ -1,4 +1,4 @@
-"""Weights & Biases: memory keys on the optimizer-step axis, and at the end the plot, report, findings and snapshots on the run."""
+"""Weights & Biases: memory keys on the optimizer-step axis; at the end plot, report, snapshots."""
 
 from __future__ import annotations
 

@@ -615,10 +615,9 @@ def test_lightning_cli_accepts_a_config_mapping(tmp_path, capsys, monkeypatch):
 # ---------------------------------------------------------------------- 10. failures
 def device_backend(monitor: MemoryMonitor):
     """The monitor's device backend object (the one seam fault injection goes through)."""
-    core = getattr(monitor, "_session", None)
-    engine = core.engine if core is not None else monitor._engine
-    assert engine.backend is not None, "the backend is chosen in setup()"
-    return engine.backend
+    backend = monitor._session.engine.backend
+    assert backend is not None, "the backend is chosen in setup()"
+    return backend
 
 
 class InjectBackendFault(L.Callback):

@@ -26,7 +26,7 @@ from memcallbacks._runtime.model_hooks import ModelHooks
 from memcallbacks._runtime.plain_support import PlainControls
 from memcallbacks._files.report import load_output_dir
 from memcallbacks._runtime.sampling import MemoryEngine
-from memcallbacks._runtime.state_check import StateCheck
+from memcallbacks._runtime.checks import StateCheck
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerate_state", "one_thread")
 
@@ -220,7 +220,7 @@ def test_every_framework_hook_is_guarded() -> None:
         (Monitor, None, ("_forward_pre", "_optimizer_pre", "_optimizer_post",
                          "open_step", "end_phase", "close_step", "_track_item", "_track_end", "_step_enter", "_phase_enter")),
         (PlainControls, None, ("close", "record_exception", "_exit_failing")),  # Monitor's base: its end of run
-        (AccelerateMemoryMonitor, None, ("close", "_backward_starts", "_backward_ends", "_step_complete", "_hook_prepared_models")),
+        (AccelerateMemoryMonitor, None, ("close", "_backward_starts", "_backward_ends", "_step_complete", "watch_prepared_models")),
         (ModelHooks, None, ("_forward_post", "_backward_start", "_backward_end")),  # the plain loop's model hooks
     ]
     unguarded = []

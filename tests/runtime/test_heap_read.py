@@ -1,15 +1,15 @@
-"""A sampled step's ``allocated`` read (glibc's heap on CPU) on the steps the plan names (issue 22).
+"""A sampled step's ``allocated`` read (glibc's heap on CPU) on the steps the schedule names.
 
 ``mallinfo2`` walks every free chunk: 100-300 µs in a real Lightning fit, ~1 µs in a small test
 process. The gating therefore never shows by itself here: every test forces the read's cost, by a
-stand-in backend whose ``heap_cost_s`` the test sets (the plan's decision), or by pinning the real
+stand-in backend whose ``heap_cost_s`` the test sets (the schedule's decision), or by pinning the real
 ``CpuBackend``'s running estimate (the Lightning fit). Expected steps are worked out by hand from the
 documented rules, never by asking the code under test again:
 
 * allowance per step = ``overhead_budget`` (0.01) x median step time (1 ms here) = 10 µs;
 * a 100 µs read is therefore taken once its cost spread over the steps since the last heap read
   fits: 10 steps after it;
-* the watch's reads (``Cadence.wants_read``): every one of the first 48 steps, then every
+* the watch's reads (``Schedule.wants_read``): every one of the first 48 steps, then every
   ``read_every`` steps (``(count + 1) % read_every == 0``).
 """
 
@@ -24,8 +24,9 @@ from lightning.pytorch.loggers import CSVLogger
 from helpers import MIB, BoringModel, RandomDataModule, trainer_kwargs
 from memcallbacks import MemoryMonitor, MonitorConfig
 from memcallbacks._base.cpu import CpuBackend
-from memcallbacks._runtime import cadence as C
-from memcallbacks._runtime.plan import StepPlan
+from memcallbacks._runtime import schedule as C
+from memcallbacks._runtime.schedule import Schedule
+from schedule_feed import feed
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -42,22 +43,19 @@ class StandInBackend:
         self.heap_cost_s = cost
 
 
-def heap_plan(log_every: int, cost: float = COST_S) -> StepPlan:
-    """A plan whose cadence has measured 1 ms steps and ``cost`` per read, and chosen its intervals."""
-    plan = StepPlan(MonitorConfig())
+def heap_plan(log_every: int, cost: float = COST_S) -> Schedule:
+    """A schedule that has measured 1 ms steps and ``cost`` per read, and chosen its intervals."""
+    plan = Schedule(MonitorConfig())
     plan.configure(log_every=log_every, logs=True, log_first_step=False)
     plan.backend = StandInBackend(cost)
-    plan.cadence._step_times.extend([STEP_S] * 16)
-    plan.cadence._read_costs.extend([cost] * 16)
-    plan.cadence.choose()
-    return plan
+    return feed(plan, step_s=STEP_S, steps=16, read_s=cost)
 
 
 def test_log_1_reads_the_heap_every_tenth_step_and_on_every_watch_read():
     plan = heap_plan(log_every=1)
     # a read at twice 100 µs (cold caches) may take half of 10 µs/step: every 40 steps, capped at 32;
     # at log 1 the logged steps are no longer where reads are free, so the interval is kept
-    assert plan.cadence.read_every == 32
+    assert plan.read_every == 32
     taken = [n for n in range(300) if plan.heap_due(n)]  # at log 1 every step is sampled
     assert taken[:48] == list(range(48))  # the watch's dense reads
     watch_reads = [n for n in range(48, 300) if (n + 1) % 32 == 0]
@@ -71,13 +69,13 @@ def test_log_1_reads_the_heap_every_tenth_step_and_on_every_watch_read():
 
 def test_log_50_reads_the_heap_on_every_logged_step():
     plan = heap_plan(log_every=50)
-    assert plan.cadence.read_every == 50  # the budget's 32, on the logged steps (unchanged by this issue)
+    assert plan.read_every == 50  # the budget's 32, on the logged steps (unchanged by this issue)
     logged = [n for n in range(48, 600) if plan.will_log(n)]
     assert all(plan.heap_due(n) for n in logged)
     # without the watch's read there (a read interval off the logged steps), the spread cost alone
     # takes it: 100 µs / 50 steps = 2 µs/step, within 10
     plan = heap_plan(log_every=50)
-    plan.cadence.read_every = 1000
+    plan.read_every = 1000
     assert all(plan.heap_due(n) for n in logged)
 
 
@@ -89,10 +87,10 @@ def test_cheap_reads_wanted_reads_and_the_budgets_first_steps():
     plan = heap_plan(log_every=1)
     assert plan.heap_due(100) and not plan.heap_due(101)
     assert plan.heap_due(102, wanted=True)  # the theory check compares this step's baseline
-    fresh = StepPlan(MonitorConfig())  # no median step yet: only the watch's reads (every one of the first 48)
+    fresh = Schedule(MonitorConfig())  # no median step yet: only the watch's reads (every one of the first 48)
     fresh.configure(log_every=1, logs=True, log_first_step=False)
     fresh.backend = StandInBackend(COST_S)
-    fresh.cadence.read_every = 32
+    fresh.read_every = 32
     assert all(fresh.heap_due(n) for n in range(48)) and not fresh.heap_due(48)
 
 
@@ -101,11 +99,11 @@ def test_a_risen_resident_set_takes_the_read_after_all():
     plan.read = lambda: 123  # stands in for the watch's heap read
     assert plan.heap_due(100)
     plan.heap_rss = 500 * MIB
-    assert not plan.heap_due(101) and not plan.heap_skipped(101, 500 * MIB + plan.cadence.trip_bytes - 1)
-    assert not plan.cadence.wants_read(102)
-    assert plan.heap_skipped(102, 500 * MIB + plan.cadence.trip_bytes)  # the tripwire's rise: 1 MiB
-    assert plan.cadence.wants_read(102) and plan.take_read(102) == 123 and plan.cadence.trips == 1
-    assert plan.heap_rss == 500 * MIB + plan.cadence.trip_bytes and plan.heap_at == 102
+    assert not plan.heap_due(101) and not plan.heap_skipped(101, 500 * MIB + plan.trip_bytes - 1)
+    assert not plan.wants_read(102)
+    assert plan.heap_skipped(102, 500 * MIB + plan.trip_bytes)  # the tripwire's rise: 1 MiB
+    assert plan.wants_read(102) and plan.take_read(102) == 123 and plan.trips == 1
+    assert plan.heap_rss == 500 * MIB + plan.trip_bytes and plan.heap_at == 102
 
 
 # ---------------------------------------------------------------------- a real fit, metrics.csv read back

@@ -22,8 +22,8 @@ from lightning.pytorch.loggers import CSVLogger
 
 from helpers import MIB, trainer_kwargs
 from memcallbacks import MemoryMonitor, Monitor, MonitorConfig
-from memcallbacks._runtime import cadence as C
-from memcallbacks._runtime import plan as P
+from memcallbacks._runtime import schedule as C
+from schedule_feed import SteppedClock, feed
 from memcallbacks.leaks.gc_watch import CollectionWatch
 from test_watch_defaults import BATCH, DIM, LeakyCallback, Net, growth_step, leak_tensor, loader, mlp
 
@@ -50,19 +50,26 @@ def test_budget_samples_go_in_phase_with_the_logged_steps(every, log_every, alig
     assert C.aligned_samples(every, log_every) == aligned
 
 
-def cadence(**config: Any) -> C.Cadence:
-    c = C.Cadence(MonitorConfig(**config))
+def sampled(c: C.Schedule, count: int) -> bool:
+    return c.step_kind(count) in (C.StepKind.SAMPLED, C.StepKind.LOGGED)
+
+
+def trip(c: C.Schedule, count: int) -> None:
+    """The resident set rose since the last read (a stand-in reader past ``trip_at``): the quiet step at
+    ``count`` (a multiple of 4) checks the tripwire, which goes off."""
+    c.trip, c.trip_at, c.quiet_until = C.Tripwire(lambda: 1, "rss"), 0, count + 1
+    assert c.step_kind(count) is not C.StepKind.QUIET
+
+
+def cadence(**config: Any) -> C.Schedule:
+    c = C.Schedule(MonitorConfig(**config))
     c.configure(log_every=50, logs=True, log_first_step=False)
     return c
 
 
 def test_budget_puts_reads_on_logged_steps_on_a_short_step():
     c = cadence()
-    c._step_times.extend([1.4e-3] * 8)  # a 1.4 ms step: 14 µs/step of budget
-    c._watch_costs.extend([20e-6] * 8)
-    c._read_costs.extend([120e-6] * 8)
-    c._sample_costs.extend([300e-6] * 8)
-    c.choose()
+    feed(c, step_s=1.4e-3, watch_s=20e-6, read_s=120e-6, sample_s=300e-6)  # a 1.4 ms step: 14 µs/step of budget
     # a read (twice its measured 140 µs, for the caches it evicts) may take half the budget: one every
     # 40 steps, rounded up to the logging interval, where the logged step's baseline is the read
     assert c.read_every == 50
@@ -74,42 +81,31 @@ def test_budget_puts_reads_on_logged_steps_on_a_short_step():
 
 def test_budget_samples_ride_on_logged_steps_unless_it_allows_more():
     c = cadence()
-    c._step_times.extend([1.4e-3] * 8)
-    c._watch_costs.extend([20e-6] * 8)
-    c._read_costs.extend([120e-6] * 8)
-    c._sample_costs.extend([200e-6] * 8)
-    c.choose()
+    feed(c, step_s=1.4e-3, watch_s=20e-6, read_s=120e-6, sample_s=200e-6)
     # 14 - 8 (logged steps) = 6 µs/step left: a sample every 67 steps, rounded to the logging interval's multiple
     assert c.sample_every == 100
-    assert [n for n in range(48, 400) if c.wants_sample(n, c.will_log(n))] == [n for n in range(48, 400) if c.will_log(n)]
-    c._step_times.extend([3.5e-3] * 64)  # a 3.5 ms step: 35 µs/step, reads every 16 -> 25 steps (5.6),
-    c.choose()  # logged steps 8: 21.4 µs/step buy a sample every 19 steps -> 25
+    assert [n for n in range(48, 400) if sampled(c, n)] == [n for n in range(48, 400) if c.will_log(n)]
+    # a 3.5 ms step: 35 µs/step, reads every 16 -> 25 steps (5.6), logged steps 8: 21.4 µs/step buy a sample
+    # every 19 steps -> 25
+    feed(c, step_s=3.5e-3, steps=64, first=8)
     assert c.read_every == 25
     assert c.sample_every == 25
-    assert [n for n in range(100, 200) if c.wants_sample(n, c.will_log(n))] == [124, 149, 174, 199]
-    c.configure(log_every=50, logs=False, log_first_step=False)  # nothing logged: the budget's own interval
+    assert [n for n in range(100, 200) if sampled(c, n)] == [124, 149, 174, 199]
+    c.configure(log_every=50, logs=False, log_first_step=False, keep=True)  # nothing logged: the budget's own interval
     c.choose()
     assert c.read_every == 16 and c.sample_every == 23  # 35 - 280 / 16 = 17.5 µs/step: every 23 steps
 
 
 def test_budget_reads_every_step_on_a_long_step():
     c = cadence()
-    c._step_times.extend([0.2] * 8)  # 200 ms: 2 ms of budget per step
-    c._watch_costs.extend([20e-6] * 8)
-    c._read_costs.extend([120e-6] * 8)
-    c._sample_costs.extend([300e-6] * 8)
-    c.choose()
+    feed(c, step_s=0.2, watch_s=20e-6, read_s=120e-6, sample_s=300e-6)  # 200 ms: 2 ms of budget per step
     assert c.read_every == 1 and c.sample_every == 1
     assert c.next_busy(100, reads=True) == 100
 
 
 def test_an_explicit_sampling_interval_is_kept_and_reads_still_follow_the_budget():
     c = cadence(sample_every_n_steps=7)
-    c._step_times.extend([1.4e-3] * 8)
-    c._watch_costs.extend([20e-6] * 8)
-    c._read_costs.extend([120e-6] * 8)
-    c._sample_costs.extend([300e-6] * 8)
-    c.choose()
+    feed(c, step_s=1.4e-3, watch_s=20e-6, read_s=120e-6, sample_s=300e-6)
     assert c.sample_every == 7 and c.read_every == 50
 
 
@@ -132,7 +128,7 @@ def test_a_risen_floor_starts_a_burst_and_each_burst_needs_twice_the_rise():
 
 
 def test_a_read_the_tripwire_asks_for_starts_a_burst_on_a_quarter_of_the_rise():
-    def primed() -> C.Cadence:
+    def primed() -> C.Schedule:
         c = cadence()
         c.read_every = 25
         for n, value in [(49, 100 * MIB), (74, 100 * MIB)]:
@@ -142,7 +138,7 @@ def test_a_read_the_tripwire_asks_for_starts_a_burst_on_a_quarter_of_the_rise():
     c = primed()
     assert c.trip_bytes == MIB  # a quarter of the burst threshold (growth_min_total_bytes, 4 MiB)
     assert not c.wants_read(80)
-    c.trip(80)  # the resident set rose 1 MiB since the last read: the step after 80 steps reads
+    trip(c, 80)  # the resident set rose 1 MiB since the last read: the step after 80 steps reads
     assert c.wants_read(80) and not c.wants_read(81) and c.trips == 1
     c.after_read(80, 101 * MIB + MIB // 2)  # +1.5 MiB of heap behind the RSS rise: >= a quarter of 4 MiB
     assert c.bursts == 1 and c.dense_until == 81 + C.CONFIRM_STEPS
@@ -151,7 +147,7 @@ def test_a_read_the_tripwire_asks_for_starts_a_burst_on_a_quarter_of_the_rise():
     untripped.after_read(99, 101 * MIB + MIB // 2)  # the same rise at a scheduled read: no burst
     assert untripped.bursts == 0
     tripped_small = primed()
-    tripped_small.trip(80)
+    trip(tripped_small, 80)
     tripped_small.after_read(80, 100 * MIB + MIB // 2)  # the RSS rose, the heap barely did: one read, no burst
     assert tripped_small.bursts == 0 and tripped_small.trips == 1
 
@@ -161,19 +157,19 @@ def test_the_tripwire_is_kept_for_costly_reads_only():
 
     if heap_in_use_bytes() is None:
         pytest.skip("no glibc mallinfo2: the watch reads RSS itself")
-    rss = P.rss_tripwire(heap_in_use_bytes)
+    rss = C.rss_tripwire(heap_in_use_bytes)
     assert rss is not None and rss() > 0
     assert pickle.loads(pickle.dumps(rss))() > 0  # spawn launchers pickle the callback that mirrors it
-    assert P.rss_tripwire(lambda: 0) is None and P.rss_tripwire(None) is None  # an allocator's counter: read every step
+    assert C.rss_tripwire(lambda: 0) is None and C.rss_tripwire(None) is None  # an allocator's counter: read every step
 
 
 def test_step_time_is_measured_across_quiet_steps():
     c = cadence()
-    import time as _time
-    now = _time.perf_counter()
-    c._anchor = (100, now - 0.05)  # 10 quiet steps in 50 ms
+    c.clock = clock = SteppedClock()
+    c.step_started(100)
+    clock.now += 0.05  # 10 quiet steps in 50 ms
     c.step_started(110)
-    assert c.steps == 10 and c._step_times[-1] == pytest.approx(0.005, rel=0.2)
+    assert c.steps == 10 and c.summary()["step_time_median_s"] == pytest.approx(0.005, rel=0.2)
 
 
 # ---------------------------------------------------------------------- the gc callback

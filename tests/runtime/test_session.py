@@ -22,7 +22,7 @@ from torch import nn
 from memcallbacks import MonitorConfig
 from memcallbacks._base.columns import BACKWARD, FORWARD, MICRO_BATCHES, OPTIMIZER, STEP
 from memcallbacks._runtime.adapter_support import rank_zero_trackers
-from memcallbacks._runtime.run_start import output_folder
+from memcallbacks._runtime.lifecycle import output_folder
 from memcallbacks._runtime.session import Session
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -176,7 +176,7 @@ def test_quiet_steps_boundary_and_end_step_do_nothing(tmp_path, sessions):
     for step in range(50):  # 0..49: step 49 is logged; the plan after it covers 50..58
         tiny.step(s, step)
     rows_before = len(s.rows)
-    s.plan.trip = None  # the plan as planned, without the RSS tripwire cutting the stretch short
+    s.schedule.trip = None  # the schedule as planned, without the RSS tripwire cutting the stretch short
     s.begin_step(50)
     assert s.quiet_step and s.step_open and not s.sampling
     s.boundary(FORWARD)

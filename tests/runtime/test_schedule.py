@@ -1,7 +1,7 @@
-"""The step plan (issue 22): the quiet stretch, the watch's read and the RSS tripwire, tested directly.
+"""The step schedule: the quiet stretch, the watch's read and the RSS tripwire, tested directly.
 
-A real :class:`MonitorConfig`, a real :class:`Cadence` inside the plan and the real readers
-(``heap_in_use_bytes``, ``HwmReader``/``StatmReader`` through :meth:`StepPlan.arm` on a real
+A real :class:`MonitorConfig`, a real :class:`Schedule` and the real readers
+(``heap_in_use_bytes``, ``HwmReader``/``StatmReader`` through :meth:`Schedule.arm` on a real
 ``CpuBackend``). Where a test needs a controlled value, a plain Python callable stands in for the
 memory read or for the tripwire's reader (said so at each place). Expected values are worked out by
 hand from the documented constants, never by asking the code under test again:
@@ -23,7 +23,7 @@ import pytest
 
 from memcallbacks import MonitorConfig
 from memcallbacks._base.devices import CpuBackend, StatmReader, heap_in_use_bytes
-from memcallbacks._runtime.plan import StepPlan, Tripwire
+from memcallbacks._runtime.schedule import Schedule, StepKind, Tripwire
 
 MIB = 1 << 20
 TRIP_BYTES = MIB  # 4 MiB (growth_min_total_bytes' default) // 4
@@ -44,11 +44,15 @@ class Counter:
         return self.value
 
 
-def make_plan(**config: Any) -> StepPlan:
-    """A plan for a run that logs every 50 steps (the plain loop's default)."""
-    plan = StepPlan(MonitorConfig(**config))
+def make_plan(**config: Any) -> Schedule:
+    """A schedule for a run that logs every 50 steps (the plain loop's default)."""
+    plan = Schedule(MonitorConfig(**config))
     plan.configure(log_every=50, logs=True, log_first_step=False)
     return plan
+
+
+def quiet(schedule: Schedule, count: int) -> bool:
+    return schedule.step_kind(count) is StepKind.QUIET
 
 
 @pytest.fixture
@@ -63,34 +67,34 @@ def test_arm_on_a_cpu_backend_picks_the_heap_read_and_a_tripwire(backend):
     plan = make_plan()
     plan.arm(backend)
     if heap_in_use_bytes() is None:
-        assert plan.trip is None and plan.cadence.tripwire is None
+        assert plan.trip is None and plan.tripwire is None
         return
     assert plan.read is heap_in_use_bytes
     assert plan.read() > 0
     # a fresh CpuBackend resets the high-water mark: the tripwire reads it through getrusage ("hwm")
     expected = "hwm" if backend.resets_hwm else "rss"
-    assert plan.trip is not None and plan.trip.source == expected == plan.cadence.tripwire
+    assert plan.trip is not None and plan.trip.source == expected == plan.tripwire
     assert plan.trip() > 0
     assert plan.trip_at == math.inf  # no read taken yet: nothing to measure a rise from
-    assert plan.cadence.trip_cost_s > 0  # measured at arm(), charged per quiet check
+    assert plan.trip_cost_s > 0  # measured at arm(), charged per quiet check
 
 
 def test_arm_without_a_backend_has_neither_read_nor_tripwire():
     plan = make_plan()
     plan.arm(None)
-    assert plan.read is None and plan.trip is None and plan.cadence.tripwire is None
+    assert plan.read is None and plan.trip is None and plan.tripwire is None
     assert plan.take_read(0) is None and plan.allocated_now() is None
 
 
 # ---------------------------------------------------------------------- quiet()
 def test_quiet_before_quiet_until_and_not_at_or_after_it():
     plan = make_plan()  # no arm(): no tripwire
-    assert not plan.quiet(0)  # nothing planned: quiet_until is 0
+    assert not quiet(plan, 0)  # nothing planned: quiet_until is 0
     plan.quiet_until = 60
-    assert plan.quiet(50) and plan.quiet(59)
-    assert not plan.quiet(60) and not plan.quiet(61) and not plan.quiet(1000)
+    assert quiet(plan, 50) and quiet(plan, 59)
+    assert not quiet(plan, 60) and not quiet(plan, 61) and not quiet(plan, 1000)
     plan.wake()
-    assert plan.quiet_until == 0 and not plan.quiet(50)
+    assert plan.quiet_until == 0 and not quiet(plan, 50)
 
 
 def test_the_tripwire_is_checked_only_on_every_fourth_count():
@@ -100,14 +104,14 @@ def test_the_tripwire_is_checked_only_on_every_fourth_count():
     plan.trip, plan.trip_at = Tripwire(rss, "rss"), 20 * MIB
     plan.quiet_until = 100
     for count in (49, 50, 51, 53, 54, 55, 57, 58, 59):  # no multiple of 4: not checked
-        assert plan.quiet(count)
+        assert quiet(plan, count)
     assert rss.calls == 0
     for n, count in enumerate((52, 56, 60, 64), start=1):  # multiples of 4: checked, not tripped
-        assert plan.quiet(count)
+        assert quiet(plan, count)
         assert rss.calls == n
-    assert plan.quiet(100) is False and rss.calls == 4  # at quiet_until: not quiet, nothing read
-    assert plan.quiet(104) is False and rss.calls == 4
-    assert plan.cadence.trips == 0 and plan.quiet_until == 100
+    assert quiet(plan, 100) is False and rss.calls == 4  # at quiet_until: not quiet, nothing read
+    assert quiet(plan, 104) is False and rss.calls == 4
+    assert plan.trips == 0 and plan.quiet_until == 100
 
 
 def test_a_tripped_wire_ends_the_stretch_and_makes_the_step_read():
@@ -116,21 +120,21 @@ def test_a_tripped_wire_ends_the_stretch_and_makes_the_step_read():
     plan.read = Counter(123 * MIB)  # a stand-in for the watch's memory read
     rss = Counter(20 * MIB)  # a stand-in for the resident set: exactly at trip_at, which trips (>=)
     plan.trip, plan.trip_at = Tripwire(rss, "rss"), 20 * MIB
-    plan.cadence.read_every = 25
+    plan.read_every = 25
     plan.quiet_until = 100
-    assert plan.quiet(51)  # not a multiple of 4: not checked
-    assert plan.cadence.trips == 0
-    assert plan.quiet(52) is False  # checked and tripped
+    assert quiet(plan, 51)  # not a multiple of 4: not checked
+    assert plan.trips == 0
+    assert quiet(plan, 52) is False  # checked and tripped
     assert rss.calls == 1
-    assert plan.cadence.trips == 1
+    assert plan.trips == 1
     assert plan.quiet_until == 0  # the stretch is over
-    assert not plan.quiet(53)  # and the steps after it are not quiet until a new plan
+    assert not quiet(plan, 53)  # and the steps after it are not quiet until a new plan
     # the tripped step takes the watch's read, although 52 is past the dense reads (48) and
     # (52 + 1) % 25 != 0
     assert plan.take_read(52) == 123 * MIB
     assert plan.take_read(53) is None  # only the tripped step
     plan.quiet_until = 200
-    assert plan.quiet(56) is False and plan.cadence.trips == 2  # a second trip counts again
+    assert quiet(plan, 56) is False and plan.trips == 2  # a second trip counts again
 
 
 def test_a_tripwire_whose_reader_fails_never_trips():
@@ -140,8 +144,8 @@ def test_a_tripwire_whose_reader_fails_never_trips():
     plan = make_plan()
     plan.trip, plan.trip_at = Tripwire(broken, "rss"), 0.5  # anything above 0 would trip on a real value
     plan.quiet_until = 100
-    assert plan.quiet(52)  # the wire reads 0: not tripped, and quiet() does not raise
-    assert plan.cadence.trips == 0 and plan.quiet_until == 100
+    assert quiet(plan, 52)  # the wire reads 0: not tripped, and quiet() does not raise
+    assert plan.trips == 0 and plan.quiet_until == 100
 
 
 # ---------------------------------------------------------------------- plan_after()
@@ -161,12 +165,12 @@ def test_plan_after_plans_up_to_the_next_logged_sampled_or_read_step():
     plan.plan_after(50, busy=False, reads=False)
     # nxt = 51: logged at 99 ((99 + 1) % 50 == 0), sampled at 99 ((99 + 1) % 100 == 0)
     assert plan.quiet_until == 99
-    assert plan.quiet(51) and plan.quiet(98) and not plan.quiet(99)
+    assert quiet(plan, 51) and quiet(plan, 98) and not quiet(plan, 99)
 
 
 def test_plan_after_stops_at_the_next_read_only_when_the_watch_reads():
     plan = make_plan(sample_every_n_steps=100)
-    plan.cadence.read_every = 25
+    plan.read_every = 25
     plan.plan_after(50, busy=False, reads=True)
     assert plan.quiet_until == 99  # reads=True but no read armed (plan.read is None): reads do not count
     plan.read = Counter(0)  # a stand-in for the watch's memory read
@@ -180,7 +184,7 @@ def test_plan_after_a_busy_step_plans_nothing():
     plan = make_plan(sample_every_n_steps=100)
     plan.plan_after(50, busy=True, reads=False)
     assert plan.quiet_until == 51
-    assert not plan.quiet(51)
+    assert not quiet(plan, 51)
 
 
 def test_plan_after_with_gc_every_n_steps_plans_nothing():
@@ -193,7 +197,7 @@ def test_plan_after_with_gc_every_n_steps_plans_nothing():
 
 def test_plan_after_inside_a_read_burst_plans_nothing():
     plan = make_plan(sample_every_n_steps=100)
-    plan.cadence.dense_until = 80  # a burst of every-step reads up to count 80
+    plan.dense_until = 80  # a burst of every-step reads up to count 80
     plan.plan_after(50, busy=False, reads=False)
     assert plan.quiet_until == 51
 
@@ -227,12 +231,12 @@ def test_rebase_switches_a_pinned_hwm_tripwire_to_statm(backend):
     plan = make_plan()
     plan.arm(backend)  # the real heap read and the real tripwire
     plan.trip = Tripwire(Counter(10 << 30), "hwm")  # a stand-in for a mark pinned at 10 GiB
-    plan.cadence.tripwire = "hwm"
+    plan.tripwire = "hwm"
     before = StatmReader()()
     assert plan.rebase(200 * MIB, pinned=True) is True
     after = StatmReader()()
-    assert plan.trip is not None and plan.trip.source == "rss" and plan.cadence.tripwire == "rss"
-    assert isinstance(plan.trip._rss, StatmReader)
+    assert plan.trip is not None and plan.trip.source == "rss" and plan.tripwire == "rss"
+    assert isinstance(plan.trip.reader, StatmReader)
     # statm now plus 1 MiB, not the pinned mark or the step's peak
     assert before + TRIP_BYTES - 8 * MIB <= plan.trip_at <= after + TRIP_BYTES + 8 * MIB
     assert plan.trip_at < 10 << 30
@@ -242,11 +246,11 @@ def test_rebase_switches_a_pinned_hwm_tripwire_to_statm(backend):
 
 
 # ---------------------------------------------------------------------- take_read() and after_read()
-def test_take_read_reads_only_on_the_steps_the_cadence_names():
+def test_take_read_reads_only_on_the_steps_the_schedule_names():
     plan = make_plan()
     read = Counter(64 * MIB)  # a stand-in for the watch's memory read
     plan.read = read
-    plan.cadence.read_every = 25
+    plan.read_every = 25
     for count in (0, 1, 20, 47):  # the first 48 counts: every one reads
         assert plan.take_read(count) == 64 * MIB
     assert read.calls == 4
@@ -256,10 +260,11 @@ def test_take_read_reads_only_on_the_steps_the_cadence_names():
     for count in (49, 74, 99):  # (count + 1) % 25 == 0
         assert plan.take_read(count) == 64 * MIB
     assert read.calls == 7
-    plan.cadence.dense_until = 110  # a burst: every count below 110 reads
+    plan.dense_until = 110  # a burst: every count below 110 reads
     assert plan.take_read(105) == 64 * MIB and plan.take_read(110) is None
     assert read.calls == 8
-    assert plan.read_s >= 0 and len(plan.cadence._read_costs) == 8  # each read charged to the budget
+    # each read charged to the budget
+    assert plan.step_read_s >= 0 and plan.own_s == plan.parts["read"] and plan.summary()["read_cost_median_us"] is not None
 
 
 @needs_mallinfo
@@ -268,7 +273,7 @@ def test_take_read_with_the_real_heap_read(backend):
     plan.arm(backend)
     value = plan.take_read(0)
     assert isinstance(value, int) and value > 0
-    assert plan.read_s > 0 and plan.cadence.own_s >= plan.read_s
+    assert plan.step_read_s > 0 and plan.own_s >= plan.step_read_s
 
 
 def test_after_read_sets_trip_at_from_the_tripwire():
@@ -280,8 +285,9 @@ def test_after_read_sets_trip_at_from_the_tripwire():
     rss.value = 310 * MIB
     plan.after_read(60, 100 * MIB)
     assert plan.trip_at == 310 * MIB + TRIP_BYTES
-    # past the dense reads (48) the cadence keeps the value for its burst test
-    assert list(plan.cadence._recent_reads) == [100 * MIB]
+    # past the dense reads (48) the schedule keeps the value for its burst test: a floor 4 MiB above it starts one
+    plan.after_read(74, 104 * MIB)
+    assert plan.bursts == 1 and plan.dense_until == 75 + 24  # CONFIRM_STEPS
 
 
 def test_after_read_without_a_tripwire_leaves_trip_at():
@@ -297,23 +303,24 @@ def test_after_read_on_a_tripped_read_uses_a_quarter_of_the_rise():
     plan.trip = Tripwire(rss, "rss")
     plan.after_read(49, 100 * MIB)
     plan.after_read(74, 100 * MIB)
-    plan.cadence.trip(80)
+    plan.quiet_until, plan.trip_at = 100, 0  # the wire trips at the next check (count 80: a multiple of 4)
+    assert not quiet(plan, 80) and plan.trips == 1
     plan.after_read(80, 101 * MIB + MIB // 2)  # +1.5 MiB >= 1 MiB on a tripped read: a burst
-    assert plan.cadence.bursts == 1 and plan.cadence.dense_until == 81 + 24  # CONFIRM_STEPS
-    # trip_at is set before the cadence doubles the threshold: 500 MiB + 1 MiB
+    assert plan.bursts == 1 and plan.dense_until == 81 + 24  # CONFIRM_STEPS
+    # trip_at is set before the schedule doubles the threshold: 500 MiB + 1 MiB
     assert plan.trip_at == 500 * MIB + TRIP_BYTES
     plan.after_read(200, 100 * MIB)
     assert plan.trip_at == 500 * MIB + 2 * MIB  # (4 MiB * 2) // 4
 
 
 # ---------------------------------------------------------------------- configure() and pickling
-def test_configure_starts_a_fresh_cadence_and_no_stretch():
+def test_configure_starts_fresh_intervals_and_no_stretch():
     plan = make_plan()
+    plan.trip, plan.trip_at, plan.quiet_until = Tripwire(Counter(MIB), "rss"), 0, 90  # a stand-in that trips
+    assert not quiet(plan, 52) and plan.trips == 1
     plan.quiet_until = 90
-    plan.cadence.trip(52)
-    old = plan.cadence
     plan.configure(log_every=10, logs=True, log_first_step=True)
-    assert plan.cadence is not old and plan.cadence.trips == 0 and plan.quiet_until == 0
+    assert plan.trips == 0 and plan.quiet_until == 0
     assert plan.will_log(0) and plan.will_log(9) and not plan.will_log(10) and plan.will_log(19)
     plan.configure(log_every=10, logs=False, log_first_step=True)
     assert not plan.will_log(0) and not plan.will_log(9)
@@ -324,13 +331,13 @@ def test_pickling_a_plan_drops_its_readers(backend):
     plan = make_plan()
     plan.arm(backend)
     plan.quiet_until = 77
-    plan.cadence.read_every = 25
+    plan.read_every = 25
     assert plan.read is not None and plan.trip is not None
     copy = pickle.loads(pickle.dumps(plan))
     assert copy.read is None and copy.trip is None
-    assert copy.quiet_until == 77 and copy.cadence.read_every == 25 and copy.cadence.log_every == 50
+    assert copy.quiet_until == 77 and copy.read_every == 25 and copy.log_every == 50
     assert plan.read is heap_in_use_bytes and plan.trip is not None  # the original keeps them
     # a copy with no tripwire never checks one: quiet on every count below 77
-    assert all(copy.quiet(c) for c in range(48, 77))
+    assert all(quiet(copy, c) for c in range(48, 77))
     copy.arm(backend)  # arm() rebuilds them
     assert copy.read is heap_in_use_bytes and copy.trip is not None
