@@ -48,20 +48,22 @@ def automatic_collections_s() -> float:
     return _gc_s.get(_ident(), 0.0)
 
 
-def watch_collections() -> None:
-    """From now on, leave Python's automatic collections out of :func:`own_time` (a run's start)."""
+def watch_collections() -> bool:
+    """From now on, leave Python's automatic collections out of :func:`own_time` (a run's start). True."""
     global _watchers
     _watchers += 1
     if _on_collection not in gc.callbacks:
         gc.callbacks.append(_on_collection)
+    return True
 
 
-def unwatch_collections() -> None:
-    """Undo one :func:`watch_collections` (a run's end); the callback goes with the last one."""
+def unwatch_collections() -> bool:
+    """Undo one :func:`watch_collections` (a run's end); the callback goes with the last one. False."""
     global _watchers
     _watchers = max(0, _watchers - 1)
     if not _watchers and _on_collection in gc.callbacks:
         gc.callbacks.remove(_on_collection)
+    return False
 
 
 @contextlib.contextmanager

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import copy
 import logging
-import time
 from typing import Any, Callable
 
 from memcallbacks._base.config import MonitorConfig
 from memcallbacks._base.findings import Finding
+from memcallbacks._base.own_clock import own_time
 from memcallbacks.leaks.census import Census, take_census
 from memcallbacks.leaks.chains import chain_finding
 from memcallbacks.leaks.cycles import GarbageCollector
@@ -121,7 +121,7 @@ class LeakWatch:
         schedule = self.schedule
         if schedule is None or not self.lingering.pending:
             return self._check_lingering(step, batch)
-        t0, f0 = time.perf_counter(), schedule.booked_finding_s
+        t0, f0 = own_time(), schedule.booked_finding_s
         scans = self.lingering.heap_scans
         # a heap scan (a graph root no variable reaches) is taken when the budget has paid for the last one
         last = self._last_scan
@@ -129,7 +129,7 @@ class LeakWatch:
         try:
             return self._check_lingering(step, batch)
         finally:
-            spent = time.perf_counter() - t0 - (schedule.booked_finding_s - f0)
+            spent = own_time() - t0 - (schedule.booked_finding_s - f0)
             if self.lingering.heap_scans > scans:
                 schedule.heap_scans += self.lingering.heap_scans - scans
                 self._last_scan = (step, spent)
@@ -146,13 +146,13 @@ class LeakWatch:
             found.append(finding)
         chain = self.lingering.chains.check(step)
         if chain is not None:
-            t0 = time.perf_counter()
+            t0 = own_time()
             try:
                 with visible_heap():
                     finding = self._chain(step, chain)
             finally:
                 if self.schedule is not None:
-                    self.schedule.book_finding(time.perf_counter() - t0)
+                    self.schedule.book_finding(own_time() - t0)
             if finding is not None:
                 found.append(finding)
         return found
@@ -185,12 +185,12 @@ class LeakWatch:
 
     def _find_holders(self, targets: list[Any]) -> Any:
         """:func:`find_holders` with the monitor's own objects ignored, its time booked as finding work."""
-        t0 = time.perf_counter()
+        t0 = own_time()
         try:
             return find_holders(targets, time_budget_s=self.config.census_time_budget_s, ignore=self._ignore)
         finally:
             if self.schedule is not None:
-                self.schedule.book_finding(time.perf_counter() - t0)
+                self.schedule.book_finding(own_time() - t0)
 
     def _garbage_note(self, targets: list[Any]) -> Any:
         if self.collections is not None:
@@ -353,7 +353,7 @@ class LeakWatch:
 
     def _census(self, batch: Any) -> Census | None:
         """:meth:`census` for the detectors' own use: a failure only costs the holders."""
-        t0 = time.perf_counter()
+        t0 = own_time()
         try:
             census = self.census(batch)
         except Exception as exc:
@@ -361,7 +361,7 @@ class LeakWatch:
             self._census_failure = exc  # the growth finding says why it has no holders
             return None
         finally:
-            self._census_s = time.perf_counter() - t0
+            self._census_s = own_time() - t0
             if self.schedule is not None:
                 self.schedule.book_finding(self._census_s)
         return census

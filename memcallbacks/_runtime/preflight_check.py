@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from typing import TYPE_CHECKING, Any, Callable
 import torch
 from memcallbacks._base.findings import Finding
@@ -39,6 +38,7 @@ log = logging.getLogger(__name__)
 __all__ = ["PreflightCheck", "MIN_GAP_BYTES", "PHASES", "fake_step_running"]
 
 from memcallbacks._base.columns import TRAINING_PHASES as PHASES
+from memcallbacks._base.own_clock import own_time
 _PEAK_COLUMN = {"forward": PEAK_FORWARD, "backward": PEAK_BACKWARD, "optimizer": PEAK_OPTIMIZER}
 MIN_GAP_BYTES = 8 << 20
 """A gap under this is never a finding: RSS moves by pages and thread stacks, the CUDA allocator by blocks."""
@@ -142,7 +142,7 @@ class PreflightCheck:
         if not self.due:
             return
         engine = self.engine
-        t0 = time.perf_counter()
+        t0 = own_time()
         try:
             if skip:
                 self.status = "skipped"
@@ -154,7 +154,7 @@ class PreflightCheck:
         except Exception as exc:
             self._failed(exc)
         finally:
-            seconds = time.perf_counter() - t0
+            seconds = own_time() - t0
             self.info["seconds"] = round(seconds, 3)
             if engine.sampling:
                 engine.add_own_time(seconds)

@@ -8,7 +8,6 @@ never raises.
 from __future__ import annotations
 
 import logging
-import time
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -17,6 +16,7 @@ import torch
 from memcallbacks._base import distributed as _distributed
 from memcallbacks._base.config import MonitorConfig
 from memcallbacks._base.findings import Finding
+from memcallbacks._base.own_clock import own_time
 from memcallbacks._runtime import end_write
 from memcallbacks._runtime.end_write import wait_for_every_rank, write_detached
 from memcallbacks._runtime.checks import StepChecks
@@ -144,7 +144,7 @@ class RunEnd:
         watch, host = s.checks.watch, s.checks.host
         if watch is None or not s.engine.enabled:
             return
-        t0 = time.perf_counter()
+        t0 = own_time()
         try:
             for finding in watch.finish():
                 s.add_finding(finding)
@@ -153,7 +153,7 @@ class RunEnd:
         if host is not None:
             for finding in host.finish():  # a host growth still waiting for its second census
                 s.add_finding(finding)
-        s.schedule.charge_other(time.perf_counter() - t0, "findings")
+        s.schedule.charge_other(own_time() - t0, "findings")
 
     def finish(self, gather: bool) -> dict[str, str]:
         """``Session.finish`` after its observers heard of it: the files, with the gc watch off."""

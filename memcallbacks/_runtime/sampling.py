@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 from memcallbacks._base import distributed as _distributed
 from memcallbacks._base.config import MonitorConfig
+from memcallbacks._base.own_clock import own_time
 from memcallbacks._base.units import GiB
 from memcallbacks._base.devices import MemoryBackend, host_rss_reader, select_backend
 from memcallbacks._runtime.readout import eval_frame, history_frame, step_keys, step_values, summarise
@@ -144,17 +145,17 @@ class MemoryEngine:
         self._step_opt = 0
         if not sample:
             return
-        t0 = time.perf_counter()
+        t0 = own_time()
         row = [_NAN] * len(COLUMNS)
         row[STEP], row[EPOCH], row[BATCH_IDX], row[MICRO_BATCHES], row[OPTIMIZER_STEPS] = step, epoch, batch_idx, 1, 0
-        row[STEP_TIME_S] = t0
+        row[STEP_TIME_S] = time.perf_counter()
         self._row = row
         sample_ = self.backend.baseline(heap)  # type: ignore[union-attr]
         self._peaks(sample_)
         row[ALLOCATED], row[RESERVED] = sample_[0], sample_[1]
         row[HOST_RSS] = sample_[1] if self.backend.kind == "cpu" else self._host_rss()  # type: ignore[union-attr,misc]
         row[PEAK_ALLOCATED] = row[PEAK_RESERVED] = 0
-        row[MONITOR_TIME_S] = time.perf_counter() - t0
+        row[MONITOR_TIME_S] = own_time() - t0
 
     def boundary(self, closing: int) -> None:
         """End the current segment, attributing its peak to phase ``closing``, and open the next."""
@@ -162,7 +163,7 @@ class MemoryEngine:
             if closing == OPTIMIZER:
                 self._step_opt += 1
             return
-        t0 = time.perf_counter()
+        t0 = own_time()
         row = self._row
         if row is None:
             return
@@ -180,7 +181,7 @@ class MemoryEngine:
             self.max_reserved = peak_r
         if closing == OPTIMIZER:
             self._step_opt += 1
-        row[MONITOR_TIME_S] += time.perf_counter() - t0
+        row[MONITOR_TIME_S] += own_time() - t0
 
     def quiet_step(self, steps: int = 1) -> None:
         """Count steps that are not measured at all (one optimizer step each, as automatic optimization takes)."""
@@ -206,20 +207,20 @@ class MemoryEngine:
         if not self._sampling or row is None:
             return None
         self._sampling = False
-        t1 = time.perf_counter()
+        t1 = own_time()
         self._row = None
         row[OPTIMIZER_STEPS] = self._step_opt
         counters = self.backend.counters()  # type: ignore[union-attr]
         if counters:
             row[ALLOC_RETRIES], row[OOMS], row[INACTIVE_SPLIT] = counters["alloc_retries"], counters["ooms"], counters["inactive_split_bytes"]
-        row[STEP_TIME_S] = t1 - row[STEP_TIME_S]
+        row[STEP_TIME_S] = time.perf_counter() - row[STEP_TIME_S]
         self._sampled_steps += 1
         if self._sampled_steps % self._stride == 0:
             self.rows.append(row)
             if len(self.rows) > self.config.max_history_rows:
                 self.rows = self.rows[1::2]
                 self._stride *= 2
-        row[MONITOR_TIME_S] += time.perf_counter() - t1
+        row[MONITOR_TIME_S] += own_time() - t1
         return row
 
     @property

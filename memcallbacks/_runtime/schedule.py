@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 from memcallbacks._base.config import MonitorConfig
 from memcallbacks._base.devices import HwmReader, StatmReader, heap_in_use_bytes, host_rss_reader
+from memcallbacks._base.own_clock import own_time, unwatch_collections, watch_collections
 
 __all__ = [
     "StepKind", "Schedule", "BudgetGuard", "HookMeter", "Tripwire", "watch_reader", "rss_tripwire", "aligned_reads",
@@ -176,11 +177,11 @@ class HookMeter:
     def call(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         schedule = self.schedule
         before = schedule.own_s
-        t0 = time.perf_counter()
+        t0 = own_time()
         try:
             return fn(*args, **kwargs)
         finally:
-            schedule.charge_hooks(time.perf_counter() - t0 - (schedule.own_s - before))
+            schedule.charge_hooks(own_time() - t0 - (schedule.own_s - before))
 
 
 class BudgetGuard:
@@ -271,6 +272,7 @@ class Schedule:
         self.backend: Any = None  # whose heap_cost_s prices a sampled step's allocated read (heap_due)
         self.trip_cost_s = 0.0  # one tripwire check, as measured when the run starts (0: no tripwire)
         self.clock: Callable[[], float] = time.perf_counter  # the step clock (a test may drive its own)
+        self.watching = False  # own time leaves Python's automatic collections out (own_clock)
         self.new_run()
 
     def new_run(self) -> None:
@@ -320,6 +322,7 @@ class Schedule:
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state["read"] = state["trip"] = state["backend"] = None  # rebuilt by arm() when a run starts
+        state["watching"] = False
         return state
 
     # ------------------------------------------------------------------ set-up
@@ -336,16 +339,23 @@ class Schedule:
     def arm(self, backend: Any) -> None:
         """The watch's read and the tripwire for ``backend`` (None: neither); a tripwire check is
         charged at the cost measured here (quiet steps are not timed one by one)."""
+        if not self.watching:  # a collection Python starts by itself costs the heap, not the monitor
+            self.watching = watch_collections()
         self.read = watch_reader(backend) if backend is not None else None
         self.backend, self.heap_at, self.heap_rss = backend, -1, math.inf
         self.trip = rss_tripwire(self.read, hwm_resets=bool(getattr(backend, "resets_hwm", False)))
         self.tripwire = self.trip.source if self.trip is not None else None
         self.trip_at = math.inf
         if self.trip is not None:
-            t0 = time.perf_counter()
+            t0 = own_time()
             for _ in range(4):
                 self.trip()
-            self.trip_cost_s = COLD_FACTOR * (time.perf_counter() - t0) / 4
+            self.trip_cost_s = COLD_FACTOR * (own_time() - t0) / 4
+
+    def release(self) -> None:
+        """The run's end: stop leaving collections out of own time (safe to call twice)."""
+        if self.watching:
+            self.watching = unwatch_collections()
 
     # ------------------------------------------------------------------ what a step is
     def step_kind(self, count: int) -> StepKind:
@@ -405,9 +415,9 @@ class Schedule:
         """The watch's memory read, on the steps :meth:`wants_read` names (None otherwise)."""
         if self.read is None or not self.wants_read(count):
             return None
-        t0 = time.perf_counter()
+        t0 = own_time()
         value = self.read()
-        self.step_read_s = time.perf_counter() - t0
+        self.step_read_s = own_time() - t0
         self.charge_read(self.step_read_s)
         self.heap_at = count
         if self.read is heap_in_use_bytes and hasattr(self.backend, "observe_heap_cost"):

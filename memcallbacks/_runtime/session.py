@@ -17,6 +17,7 @@ from typing import Any, Callable
 from memcallbacks._base.config import MonitorConfig
 from memcallbacks._base.columns import E_STAGE, MONITOR_TIME_S, OPTIMIZER, PEAK_RESERVED
 from memcallbacks._base.findings import Finding
+from memcallbacks._base.own_clock import own_time
 from memcallbacks._files.outputs import check_writable
 from memcallbacks._runtime.auto_snapshot import AutoSnapshot
 from memcallbacks._runtime.checks import StepChecks
@@ -176,13 +177,13 @@ class Session:
         self.lingering_due = False
         watch = self.checks.watch
         if watch is not None and self.engine.enabled:
-            t0 = time.perf_counter()
+            t0 = own_time()
             try:
                 for finding in watch.check_lingering(self.current_step, batch):
                     self.add_finding(finding)
             except Exception as exc:
                 self.fail(exc, "lingering check")
-            self.schedule.charge_other(time.perf_counter() - t0, "lingering")  # outside the step's timed parts
+            self.schedule.charge_other(own_time() - t0, "lingering")  # outside the step's timed parts
 
     def explain(self, batch: Any = None) -> Any:
         """Take a census now: live tensors by category, and who holds the suspicious ones."""
@@ -234,6 +235,7 @@ class Session:
     def stop(self) -> None:
         """Undo everything the session changed in the process; each part on its own, safe to call twice."""
         self.live = False
+        self.schedule.release()
         release_folder(self.output_dir, self)
         self.checks.stop(self.snap)  # the host channel, the snapshots, the leak watch, the model copies
         try:
@@ -376,7 +378,7 @@ class Session:
 
     def _begin_watched(self, step: int, epoch: int, batch_idx: int, batch: Any, defer_lingering: bool) -> None:
         """An unsampled step: the leak watch only (the lingering check, a memory read on some steps)."""
-        t0 = time.perf_counter()
+        t0 = own_time()
         checks = self.checks
         found: list[Finding] = []
         if checks.watch is not None:
@@ -384,7 +386,7 @@ class Session:
             found += checks.detect_growth(self.current_count, batch)
         found += checks.host_read(step)
         self.engine.begin_step(step, epoch, batch_idx, False)
-        self.watched_s = time.perf_counter() - t0 - self.schedule.step_read_s  # charged at step end, with the end's
+        self.watched_s = own_time() - t0 - self.schedule.step_read_s  # charged at step end, with the end's
         self.watched_typical = not found
         for finding in found:
             self.add_finding(finding)
@@ -398,13 +400,13 @@ class Session:
         watch = checks.watch
         count = self.current_count
         self.leaves_marks = self.leaves_marks or self.samples_unmarked + 1 >= schedule.mark_every
-        t0 = time.perf_counter()
+        t0 = own_time()
         found = watch.before_baseline(step, batch, lingering=not defer_lingering) if watch is not None else []
         check_state = checks.state.wanted and engine.optimizer_steps_total > 0
         heap = schedule.heap_due(count, check_state)
-        spent = time.perf_counter() - t0
+        spent = own_time() - t0
         engine.begin_step(step, epoch, batch_idx, True, heap)
-        t1 = time.perf_counter()
+        t1 = own_time()
         baseline = engine.step_baseline
         if heap:
             schedule.heap_rss = engine.step_reserved
@@ -418,7 +420,7 @@ class Session:
                 found.append(finding)
         for finding in found:
             self.add_finding(finding)
-        engine.add_own_time(spent + time.perf_counter() - t1 - schedule.step_read_s)
+        engine.add_own_time(spent + own_time() - t1 - schedule.step_read_s)
 
     def count_quiet(self, steps: int) -> None:
         """``steps`` quiet steps an adapter skipped without calling :meth:`begin_step` (Lightning)."""
@@ -455,7 +457,7 @@ class Session:
         row = None
         if self.lingering_due:
             self.check_lingering(batch)  # charged on its own (charge_other), so timed before t_end
-        t_end = time.perf_counter()
+        t_end = own_time()
         if engine.enabled:
             try:
                 row = self._close_row(kind, closing, t_end, batch=batch, loss=loss, outputs=outputs)
@@ -483,10 +485,10 @@ class Session:
         # mark_every-th sampled step (a check costs the next step its quietness)
         watch = checks.watch
         if watch is not None and (self.leaves_marks or checks.lingering_wants_mark):
-            t0 = time.perf_counter()
+            t0 = own_time()
             watch.end_step(self.current_step, batch, loss, outputs)
             if row is not None:
-                row[MONITOR_TIME_S] += time.perf_counter() - t0
+                row[MONITOR_TIME_S] += own_time() - t0
             self.samples_unmarked = 0
         elif sampled:
             self.samples_unmarked += 1
@@ -497,7 +499,7 @@ class Session:
             checks.preflight.compare(row)
             self.schedule.charge(row[MONITOR_TIME_S], sampled=True)
         elif kind is StepKind.WATCHED:  # its start and its end, as one cost
-            self.schedule.charge(self.watched_s + time.perf_counter() - t_end, sampled=False, typical=self.watched_typical)
+            self.schedule.charge(self.watched_s + own_time() - t_end, sampled=False, typical=self.watched_typical)
         if self.snap is not None and (row is not None or self.sink.new):
             new = self.sink.take_new()
             if row is not None:

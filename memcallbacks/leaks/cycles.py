@@ -11,6 +11,7 @@ from typing import Any, Callable
 
 import torch
 
+from memcallbacks._base.own_clock import counted_collection
 from memcallbacks._base.findings import Finding
 from memcallbacks._base.storage import storage_keys
 from memcallbacks._base.units import MiB, format_bytes
@@ -154,7 +155,8 @@ class GarbageCollector:
         inspect = self.inspect == "always" or (
             self.inspect == "auto" and (self._inspect_next or self.allocated_bytes is None)
         )
-        result = self._collect_inspecting(step) if inspect else self._collect_plain(step)
+        with counted_collection():  # the monitor's own collection: its time is own time
+            result = self._collect_inspecting(step) if inspect else self._collect_plain(step)
         if self.inspect == "auto":
             freed = result.bytes_freed or 0
             self._inspect_next = not result.inspected and freed >= self.min_cycle_bytes

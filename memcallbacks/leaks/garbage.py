@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from memcallbacks._base.own_clock import counted_collection
 from memcallbacks.leaks.cycles import cycle_for
 
 log = logging.getLogger(__name__)
@@ -40,7 +41,8 @@ def cyclic_garbage_note(targets: list[torch.Tensor]) -> GarbageNote | None:
     n0 = len(gc.garbage)
     gc.set_debug(flags | gc.DEBUG_SAVEALL)
     try:
-        gc.collect()
+        with counted_collection():  # the monitor's own work: its time is own time
+            gc.collect()
     finally:
         gc.set_debug(flags)
     garbage = gc.garbage[n0:]
@@ -53,7 +55,8 @@ def cyclic_garbage_note(targets: list[torch.Tensor]) -> GarbageNote | None:
     finally:
         garbage.clear()
         del garbage
-        gc.collect()  # really free it now
+        with counted_collection():
+            gc.collect()  # really free it now
 
 
 def _note(garbage: list[Any], wanted: dict[int, torch.Tensor]) -> GarbageNote | None:
