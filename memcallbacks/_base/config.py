@@ -59,6 +59,11 @@ class MonitorConfig:
     plot: bool = True
     """Write ``memory.png`` (needs matplotlib; skipped with one info message when it is missing)."""
 
+    console_summary: bool = True
+    """At the end of a run, rank zero shows the verdict (no problem found, or one line per problem)
+    and the files' folder on the console: through ``rank_zero_info`` under Lightning, ``print``
+    elsewhere. ``False``: nothing is printed."""
+
     log_to_trackers: bool = True
     """Give the experiment trackers the run already has (TensorBoard, W&B, MLflow, found among the
     framework's loggers) a memory dashboard, the findings, and at the end the report, history, plot

@@ -11,6 +11,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from memcallbacks._files.fileset import FileSet, unlink_quietly, write_temporary
+from memcallbacks._base.columns import file_column
+from memcallbacks._files.verdict import verdict_lines
 from memcallbacks._base.units import GiB, MiB
 
 log = logging.getLogger(__name__)
@@ -98,9 +100,9 @@ def write_outputs(
     names = file_names(rank, world_size)
     files = FileSet(folder)
     try:
-        files.stage("history", names["history"], lambda fh: history.to_csv(fh, index=False))
+        files.stage("history", names["history"], lambda fh: history.rename(columns=file_column).to_csv(fh, index=False))
         if len(eval_history):
-            files.stage("eval_history", names["eval_history"], lambda fh: eval_history.to_csv(fh, index=False))
+            files.stage("eval_history", names["eval_history"], lambda fh: eval_history.rename(columns=file_column).to_csv(fh, index=False))
         if plot and len(history):
             peak_source = (report.get("summary") or {}).get("device", {}).get("peak_source", "")
             try:
@@ -115,6 +117,8 @@ def write_outputs(
         if ranks is not None:
             paths["combined_report"] = str(folder / "report.json")
         report = dict(report, files={**report.get("files", {}), **paths}, integrity=integrity)
+        if "verdict" in report:  # findings added after the report was made (the per-rank comparison)
+            report["verdict"] = verdict_lines(report, history)
         files.stage("report", names["report"], lambda fh: _dump_json(report, fh))
         if ranks is not None:
             files.stage("combined_report", "report.json", lambda fh: _dump_json(dict(report, ranks=ranks), fh))

@@ -17,6 +17,8 @@ from memcallbacks._runtime import end_write
 from memcallbacks._runtime.end_write import wait_for_every_rank, write_detached
 from memcallbacks._runtime.guard import safe_str
 from memcallbacks._files.outputs import REPORT_VERSION, write_outputs
+from memcallbacks._files.report_shape import shape_report
+from memcallbacks._files.verdict import console_lines
 from memcallbacks._runtime.cadence import DENSE_READ_STEPS
 from memcallbacks.host.ranks import find_imbalance
 from memcallbacks.trackers import RunOutputs
@@ -81,7 +83,7 @@ class RunEnd:
         from memcallbacks._base.version import __version__
 
         s = self.session
-        return {
+        return shape_report({
             "version": REPORT_VERSION,
             "memcallbacks_version": __version__,
             "framework": s.framework,
@@ -92,7 +94,7 @@ class RunEnd:
             **s.checks.report(),  # model_states, preflight, gc, host
             "snapshots": list(s.snap.records) if s.snap is not None else [],
             "files": dict(s.files),
-        }
+        }, s.output_dir, s.history_frame())
 
     def recorded_nothing(self) -> bool:
         """No training step, no evaluation loop and no event since the last reset."""
@@ -155,6 +157,7 @@ class RunEnd:
                 report["findings"] = s.sink.to_list()
             if not (s.config.write_files and s.output_dir is not None):
                 self._to_trackers(report, gathered)
+                self._announce(report)
                 return {}
             if self.recorded_nothing():
                 s.log.warning("%s: this run recorded no training step and no evaluation loop; the files in %s are left "
@@ -164,6 +167,7 @@ class RunEnd:
             if summaries is not None and engine.rank == 0:
                 report = dict(report, files=s.files, ranks=summaries)
             self._to_trackers(report, gathered)
+            self._announce(dict(report, files=s.files))
         except OSError as exc:  # a full disk, a folder removed: the previous set stays whole
             s.log.error("%s: could not write the memory files to %s (%s); the files there are left as they were.",
                         s.owner, s.output_dir, exc.strerror or exc)
@@ -192,6 +196,13 @@ class RunEnd:
             detach=distributed and end_write.DETACH_WRITER,
             owner=s.owner,
         )
+
+    def _announce(self, report: dict[str, Any]) -> None:
+        """Rank zero: the verdict and the files' folder on the console, through the adapter's channel."""
+        s = self.session
+        if s.engine.rank == 0 and getattr(s.config, "console_summary", True):
+            for line in console_lines(report, s.history_frame()):
+                s.console(line)
 
     def rank_figures(self) -> dict[str, float]:
         """This rank's figures for the per-rank comparison (host: docs/host.md; device: the run's peak)."""
