@@ -11,7 +11,29 @@ from memcallbacks._base.findings import finding_counts, finding_label
 from memcallbacks._base.units import format_bytes, format_delta
 from memcallbacks._files.verdict import measure_names, verdict_lines
 
-__all__ = ["format_report", "load_output_dir"]
+__all__ = ["format_report", "load_output_dir", "find_output_dir", "read_eval_history"]
+
+
+def find_output_dir(folder: str | Path) -> Path:
+    """The monitor's output folder for ``folder``: itself when it holds a report, else the one
+    report folder below it (a run folder such as ``runs/example/version_0`` holds ``memcallbacks/``).
+    Several below it: a ``ValueError`` listing them."""
+    folder = Path(folder)
+    try:
+        if not folder.is_dir() or _has_report(folder):
+            return folder
+        found = sorted({p.parent for depth in ("*", "*/*", "*/*/*") for name in ("report.json", "report.rank*.json")
+                        for p in folder.glob(f"{depth}/{name}")})
+    except OSError:
+        return folder  # load_output_dir says what is wrong with it
+    if len(found) > 1:
+        listed = ", ".join(str(p) for p in found[:5]) + (" ..." if len(found) > 5 else "")
+        raise ValueError(f"{str(folder)!r} holds {len(found)} memcallbacks output folders ({listed}); pass one of them.")
+    return found[0] if found else folder
+
+
+def _has_report(folder: Path) -> bool:
+    return (folder / "report.json").is_file() or any(folder.glob("report.rank*.json"))
 
 
 def load_output_dir(folder: str | Path) -> tuple[dict[str, Any], Any]:
@@ -22,7 +44,7 @@ def load_output_dir(folder: str | Path) -> tuple[dict[str, Any], Any]:
     memcallbacks CSV or not the one the report was written with."""
     from memcallbacks._files.fileset import check_fingerprint
 
-    folder = Path(folder)
+    folder = find_output_dir(folder)
     try:
         is_dir = folder.is_dir()
     except OSError as exc:  # a name longer than the OS allows, say
@@ -32,7 +54,8 @@ def load_output_dir(folder: str | Path) -> tuple[dict[str, Any], Any]:
     candidates = [folder / "report.json", *sorted(folder.glob("report.rank*.json"))]
     path = next((p for p in candidates if p.is_file()), None)
     if path is None:
-        raise FileNotFoundError(f"no report.json in {str(folder)!r}; is it a memcallbacks output_dir?")
+        raise FileNotFoundError(f"no report.json in {str(folder)!r} or the folders below it; pass the monitor's "
+                                "output_dir or the run folder that holds it.")
     try:
         report = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -45,6 +68,21 @@ def load_output_dir(folder: str | Path) -> tuple[dict[str, Any], Any]:
             history = _read_history(candidate)
             break
     return report, history
+
+
+def read_eval_history(folder: str | Path, report: dict[str, Any]) -> Any:
+    """The evaluation loops' rows (``eval_history.csv``) next to a report, or None."""
+    import pandas as pd
+
+    folder = find_output_dir(folder)
+    name = (report.get("files") or {}).get("eval_history")
+    for path in ([folder / Path(name).name] if isinstance(name, str) and name else []) + [folder / "eval_history.csv", folder / "eval_history.rank0.csv"]:
+        if path.is_file():
+            try:
+                return pd.read_csv(path).rename(columns=frame_column)
+            except (UnicodeDecodeError, ValueError, pd.errors.ParserError, pd.errors.EmptyDataError):
+                return None
+    return None
 
 
 def _check_shape(report: Any, path: Path) -> None:

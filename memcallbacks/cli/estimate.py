@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -277,6 +278,8 @@ def load_model_class(spec: str) -> nn.Module:
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise CliUsageError(f"--model {spec!r} is not MODULE:CLASS; pass e.g. --model mypkg.models:Net")
+    if "" not in sys.path and os.getcwd() not in sys.path:  # the installed script, like `python -m`, imports from here
+        sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
