@@ -47,7 +47,7 @@ STEP_KEY_COLUMNS = {
 STEP_KEYS = [*STEP_KEY_COLUMNS, "memory/max_allocated_GiB", "memory/monitor_time_ms"]
 VAL_KEY_COLUMNS = {
     "memory/val/allocated_GiB": "allocated",
-    "memory/val/peak_GiB": "peak_allocated",
+    "memory/val/peak_step_GiB": "peak_allocated",
     "memory/val/peak_reserved_GiB": "peak_reserved",
 }
 SCRIPTS = Path(__file__).parents[1] / "scripts"
@@ -255,8 +255,8 @@ def test_validation_and_sanity_check_are_kept_apart_from_training_rows(tmp_path)
     assert (evals["peak_allocated"] >= evals["allocated"]).all()
 
     csv = csv_metrics(tmp_path / "csv" / "version_0" / "metrics.csv")
-    assert [s for s, _ in csv["memory/val/peak_GiB"]] == [s for s, _ in csv["val_loss"]] == [1, 3]  # no sanity-check point
-    assert [v for _, v in csv["memory/val/peak_GiB"]] == pytest.approx(list(evals["peak_allocated"][1:] / GIB), rel=1e-12)
+    assert [s for s, _ in csv["memory/val/peak_step_GiB"]] == [s for s, _ in csv["val_loss"]] == [1, 3]  # no sanity-check point
+    assert [v for _, v in csv["memory/val/peak_step_GiB"]] == pytest.approx(list(evals["peak_allocated"][1:] / GIB), rel=1e-12)
     on_disk = pd.read_csv(monitor.output_dir / "eval_history.csv")
     assert list(on_disk["stage"]) == ["sanity_check", "validate", "validate"]
 
@@ -279,7 +279,7 @@ def test_validate_test_predict_on_a_fresh_trainer(tmp_path):
     csv = csv_metrics(tmp_path / "csv" / "version_0" / "metrics.csv")
     for stage, row in zip(("val", "test", "predict"), evals.itertuples()):
         assert [v for _, v in csv[f"memory/{stage}/allocated_GiB"]] == pytest.approx([row.allocated / GIB], rel=1e-12)
-        assert [v for _, v in csv[f"memory/{stage}/peak_GiB"]] == pytest.approx([row.peak_allocated / GIB], rel=1e-12)
+        assert [v for _, v in csv[f"memory/{stage}/peak_step_GiB"]] == pytest.approx([row.peak_allocated / GIB], rel=1e-12)
 
 
 def test_validate_and_test_after_fit_on_the_same_trainer(tmp_path, caplog):
