@@ -1,6 +1,6 @@
 """The main job: train a small model on CPU with MemoryMonitor and print where memory went.
 
-    python examples/lightning_cpu.py [--steps 120] [--out runs]
+    python examples/lightning_cpu.py [--steps 60] [--out runs]
 
 What it shows: per-phase peaks on every step (forward holds the activations and a deliberately
 large attention-score temporary, backward the gradients, the optimizer its Adam state on the

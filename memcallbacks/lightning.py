@@ -36,16 +36,6 @@ __all__ = ["MemoryMonitor"]
 _DEFAULT_PREFIX = MonitorConfig.__dataclass_fields__["prefix"].default
 
 
-def _rank_zero_info() -> Any:
-    """Lightning's ``rank_zero_info`` (its logger has a handler at INFO by default); ``print`` without it."""
-    for name in ("lightning.pytorch.utilities", "pytorch_lightning.utilities"):
-        try:
-            return importlib.import_module(name).rank_zero_info
-        except (ImportError, AttributeError):
-            continue
-    return print
-
-
 def _callback_bases() -> tuple[type, ...]:
     bases = []
     for package in ("lightning.pytorch", "pytorch_lightning"):
@@ -96,7 +86,6 @@ class MemoryMonitor(SessionResults, *_callback_bases()):  # type: ignore[misc]
         else:
             self.config = resolve_config(config, kwargs, "MemoryMonitor")
         self._session = Session(self.config, "lightning", "MemoryMonitor", log)
-        self._session.console = _rank_zero_info()  # Lightning's own channel, shown without configuring logging
         self._is_quiet = self._session.plan.quiet  # the plan's one quiet test, asked by the step hooks' gate
         self._stepped = False
         self._automatic = True

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import importlib
 import math
 import re
+import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from memcallbacks._base.units import format_bytes
 
-__all__ = ["measure_names", "run_peak", "verdict_lines", "console_lines", "problems", "fix_words"]
+__all__ = ["measure_names", "run_peak", "verdict_lines", "console_lines", "console_channel", "problems", "fix_words"]
 
 _PHASES = ("forward", "backward", "optimizer", "other")
 
@@ -135,3 +137,18 @@ def console_lines(report: dict[str, Any], history: Any = None) -> list[str]:
     if folder:
         lines.append(f"memcallbacks: files in {folder} (memcallbacks report {folder})")
     return lines
+
+
+def console_channel(framework: str) -> Callable[[str], None]:
+    """Where the end-of-run lines go: Lightning's ``rank_zero_info`` (its logger shows INFO without
+    any setup), ``print`` elsewhere (the Transformers and Accelerate loggers hide INFO by default)."""
+    if framework == "lightning":
+        for name in ("lightning.pytorch.utilities", "pytorch_lightning.utilities"):
+            module = sys.modules.get(name.rsplit(".", 1)[0])  # only a Lightning that is already imported
+            if module is None:
+                continue
+            try:
+                return importlib.import_module(name).rank_zero_info  # type: ignore[no-any-return]
+            except (ImportError, AttributeError):
+                continue
+    return print

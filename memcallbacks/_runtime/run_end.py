@@ -18,7 +18,7 @@ from memcallbacks._runtime.end_write import wait_for_every_rank, write_detached
 from memcallbacks._runtime.guard import safe_str
 from memcallbacks._files.outputs import REPORT_VERSION, write_outputs
 from memcallbacks._files.report_shape import shape_report
-from memcallbacks._files.verdict import console_lines
+from memcallbacks._files.verdict import console_channel, console_lines
 from memcallbacks._runtime.cadence import DENSE_READ_STEPS
 from memcallbacks.host.ranks import find_imbalance
 from memcallbacks.trackers import RunOutputs
@@ -201,8 +201,9 @@ class RunEnd:
         """Rank zero: the verdict and the files' folder on the console, through the adapter's channel."""
         s = self.session
         if s.engine.rank == 0 and getattr(s.config, "console_summary", True):
+            show = console_channel(s.framework)
             for line in console_lines(report, s.history_frame()):
-                s.console(line)
+                show(line)
 
     def rank_figures(self) -> dict[str, float]:
         """This rank's figures for the per-rank comparison (host: docs/host.md; device: the run's peak)."""

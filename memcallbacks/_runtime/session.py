@@ -76,7 +76,6 @@ class Session:
         self.lingering_due = False
         """A step opened with ``defer_lingering=True`` still owes its lingering check."""
         self.title = ""
-        self.console: Callable[[str], None] = print  # the end-of-run lines' channel (Lightning: rank_zero_info)
         self._warned: set[str] = set()
         # read and set by step_begin.py and step_end.py:
         self.fast_s: float | None = None  # an unsampled step's own time so far (None: sampled, or not open)
