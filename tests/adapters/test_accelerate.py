@@ -20,6 +20,7 @@ from torch import nn
 from helpers import (
     GIB, MIB, BackwardTemporary, TemporaryNet, free_port, leave_rank, set_rank_environment, tensorboard_scalars, touch_temporary,
 )
+from memcallbacks._base.columns import frame_column
 from memcallbacks import MonitorConfig
 from memcallbacks.accelerate import AccelerateMemoryMonitor
 
@@ -60,7 +61,7 @@ def test_tensorboard_tracker_receives_per_phase_peaks(tmp_path: Path) -> None:
     accelerator.end_training()
 
     # default output_dir: <project_dir>/memcallbacks
-    history = pd.read_csv(tmp_path / "memcallbacks" / "history.csv").set_index("step")
+    history = pd.read_csv(tmp_path / "memcallbacks" / "history.csv").rename(columns=frame_column).set_index("step")
     assert list(history.index) == [0, 1, 2, 3, 4, 5]
     scalars = tensorboard_scalars(tmp_path / "exp")
     assert {"memory/peak_forward_GiB", "memory/peak_backward_GiB", "memory/peak_optimizer_GiB", "memory/peak_step_GiB"} <= set(scalars)

@@ -30,6 +30,7 @@ from helpers import (
     trainer_kwargs,
     wandb_offline_history,
 )
+from memcallbacks._base.columns import frame_column
 from memcallbacks import MemoryMonitor
 from memcallbacks._runtime.sampling import COLUMNS
 
@@ -366,7 +367,7 @@ def test_output_files_in_default_dir(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["eval_history.csv", "history.csv", "memory.png", "report.json"]
 
     history = monitor.history
-    on_disk = pd.read_csv(out / "history.csv")
+    on_disk = pd.read_csv(out / "history.csv").rename(columns=frame_column)
     pd.testing.assert_frame_equal(on_disk, history, check_exact=False, rtol=1e-12)
     assert list(on_disk.columns) == [c for c in COLUMNS if c not in ("alloc_retries", "ooms", "inactive_split")]
     assert list(pd.read_csv(out / "eval_history.csv")["stage"]) == list(monitor.eval_history["stage"]) == ["validate", "validate"]
@@ -408,7 +409,7 @@ def test_ddp_two_processes_log_the_max_over_ranks(tmp_path, strategy):
     names = sorted(p.name for p in mem.iterdir())
     assert {"history.rank0.csv", "history.rank1.csv", "report.rank0.json", "report.rank1.json", "report.json"} <= set(names), names
     assert "history.csv" not in names
-    h = [pd.read_csv(mem / f"history.rank{r}.csv") for r in (0, 1)]
+    h = [pd.read_csv(mem / f"history.rank{r}.csv").rename(columns=frame_column) for r in (0, 1)]
     for frame in h:
         assert list(frame["step"]) == [0, 1, 2]
     # rank 1 carries a 192 MiB forward temporary; rank 0 does not
