@@ -119,7 +119,7 @@ def verdict_lines(report: dict[str, Any], history: Any = None) -> list[str]:
     lines = [head]
     for f in found:
         fix = fix_words(str(f.get("message") or ""))
-        lines.append(f"  {f.get('kind')}, step {f.get('step')}: {_what(f)}" + (f"; fix: {fix}" if fix else ""))
+        lines.append(f"  - {f.get('kind')}, step {f.get('step')}: {_what(f)}" + (f"; fix: {fix}" if fix else ""))
     return lines
 
 
