@@ -25,8 +25,10 @@ def render_text(text: str, path: Path) -> None:
     width = max(len(line) for line in lines)
     fig = Figure(figsize=(0.075 * width + 0.4, 0.19 * len(lines) + 0.4), dpi=110)
     fig.patch.set_facecolor("#1e1e1e")
-    fig.text(0.01, 0.99, text, family="monospace", fontsize=9, va="top", ha="left", color="#e8e8e8")
-    fig.savefig(path, facecolor=fig.get_facecolor())
+    head, _, rest = text.partition("\n")
+    fig.text(0.01, 0.99, head, family="monospace", fontsize=9, va="top", ha="left", color="#9fe870", weight="bold")
+    fig.text(0.01, 0.99, "\n" + rest, family="monospace", fontsize=9, va="top", ha="left", color="#e8e8e8")
+    fig.savefig(path, facecolor=fig.get_facecolor(), bbox_inches="tight", pad_inches=0.15)
 
 
 def main() -> int:
