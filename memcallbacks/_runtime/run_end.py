@@ -200,10 +200,14 @@ class RunEnd:
     def _announce(self, report: dict[str, Any]) -> None:
         """Rank zero: the verdict and the files' folder on the console, through the adapter's channel."""
         s = self.session
-        if s.engine.rank == 0 and getattr(s.config, "console_summary", True):
+        if s.engine.rank != 0 or not getattr(s.config, "console_summary", True):
+            return
+        try:
             show = console_channel(s.framework)
             for line in console_lines(report, s.history_frame()):
                 show(line)
+        except Exception:  # a closed stream, say: the files are written, the run is not the monitor's to fail
+            s.log.debug("the end-of-run console lines failed", exc_info=True)
 
     def rank_figures(self) -> dict[str, float]:
         """This rank's figures for the per-rank comparison (host: docs/host.md; device: the run's peak)."""
