@@ -243,7 +243,7 @@ class MonitorConfig:
             object.__setattr__(self, "output_dir", os.fspath(self.output_dir))
             if not str(self.output_dir).strip():
                 raise _fail("output_dir", self.output_dir, "pass a folder path, or None for the default folder.")
-        for name in ("write_files", "plot", "log_to_trackers", "log_validation", "reduce_across_ranks", "strict"):
+        for name in ("write_files", "plot", "console_summary", "log_to_trackers", "log_validation", "reduce_across_ranks", "strict"):
             if not isinstance(getattr(self, name), bool):
                 raise _fail(name, getattr(self, name), "pass True or False.")
 

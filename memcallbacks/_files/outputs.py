@@ -237,6 +237,8 @@ def _mark_evaluation(ax: Any, ax2: Any, eval_history: Any, gib: float) -> None:
     before it: it ran after row ``step - 1``), its peak as a marker."""
     if eval_history is None or not len(eval_history) or "step" not in eval_history:
         return
+    import pandas as pd
+
     labelled: set[str] = set()
     for _, row in eval_history.iterrows():
         stage = str(row.get("stage", "evaluation"))
@@ -247,8 +249,9 @@ def _mark_evaluation(ax: Any, ax2: Any, eval_history: Any, gib: float) -> None:
         for axis in (ax, ax2):
             axis.axvspan(row["step"] - 0.8, row["step"] - 0.2, color="tab:purple", alpha=0.15, linewidth=0,
                          label=f"{stage} loop" if first and axis is ax else None)
-        if row.get("peak_allocated") == row.get("peak_allocated"):
-            ax.plot([row["step"] - 0.5], [row["peak_allocated"] / gib], marker="v", color="tab:purple", linestyle="none",
+        peak = pd.to_numeric(row.get("peak_allocated"), errors="coerce")
+        if pd.notna(peak):
+            ax.plot([row["step"] - 0.5], [peak / gib], marker="v", color="tab:purple", linestyle="none",
                     label=f"{stage} peak" if first else None)
 
 

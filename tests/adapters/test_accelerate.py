@@ -277,7 +277,7 @@ def test_two_processes_log_max_over_ranks(tmp_path: Path) -> None:
     mp.start_processes(_rank_main, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True, start_method="fork")
 
     mem = tmp_path / "memcallbacks"
-    ranks = [pd.read_csv(mem / f"history.rank{r}.csv").set_index("step") for r in (0, 1)]
+    ranks = [pd.read_csv(mem / f"history.rank{r}.csv").rename(columns=frame_column).set_index("step") for r in (0, 1)]
     assert [list(h.index) for h in ranks] == [[0, 1, 2], [0, 1, 2]]
     assert not (mem / "history.csv").exists()
     scalars = tensorboard_scalars(tmp_path / "exp")  # written by rank 0 only
