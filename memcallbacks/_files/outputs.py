@@ -264,5 +264,5 @@ def _mark_findings(ax: Any, ax2: Any, findings: list[dict[str, Any]] | None) -> 
         for axis in (ax, ax2):
             axis.axvline(f["step"], color="tab:red", linestyle=":" if settled else "-", linewidth=1.0, alpha=0.8,
                          label="finding" if i == 0 and axis is ax else None)
-        ax.annotate(str(f.get("kind")), (f["step"], 1.0), xycoords=("data", "axes fraction"), rotation=90,
-                    va="top", ha="right", fontsize=8, color="tab:red")
+        ax.annotate(str(f.get("kind")), (f["step"], 0.97), xycoords=("data", "axes fraction"), rotation=90,
+                    va="top", ha="right", fontsize=8, color="tab:red", xytext=(-2, 0), textcoords="offset points")

@@ -69,14 +69,20 @@ def problems(report: dict[str, Any]) -> list[dict[str, Any]]:
             and (f.get("state") or "open") == "open" and (f.get("severity") or "problem") == "problem"]
 
 
+_FIX_VERBS = frozenset("""Add Avoid Bound Break Call Check Clear Close Compare Delete Detach Disable Drop Enable Free Give Join Keep
+    Limit Lower Make Move Pass Put Raise Reduce Release Remove Replace Return Run Set Shard Snapshot Store Take Try Use Wrap""".split())
+
+
 def fix_words(message: str, words: int = 8) -> str:
-    """The fix's first words from a finding's message: after ``Fix:`` when it says so, else its last sentence."""
+    """The fix's first words from a finding's message: after ``Fix:`` when it says so, else its first
+    sentence past the first that starts with an imperative (``Return ...``, ``Bound ...``, ```del ...```)."""
     text = " ".join(str(message).split())
+    fix = ""
     if "Fix:" in text:
         fix = text.split("Fix:", 1)[1].strip()
     else:
         sentences = [x for x in re.split(r"(?<=[.!?])\s+(?=[A-Z`(])", text) if x.strip()]
-        fix = sentences[-1] if len(sentences) > 1 else ""
+        fix = next((x for x in sentences[1:] if x.split()[0].rstrip(":,") in _FIX_VERBS or x.startswith("`del ")), "")
     parts = fix.split()
     return " ".join(parts[:words]) + (" ..." if len(parts) > words else "")
 
@@ -86,6 +92,7 @@ def _what(finding: dict[str, Any]) -> str:
     if holders:
         return f"held by {holders[0]}"
     first = re.split(r"(?<=[.;:])\s", " ".join(str(finding.get("message") or "").split()), maxsplit=1)[0]
+    first = first.rstrip(".;:")
     return first if len(first) <= 90 else first[:87] + "..."
 
 

@@ -100,3 +100,30 @@ def test_compare_exits_1_when_the_backward_peak_grew_and_0_on_equal_runs(tmp_pat
 def test_compare_refuses_a_threshold_that_is_not_one(tmp_path: Path, capsys: Any) -> None:
     assert main(["compare", str(tmp_path), str(tmp_path), "--fail-on-increase", "lots"]) == 2
     assert "--fail-on-increase 'lots' is not a percentage or a size" in capsys.readouterr().err
+
+
+def test_a_leaky_run_reports_its_problem_first_with_its_fix(tmp_path: Path, capsys: Any) -> None:
+    """A loop keeping last step's loss dict (and its graph) until the next step: the verdict's first
+    line counts the problem, the next names kind, step, holder and the fix's first words; the same
+    lines went to the console when the run ended."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    monitor = Monitor(model, opt, output_dir=str(tmp_path), device="cpu")
+    for _ in monitor.track(range(12)):
+        x = torch.randn(2048, 256, requires_grad=True)  # 2 MiB, and its grad: kept by the graph
+        outputs = {"loss": model(x).pow(2).mean()}
+        outputs["loss"].backward()
+        opt.step()
+        opt.zero_grad()
+    monitor.close()
+    console = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("memcallbacks: ", "  - "))]
+    assert main(["report", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("memcallbacks: 1 problem found in 12 steps; peak "), lines[:3]
+    assert lines[1].startswith("  - lingering, step 1: held by ") and "outputs['loss']" in lines[1], lines[1]
+    assert "; fix: Return `loss.item()`" in lines[1], lines[1]
+    assert console[:2] == lines[:2] and console[2].startswith(f"memcallbacks: files in {tmp_path}"), console
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["verdict"] == lines[:2]
+    assert (tmp_path / "memory.png").read_bytes()[:4] == b"\x89PNG"
