@@ -374,7 +374,7 @@ def test_output_files_in_default_dir(tmp_path):
 
     report = json.loads((out / "report.json").read_text())
     assert report["version"] == 1
-    assert report["config"] == monitor.config.to_dict()
+    assert report["config"] == dict(monitor.config.to_dict(), output_dir=str(out))  # the folder used, resolved
     assert report["findings"] == []
     assert report["events"] == []
     summary = report["summary"]
