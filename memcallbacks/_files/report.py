@@ -234,6 +234,15 @@ def _cost_lines(s: dict[str, Any], config: dict[str, Any]) -> list[str]:
     if budget:
         text += f", budget {100 * budget:g}%"
     lines = [text]
+    extra = [f"{n} {what}" for n, what in ((cadence.get("read_bursts"), "burst(s) of every-step reads after a risen floor"),
+                                           (cadence.get("rss_trips"), "read(s) the RSS tripwire asked for")) if n]
+    if cadence.get("backoffs"):
+        parts = sorted({b["part"] for b in cadence["backoffs"]})
+        extra.append(f"{len(cadence['backoffs'])} back-off(s) to keep the budget ({', '.join(parts)})")
+    if cadence.get("finding_time_s"):
+        extra.append(f"{cadence['finding_time_s']:.2f} s naming holders for findings")
+    if extra:
+        lines.append(f"    {'; '.join(extra)}")
     if budget and max(overhead, after or 0.0) > budget:
         if cadence.get("sample_interval_source") == "config" or config.get("sample_every_n_steps"):
             lines.append(f"    over budget: sample_every_n_steps={cadence.get('sample_every_n_steps')} is set; "
