@@ -19,8 +19,10 @@ log = logging.getLogger(__name__)
 
 __all__ = ["REPORT_VERSION", "atomic_write", "json_safe", "check_writable", "write_outputs", "plot_history", "history_figure", "file_names"]
 
-REPORT_VERSION = 1
-"""``report.json``'s ``version``: bumped when a key changes meaning or goes away."""
+REPORT_VERSION = 2
+"""``report.json``'s ``version``: bumped when a key changes meaning or goes away (2: ``verdict`` and
+``summary.peak`` added, ``summary.cadence.step_time_median_s`` gone into ``summary.step_time_median_s``,
+``history.csv``'s byte columns named with their unit)."""
 
 
 def atomic_write(path: str | os.PathLike[str], write: Callable[[Any], None], mode: str = "w") -> Path:

@@ -373,7 +373,7 @@ def test_output_files_in_default_dir(tmp_path):
     assert list(pd.read_csv(out / "eval_history.csv")["stage"]) == list(monitor.eval_history["stage"]) == ["validate", "validate"]
 
     report = json.loads((out / "report.json").read_text())
-    assert report["version"] == 1
+    assert report["version"] == 2
     assert report["config"] == dict(monitor.config.to_dict(), output_dir=str(out))  # the folder used, resolved
     assert report["findings"] == []
     assert report["events"] == []
