@@ -49,4 +49,19 @@ _C = {name: i for i, name in enumerate(COLUMNS)}
 EVAL_COLUMNS = ("stage", "step", "epoch", "batches", "allocated", "peak_allocated", "peak_reserved", "allocated_after", "host_rss")
 (E_STAGE, E_STEP, E_EPOCH, E_BATCHES, E_ALLOCATED, E_PEAK_ALLOCATED, E_PEAK_RESERVED, E_ALLOCATED_AFTER, E_HOST_RSS) = range(len(EVAL_COLUMNS))
 
-__all__ = ["Phase", "TRAINING_PHASES", "FORWARD", "BACKWARD", "OPTIMIZER", "OTHER", "PHASES", "COLUMNS", "EVAL_COLUMNS", *(n.upper() for n in COLUMNS), *("E_" + n.upper() for n in EVAL_COLUMNS)]
+__all__ = ["Phase", "TRAINING_PHASES", "file_column", "frame_column", "FORWARD", "BACKWARD", "OPTIMIZER", "OTHER", "PHASES", "COLUMNS", "EVAL_COLUMNS", *(n.upper() for n in COLUMNS), *("E_" + n.upper() for n in EVAL_COLUMNS)]
+
+
+_NOT_BYTES = frozenset({"step", "epoch", "batch_idx", "micro_batches", "optimizer_steps", "alloc_retries", "ooms", "stage", "batches"})
+
+
+def file_column(name: str) -> str:
+    """A history column's name in ``history.csv``, with its unit: ``allocated`` -> ``allocated_bytes``
+    (counts and the ``_s`` times keep theirs)."""
+    return name if name in _NOT_BYTES or name.endswith(("_s", "_bytes")) else f"{name}_bytes"
+
+
+def frame_column(name: str) -> str:
+    """A ``history.csv`` column's name in ``Monitor.history`` (``allocated_bytes`` -> ``allocated``);
+    files from before the units were named keep their names."""
+    return name[: -len("_bytes")] if name.endswith("_bytes") else name

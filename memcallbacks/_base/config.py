@@ -22,8 +22,8 @@ class MonitorConfig:
 
     log_every_n_steps: int | None = None
     """Log ``memory/...`` metrics every N optimizer steps. ``None`` follows the framework
-    (Lightning's ``Trainer(log_every_n_steps=...)``; 50 elsewhere). Rows of ``history`` are kept
-    for every step regardless."""
+    (Lightning's ``Trainer(log_every_n_steps=...)``; 50 elsewhere). ``history`` keeps a row for
+    every sampled step (see ``sample_every_n_steps``), logged or not."""
 
     sample_every_n_steps: int | None = None
     """Measure per-phase peaks on every N-th optimizer step (and always on logged steps); other
@@ -34,8 +34,9 @@ class MonitorConfig:
 
     overhead_budget: float = 0.01
     """The monitor's own time allowed, as a fraction of step time, when it chooses the sampling
-    interval (``sample_every_n_steps=None``). Watching (growth and lingering detection) runs every
-    step unless its cost alone exceeds the budget. The chosen intervals and the achieved
+    interval (``sample_every_n_steps=None``), and the intervals of its memory reads for growth
+    detection (every step for the first 48 steps, then as the budget allows) and of its lingering
+    checks (docs/findings.md, "Which steps do what"). The chosen intervals and the achieved
     overhead are in ``report.json`` (``summary.cadence``), the text report and the logged
     ``memory/overhead`` key."""
 
@@ -51,13 +52,19 @@ class MonitorConfig:
 
     output_dir: str | None = None
     """Folder for ``history.csv``, ``report.json`` and ``memory.png``. ``None``: a ``memcallbacks``
-    folder inside the trainer's log dir (Lightning), or ``./memcallbacks_output`` for plain loops."""
+    folder inside the trainer's log dir (Lightning), the Trainer's ``output_dir`` (Transformers) or
+    the accelerator's ``project_dir`` (Accelerate), else ``./memcallbacks_output`` (plain loops)."""
 
     write_files: bool = True
     """Write the output files at the end of fit (and on an OOM). ``False`` keeps everything in memory."""
 
     plot: bool = True
-    """Write ``memory.png`` (needs matplotlib; skipped with one info message when it is missing)."""
+    """Write ``memory.png`` (needs matplotlib; skipped with one warning when it is missing)."""
+
+    console_summary: bool = True
+    """At the end of a run, rank zero shows the verdict (no problem found, or one line per problem)
+    and the files' folder on the console: through ``rank_zero_info`` under Lightning, ``print``
+    elsewhere. ``False``: nothing is printed."""
 
     log_to_trackers: bool = True
     """Give the experiment trackers the run already has (TensorBoard, W&B, MLflow, found among the
@@ -78,8 +85,9 @@ class MonitorConfig:
 
     detect_leaks: bool = True
     """Look for leaks: ``"lingering"`` (the previous step's batch or loss graph still alive when
-    the next step starts; checked every step, ~2 µs) and ``"growth"`` (the step-start baseline
-    rising step over step; checked on sampled steps). Findings name their holders."""
+    the next step starts; checked after each of the first 20 steps, then after every 4th sampled
+    step) and ``"growth"`` (the step-start baseline rising step over step; read every step for the
+    first 48 steps, then at the budget's interval). Findings name their holders."""
 
     watch_host: bool = True
     """Watch the host beside the device (docs/host.md): at the steps that read memory, Python-object
@@ -235,7 +243,7 @@ class MonitorConfig:
             object.__setattr__(self, "output_dir", os.fspath(self.output_dir))
             if not str(self.output_dir).strip():
                 raise _fail("output_dir", self.output_dir, "pass a folder path, or None for the default folder.")
-        for name in ("write_files", "plot", "log_to_trackers", "log_validation", "reduce_across_ranks", "strict"):
+        for name in ("write_files", "plot", "console_summary", "log_to_trackers", "log_validation", "reduce_across_ranks", "strict"):
             if not isinstance(getattr(self, name), bool):
                 raise _fail(name, getattr(self, name), "pass True or False.")
 

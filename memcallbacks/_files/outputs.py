@@ -10,15 +10,19 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
-from memcallbacks._files.fileset import FileSet, unlink_quietly, write_temporary
+from memcallbacks._base.columns import file_column
 from memcallbacks._base.units import GiB, MiB
+from memcallbacks._files.fileset import FileSet, unlink_quietly, write_temporary
+from memcallbacks._files.verdict import verdict_lines
 
 log = logging.getLogger(__name__)
 
 __all__ = ["REPORT_VERSION", "atomic_write", "json_safe", "check_writable", "write_outputs", "plot_history", "history_figure", "file_names"]
 
-REPORT_VERSION = 1
-"""``report.json``'s ``version``: bumped when a key changes meaning or goes away."""
+REPORT_VERSION = 2
+"""``report.json``'s ``version``: bumped when a key changes meaning or goes away (2: ``verdict`` and
+``summary.peak`` added, ``summary.cadence.step_time_median_s`` gone into ``summary.step_time_median_s``,
+``history.csv``'s byte columns named with their unit)."""
 
 
 def atomic_write(path: str | os.PathLike[str], write: Callable[[Any], None], mode: str = "w") -> Path:
@@ -98,13 +102,14 @@ def write_outputs(
     names = file_names(rank, world_size)
     files = FileSet(folder)
     try:
-        files.stage("history", names["history"], lambda fh: history.to_csv(fh, index=False))
+        files.stage("history", names["history"], lambda fh: history.rename(columns=file_column).to_csv(fh, index=False))
         if len(eval_history):
-            files.stage("eval_history", names["eval_history"], lambda fh: eval_history.to_csv(fh, index=False))
+            files.stage("eval_history", names["eval_history"], lambda fh: eval_history.rename(columns=file_column).to_csv(fh, index=False))
         if plot and len(history):
             peak_source = (report.get("summary") or {}).get("device", {}).get("peak_source", "")
             try:
-                figure = history_figure(history, title=title, peak_source=peak_source)
+                figure = history_figure(history, title=title, peak_source=peak_source, eval_history=eval_history,
+                                        findings=report.get("findings"))
                 if figure is not None:
                     files.stage("plot", names["plot"], lambda fh: figure.savefig(fh, format="png"), mode="wb")
             except Exception:
@@ -115,6 +120,8 @@ def write_outputs(
         if ranks is not None:
             paths["combined_report"] = str(folder / "report.json")
         report = dict(report, files={**report.get("files", {}), **paths}, integrity=integrity)
+        if "verdict" in report:  # findings added after the report was made (the per-rank comparison)
+            report["verdict"] = verdict_lines(report, history)
         files.stage("report", names["report"], lambda fh: _dump_json(report, fh))
         if ranks is not None:
             files.stage("combined_report", "report.json", lambda fh: _dump_json(dict(report, ranks=ranks), fh))
@@ -132,27 +139,32 @@ def _dump_json(payload: dict[str, Any], fh: Any) -> None:
 _warned_no_matplotlib = False
 
 
-def plot_history(history: Any, path: Path, *, title: str = "", peak_source: str = "") -> Path | None:
-    """Plot baseline, reserved and per-phase peaks over steps (GiB) into a PNG."""
-    fig = history_figure(history, title=title, peak_source=peak_source)
+def plot_history(history: Any, path: Path, *, title: str = "", peak_source: str = "", eval_history: Any = None,
+                 findings: list[dict[str, Any]] | None = None) -> Path | None:
+    """Plot per-phase peaks, the step-start floor, evaluation loops and findings over steps into a PNG."""
+    fig = history_figure(history, title=title, peak_source=peak_source, eval_history=eval_history, findings=findings)
     if fig is None:
         return None
     atomic_write(path, lambda fh: fig.savefig(fh, format="png"), mode="wb")
     return path
 
 
-def _line(ax: Any, x: Any, y: Any, **style: Any) -> None:
-    """``y`` over ``x`` as one line through its values that are not NaN (matplotlib leaves a gap at
-    every NaN, which turns a series read every few steps into scattered dots)."""
+def _line(ax: Any, x: Any, y: Any, label: str | None = None, **style: Any) -> None:
+    """``y`` over ``x``, one line per run of consecutive steps (no line across steps without a row),
+    each through its values that are not NaN (on CPU a measured step may leave the heap unread, and
+    matplotlib would leave a gap at every NaN); a run of one value shows as a point."""
     import numpy as np
 
-    y = np.asarray(y, dtype=float)
-    keep = ~np.isnan(y)
-    ax.plot(np.asarray(x)[keep], y[keep], **style)
+    x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+    cuts = np.flatnonzero(np.diff(x) > 1) + 1
+    for xs, ys in zip(np.split(x, cuts), np.split(y, cuts)):
+        keep = ~np.isnan(ys)
+        if keep.any():
+            ax.plot(xs[keep], ys[keep], label=label, marker="." if keep.sum() == 1 else None, **style)
+            label = None
 
 
-def history_figure(history: Any, *, title: str = "", peak_source: str = "") -> Any:
-    """The memory plot as a matplotlib ``Figure`` (None without matplotlib)."""
+def _matplotlib_figure() -> Any:
     global _warned_no_matplotlib
     try:
         import matplotlib
@@ -161,42 +173,98 @@ def history_figure(history: Any, *, title: str = "", peak_source: str = "") -> A
         from matplotlib.figure import Figure
     except Exception:
         if not _warned_no_matplotlib:
-            log.info("memcallbacks: matplotlib is not installed; skipping memory.png (pip install matplotlib).")
+            log.warning("memcallbacks: matplotlib is not installed; memory.png is not written (pip install matplotlib).")
             _warned_no_matplotlib = True
         return None
+    return Figure
 
+
+_PHASES = (("peak_forward", "forward", "tab:blue"), ("peak_backward", "backward", "tab:orange"),
+           ("peak_optimizer", "optimizer", "tab:green"))
+
+
+def history_figure(history: Any, *, title: str = "", peak_source: str = "", eval_history: Any = None,
+                   findings: list[dict[str, Any]] | None = None) -> Any:
+    """The memory plot as a matplotlib ``Figure`` (None without matplotlib): per-phase peaks and the
+    step-start floor over steps (top), what each phase rose above the floor (bottom), evaluation
+    loops as shaded spans and findings as red lines. On CPU the peaks and the floor are resident
+    memory (RSS); the C heap is drawn as its change, never beside RSS."""
+    Figure = _matplotlib_figure()
+    if Figure is None:
+        return None
+    import numpy as np
+
+    cpu = peak_source == "rss_high_water_mark"
     gib, mib = float(GiB), float(MiB)
     x = history["step"].to_numpy()
+    heap = history["allocated"].to_numpy(dtype=float)
+    floor = history["reserved"].to_numpy(dtype=float) if cpu else heap
     fig = Figure(figsize=(10, 7.5), dpi=100)
     ax, ax2 = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [3, 2]})
-    phases = [("peak_forward", "forward", "tab:blue"), ("peak_backward", "backward", "tab:orange"), ("peak_optimizer", "optimizer", "tab:green")]
-    for col, label, color in phases:
+    measure = "resident memory" if cpu else "allocated"
+    for col, label, color in _PHASES:
         if col in history and history[col].notna().any():
-            ax.plot(x, history[col].to_numpy() / gib, label=f"{label} peak", color=color, linewidth=1.4)
+            _line(ax, x, history[col].to_numpy() / gib, label=f"{label} peak", color=color, linewidth=1.4)
+            rise = np.maximum(history[col].to_numpy(dtype=float) - floor, 0.0)  # a peak never lies below its step's start
+            _line(ax2, x, rise / mib, label=label, color=color, linewidth=1.4)
         if f"predicted_{col}" in history:  # pre-flight's prediction, in the same frame as the measured peak
-            ax.plot(x, history[f"predicted_{col}"].to_numpy() / gib, label=f"{label} predicted", color=color, linestyle="--", linewidth=1.0)
-    # on CPU a sampled step may leave the heap unread (NaN, docs/metrics.md): a line through the read ones
-    _line(ax, x, history["allocated"].to_numpy() / gib, label="allocated at step start", color="black", linewidth=1.4)
-    ax.plot(x, history["reserved"].to_numpy() / gib, label="reserved at step start", color="tab:gray", linestyle="--", linewidth=1.2)
-    if "host_rss" in history and peak_source != "rss_high_water_mark":
-        ax.plot(x, history["host_rss"].to_numpy() / gib, label="host RSS", color="tab:purple", linestyle=":", linewidth=1.2)
-    ax.set_ylabel("GiB")
-    note = " (CPU: peaks are RSS high-water marks)" if peak_source == "rss_high_water_mark" else ""
+            _line(ax, x, history[f"predicted_{col}"].to_numpy() / gib, label=f"{label} predicted", color=color, linestyle="--", linewidth=1.0)
+            _line(ax2, x, (history[f"predicted_{col}"].to_numpy() - floor) / mib, color=color, linestyle="--", linewidth=1.0)
+    # on CPU a measured step may leave the heap unread (NaN, docs/metrics.md): a line through the read ones
+    _line(ax, x, floor / gib, label=f"{measure} at step start (floor)", color="black", linewidth=1.4)
+    if cpu:
+        read = heap[~np.isnan(heap)]
+        if len(read):
+            _line(ax2, x, (heap - read[0]) / mib, label="heap in use at step start,\nchange since the first row", color="black", linestyle=":", linewidth=1.2)
+    else:
+        _line(ax, x, history["reserved"].to_numpy() / gib, label="reserved at step start", color="tab:gray", linestyle="--", linewidth=1.2)
+    _mark_evaluation(ax, ax2, eval_history, gib)
+    _mark_findings(ax, ax2, findings)
+    ax.set_ylabel(f"GiB ({measure})")
+    note = " (CPU: resident memory, peaks are its high-water marks)" if cpu else ""
     ax.set_title((title or "memory per phase") + note, fontsize=10)
     ax.grid(True, alpha=0.3)
     ax.legend(loc="best", fontsize=8)
-    # what each phase added on top of the step's starting point: the part a person can act on
-    base_col = "reserved" if peak_source == "rss_high_water_mark" else "allocated"
-    base = history[base_col].to_numpy()
-    for col, label, color in phases:
-        if col in history and history[col].notna().any():
-            _line(ax2, x, (history[col].to_numpy() - base) / mib, label=label, color=color, linewidth=1.4)
-        if f"predicted_{col}" in history:
-            _line(ax2, x, (history[f"predicted_{col}"].to_numpy() - base) / mib, color=color, linestyle="--", linewidth=1.0)
     ax2.axhline(0, color="black", linewidth=0.8)
-    ax2.set_ylabel(f"peak above {base_col}\nat step start (MiB)")
+    ax2.set_ylabel(f"peak above {measure}\nat step start (MiB)")
     ax2.set_xlabel("optimizer step")
     ax2.grid(True, alpha=0.3)
     ax2.legend(loc="best", fontsize=8)
     fig.tight_layout()
     return fig
+
+
+def _mark_evaluation(ax: Any, ax2: Any, eval_history: Any, gib: float) -> None:
+    """Each evaluation loop as a shaded span where it ran (its ``step`` counts the optimizer steps
+    before it: it ran after row ``step - 1``), its peak as a marker."""
+    if eval_history is None or not len(eval_history) or "step" not in eval_history:
+        return
+    import pandas as pd
+
+    labelled: set[str] = set()
+    for _, row in eval_history.iterrows():
+        stage = str(row.get("stage", "evaluation"))
+        if stage == "sanity_check":
+            continue  # Lightning's two batches before training: not part of the run's steps
+        first = stage not in labelled
+        labelled.add(stage)
+        for axis in (ax, ax2):
+            axis.axvspan(row["step"] - 0.8, row["step"] - 0.2, color="tab:purple", alpha=0.15, linewidth=0,
+                         label=f"{stage} loop" if first and axis is ax else None)
+        peak = pd.to_numeric(row.get("peak_allocated"), errors="coerce")
+        if pd.notna(peak):
+            ax.plot([row["step"] - 0.5], [peak / gib], marker="v", color="tab:purple", linestyle="none",
+                    label=f"{stage} peak" if first else None)
+
+
+def _mark_findings(ax: Any, ax2: Any, findings: list[dict[str, Any]] | None) -> None:
+    """Each finding as a red vertical line at the step it was confirmed, its kind written beside it."""
+    for i, f in enumerate(findings or []):
+        if not isinstance(f, dict) or f.get("step") is None:
+            continue
+        settled = f.get("state") == "settled" or f.get("severity") == "advice"
+        for axis in (ax, ax2):
+            axis.axvline(f["step"], color="tab:red", linestyle=":" if settled else "-", linewidth=1.0, alpha=0.8,
+                         label="finding" if i == 0 and axis is ax else None)
+        ax.annotate(str(f.get("kind")), (f["step"], 0.97), xycoords=("data", "axes fraction"), rotation=90,
+                    va="top", ha="right", fontsize=8, color="tab:red", xytext=(-2, 0), textcoords="offset points")

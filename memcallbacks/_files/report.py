@@ -6,10 +6,34 @@ import json
 from pathlib import Path
 from typing import Any
 
+from memcallbacks._base.columns import frame_column
 from memcallbacks._base.findings import finding_counts, finding_label
 from memcallbacks._base.units import format_bytes, format_delta
+from memcallbacks._files.verdict import measure_names, verdict_lines
 
-__all__ = ["format_report", "load_output_dir"]
+__all__ = ["format_report", "load_output_dir", "find_output_dir", "read_eval_history"]
+
+
+def find_output_dir(folder: str | Path) -> Path:
+    """The monitor's output folder for ``folder``: itself when it holds a report, else the one
+    report folder below it (a run folder such as ``runs/example/version_0`` holds ``memcallbacks/``).
+    Several below it: a ``ValueError`` listing them."""
+    folder = Path(folder)
+    try:
+        if not folder.is_dir() or _has_report(folder):
+            return folder
+        found = sorted({p.parent for depth in ("*", "*/*", "*/*/*") for name in ("report.json", "report.rank*.json")
+                        for p in folder.glob(f"{depth}/{name}")})
+    except OSError:
+        return folder  # load_output_dir says what is wrong with it
+    if len(found) > 1:
+        listed = ", ".join(str(p) for p in found[:5]) + (" ..." if len(found) > 5 else "")
+        raise ValueError(f"{str(folder)!r} holds {len(found)} memcallbacks output folders ({listed}); pass one of them.")
+    return found[0] if found else folder
+
+
+def _has_report(folder: Path) -> bool:
+    return (folder / "report.json").is_file() or any(folder.glob("report.rank*.json"))
 
 
 def load_output_dir(folder: str | Path) -> tuple[dict[str, Any], Any]:
@@ -20,7 +44,7 @@ def load_output_dir(folder: str | Path) -> tuple[dict[str, Any], Any]:
     memcallbacks CSV or not the one the report was written with."""
     from memcallbacks._files.fileset import check_fingerprint
 
-    folder = Path(folder)
+    folder = find_output_dir(folder)
     try:
         is_dir = folder.is_dir()
     except OSError as exc:  # a name longer than the OS allows, say
@@ -30,7 +54,8 @@ def load_output_dir(folder: str | Path) -> tuple[dict[str, Any], Any]:
     candidates = [folder / "report.json", *sorted(folder.glob("report.rank*.json"))]
     path = next((p for p in candidates if p.is_file()), None)
     if path is None:
-        raise FileNotFoundError(f"no report.json in {str(folder)!r}; is it a memcallbacks output_dir?")
+        raise FileNotFoundError(f"no report.json in {str(folder)!r} or the folders below it; pass the monitor's "
+                                "output_dir or the run folder that holds it.")
     try:
         report = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -43,6 +68,21 @@ def load_output_dir(folder: str | Path) -> tuple[dict[str, Any], Any]:
             history = _read_history(candidate)
             break
     return report, history
+
+
+def read_eval_history(folder: str | Path, report: dict[str, Any]) -> Any:
+    """The evaluation loops' rows (``eval_history.csv``) next to a report, or None."""
+    import pandas as pd
+
+    folder = find_output_dir(folder)
+    name = (report.get("files") or {}).get("eval_history")
+    for path in ([folder / Path(name).name] if isinstance(name, str) and name else []) + [folder / "eval_history.csv", folder / "eval_history.rank0.csv"]:
+        if path.is_file():
+            try:
+                return pd.read_csv(path).rename(columns=frame_column)
+            except (UnicodeDecodeError, ValueError, pd.errors.ParserError, pd.errors.EmptyDataError):
+                return None
+    return None
 
 
 def _check_shape(report: Any, path: Path) -> None:
@@ -68,6 +108,7 @@ def _read_history(path: Path) -> Any:
 
     try:
         history = pd.read_csv(path)
+        history = history.rename(columns=frame_column)  # the file's names carry their unit; the frame's do not
     except (UnicodeDecodeError, ValueError, pd.errors.ParserError, pd.errors.EmptyDataError) as exc:
         raise ValueError(f"{str(path)!r} is not a CSV file memcallbacks wrote ({type(exc).__name__}: {str(exc)[:200]}).") from None
     missing = [c for c in ("step", "allocated", "peak_allocated") if c not in history.columns]
@@ -77,44 +118,139 @@ def _read_history(path: Path) -> Any:
 
 
 def format_report(report: dict[str, Any], history: Any = None) -> str:
-    """A short text report: device, per-phase peaks, baseline drift, the monitor's cost, findings, files."""
+    """A short text report: the verdict first, then per-phase peaks, the step-start floor, the
+    evaluation loops, the checks, the monitor's own time, the findings and the files."""
     s = report.get("summary", {})
-    device = s.get("device", {})
-    lines = []
-    peak_note = " (RSS high-water marks)" if device.get("peak_source") == "rss_high_water_mark" else ""
-    lines.append(f"memcallbacks report — {device.get('device', '?')} ({device.get('peak_source', '?')} peaks), "
-                 f"{s.get('steps_seen', 0)} steps, {s.get('steps_recorded', 0)} rows")
-    if s.get("capacity_bytes"):
-        lines.append(f"  device capacity            {format_bytes(s['capacity_bytes'])}")
-    lines.append(f"  peak over the run          {format_bytes(s.get('max_allocated_bytes'))} allocated, "
-                 f"{format_bytes(s.get('max_reserved_bytes'))} reserved")
-    base = "reserved (RSS)" if peak_note else "allocated"
-    lines.append(f"  per-phase peaks{peak_note}, and the most each rose above {base} at step start:")
-    for phase in ("forward", "backward", "optimizer"):
-        lines.append(f"    {phase:<10} {format_bytes(s.get(f'peak_{phase}_bytes')):>12}   {format_delta(s.get(f'peak_{phase}_above_baseline_bytes'))}")
-    first, last = s.get("first_allocated_bytes"), s.get("last_allocated_bytes")
-    if first is not None and last is not None:
-        lines.append(f"  allocated at step start    {format_bytes(first)} (first row) -> {format_bytes(last)} (last row), "
-                     f"change {format_delta(last - first)}")
-    if history is not None and len(history) and "peak_forward" in history:
-        top = history.loc[history["peak_allocated"].idxmax()]
-        lines.append(f"  largest step peak          step {int(top['step'])}: {format_bytes(top['peak_allocated'])} "
-                     f"(forward {format_bytes(top['peak_forward'])}, backward {format_bytes(top['peak_backward'])}, "
-                     f"optimizer {format_bytes(top['peak_optimizer'])})")
+    names = measure_names(report)
+    lines = verdict_lines(report, history)
+    lines += _measure_lines(s, names)
+    lines += _peak_lines(s, names, history)
     for stage, e in (s.get("eval") or {}).items():
-        lines.append(f"  {stage:<26} {e['runs']} run(s), peak {format_bytes(e['peak_allocated_bytes'])}")
+        lines.append(f"  {stage:<26} {e['runs']} run(s), peak {format_bytes(e['peak_allocated_bytes'])} {names['peak']}")
     lines += _model_state_lines(report.get("model_states") or {})
     lines += _preflight_lines(report.get("preflight"))
     lines += _host_lines(report)
     snaps = report.get("snapshots") or []
     if snaps:
         lines.append(f"  snapshots                  {len(snaps)}: " + "; ".join(f"step {r.get('step')} ({r.get('trigger')})" for r in snaps[:3]))
-    cost = s.get("monitor_time_per_step_us")
-    if cost:
-        lines.append(f"  monitor's own time         {cost['median']:.0f} µs median per sampled step")
-    lines += _cadence_lines(s.get("cadence"))
+    lines += _rows_lines(s, history)
+    lines += _cost_lines(s, report.get("config") if isinstance(report.get("config"), dict) else {})
     lines += _closing_lines(report, s)
     return "\n".join(lines)
+
+
+def _measure_lines(s: dict[str, Any], names: dict[str, str]) -> list[str]:
+    """What was read, in the reader's terms, and the run's highest figures."""
+    device = s.get("device", {})
+    if names["cpu"]:
+        what = "resident memory (RSS) and its high-water mark per phase; the C heap (glibc) at step start"
+    else:
+        what = f"the allocator's allocated and reserved bytes ({device.get('peak_source', '?')} peaks)"
+    lines = [f"  device                     {device.get('device', '?')}: {what}"]
+    if s.get("capacity_bytes"):
+        lines.append(f"  capacity                   {format_bytes(s['capacity_bytes'])}" + (" (host RAM)" if names["cpu"] else ""))
+    if names["cpu"]:
+        lines.append(f"  peak over the run          {format_bytes(s.get('max_reserved_bytes'))} resident memory")
+    else:
+        lines.append(f"  peak over the run          {format_bytes(s.get('max_allocated_bytes'))} allocated, "
+                     f"{format_bytes(s.get('max_reserved_bytes'))} reserved")
+    return lines
+
+
+def _peak_lines(s: dict[str, Any], names: dict[str, str], history: Any) -> list[str]:
+    """Per-phase peaks and how far each rose above the step-start floor; the floor's and the heap's change."""
+    lines = [f"  per-phase peaks ({names['peak']}), and the most each rose above {names['floor']}:"]
+    for phase in ("forward", "backward", "optimizer"):
+        rise = s.get(f"peak_{phase}_above_baseline_bytes")
+        rise = max(rise, 0) if isinstance(rise, (int, float)) else rise  # a peak never lies below where its step began
+        lines.append(f"    {phase:<10} {format_bytes(s.get(f'peak_{phase}_bytes')):>12}   {format_delta(rise)}")
+    if history is not None and len(history) and names["floor_column"] in history:
+        floor = history[names["floor_column"]].dropna()
+        if len(floor):
+            first, last = floor.iloc[0], floor.iloc[-1]
+            lines.append(f"  {names['floor']:<26} {format_bytes(first)} (first row) -> {format_bytes(last)} (last row), "
+                         f"change {format_delta(last - first)}")
+    first, last = s.get("first_allocated_bytes"), s.get("last_allocated_bytes")
+    if first is not None and last is not None:
+        label = names["heap"] or names["floor"]
+        if names["cpu"] or history is None or not len(history):
+            lines.append(f"  {label:<26} {format_bytes(first)} (first row) -> {format_bytes(last)} (last row), "
+                         f"change {format_delta(last - first)}")
+    return lines
+
+
+def step_segments(steps: list[int]) -> list[str]:
+    """``[0..9, 19, 29, 39]`` -> ``["0-9", "every 10th from 19 to 39"]``: which steps have rows, in words."""
+    out: list[str] = []
+    i = 0
+    while i < len(steps):
+        j = i
+        gap = steps[i + 1] - steps[i] if i + 1 < len(steps) else 1
+        while j + 1 < len(steps) and steps[j + 1] - steps[j] == gap:
+            j += 1
+        if j == i:
+            out.append(str(steps[i]))
+        elif gap == 1:
+            out.append(f"{steps[i]}-{steps[j]}")
+        elif j - i == 1:
+            out += [str(steps[i]), str(steps[j])]
+        else:
+            out.append(f"every {gap}th from {steps[i]} to {steps[j]}")
+        i = j + 1
+    return out
+
+
+def _rows_lines(s: dict[str, Any], history: Any) -> list[str]:
+    """Which steps have a row in history.csv, said from the rows themselves, and why the others have none."""
+    seen = s.get("steps_seen", 0)
+    if history is None or not len(history) or "step" not in history:
+        return [f"  rows in history.csv        {s.get('steps_recorded', 0)} of {seen} steps"]
+    steps = sorted({int(x) for x in history["step"].dropna()})
+    if len(steps) >= seen:
+        return [f"  rows in history.csv        every step ({len(steps)})"]
+    segments = step_segments(steps)
+    shown = ", ".join(segments[:4]) + (", ..." if len(segments) > 4 else "")
+    cadence = s.get("cadence") or {}
+    why = ("the monitor measured fewer steps to stay within its time budget"
+           if cadence.get("sample_interval_source") == "overhead_budget" else "sample_every_n_steps")
+    if cadence.get("sample_every_n_steps"):
+        n = cadence["sample_every_n_steps"]
+        why += f": {'every step' if n == 1 else f'every {n}th step'} after the first ones, and the logged ones"
+    return [f"  rows in history.csv        {len(steps)} of {seen} steps ({shown})",
+            f"                             the other steps were only watched for leaks ({why})"]
+
+
+def _cost_lines(s: dict[str, Any], config: dict[str, Any]) -> list[str]:
+    """The monitor's own time against its budget, and what to do when it is over."""
+    cadence = s.get("cadence") or {}
+    overhead, budget = cadence.get("overhead"), cadence.get("overhead_budget")
+    cost = s.get("monitor_time_per_step_us") or {}
+    if overhead is None:
+        return [f"  monitor's own time         {cost['median']:.0f} µs median per measured step"] if cost.get("median") else []
+    text = f"  monitor's own time         {100 * overhead:.2f}% of step time"
+    after = cadence.get("overhead_after_start")
+    if after is not None and cadence.get("dense_read_steps"):
+        text += f" ({100 * after:.2f}% after the first {cadence['dense_read_steps']} steps)"
+    if budget:
+        text += f", budget {100 * budget:g}%"
+    lines = [text]
+    extra = [f"{n} {what}" for n, what in ((cadence.get("read_bursts"), "burst(s) of every-step reads after a risen floor"),
+                                           (cadence.get("rss_trips"), "read(s) the RSS tripwire asked for")) if n]
+    if cadence.get("backoffs"):
+        parts = sorted({b["part"] for b in cadence["backoffs"]})
+        extra.append(f"{len(cadence['backoffs'])} back-off(s) to keep the budget ({', '.join(parts)})")
+    if cadence.get("finding_time_s"):
+        extra.append(f"{cadence['finding_time_s']:.2f} s naming holders for findings")
+    if extra:
+        lines.append(f"    {'; '.join(extra)}")
+    if budget and max(overhead, after or 0.0) > budget:
+        if cadence.get("sample_interval_source") == "config" or config.get("sample_every_n_steps"):
+            lines.append(f"    over budget: sample_every_n_steps={cadence.get('sample_every_n_steps')} is set; "
+                         "leave it unset to let the monitor measure fewer steps")
+        else:
+            lines.append(f"    over budget: the monitor measured fewer steps to come back under it "
+                         f"({len(cadence.get('backoffs') or [])} back-off(s))")
+    return lines
 
 
 def _model_state_lines(states: dict[str, Any]) -> list[str]:
@@ -126,31 +262,6 @@ def _model_state_lines(states: dict[str, Any]) -> list[str]:
             f"({states.get('strategy')}, {states.get('precision')}, world size {states.get('world_size')}: params "
             f"{format_bytes(exp.get('params'))}, grads {format_bytes(exp.get('grads'))}, optimizer {format_bytes(exp.get('optimizer'))}); "
             f"unexplained {format_bytes(states.get('unexplained_bytes'))}"]
-
-
-def _cadence_lines(cadence: dict[str, Any] | None) -> list[str]:
-    """The cadence: the read, sample and log intervals, the monitor's own time against its budget, and what changed them."""
-    if not cadence:
-        return []
-    overhead = cadence.get("overhead")
-    lines = [f"  cadence                    memory read every {cadence['read_every_n_steps']} (every step for the first "
-             f"{cadence['dense_read_steps']}), sample every "
-             f"{cadence['sample_every_n_steps']} ({cadence['sample_interval_source']}), log every "
-             f"{cadence['log_every_n_steps'] or '- (nowhere to log)'} steps; own time "
-             f"{'?' if overhead is None else f'{100 * overhead:.2f}%'} of step time (budget {100 * cadence['overhead_budget']:g}%)"]
-    extra = [f"{n} {what}" for n, what in ((cadence.get("read_bursts"), "burst(s) of every-step reads after a risen floor"),
-                                           (cadence.get("rss_trips"), "read(s) the RSS tripwire asked for")) if n]
-    after = cadence.get("overhead_after_start")
-    if after is not None:
-        extra.append(f"own time {100 * after:.2f}% from step {cadence['dense_read_steps']} on")
-    if cadence.get("backoffs"):
-        parts = sorted({b["part"] for b in cadence["backoffs"]})
-        extra.append(f"{len(cadence['backoffs'])} back-off(s) to keep the budget ({', '.join(parts)})")
-    if cadence.get("finding_time_s"):
-        extra.append(f"{cadence['finding_time_s']:.2f} s naming holders for findings")
-    if extra:
-        lines.append(f"                             {'; '.join(extra)}")
-    return lines
 
 
 def _closing_lines(report: dict[str, Any], s: dict[str, Any]) -> list[str]:

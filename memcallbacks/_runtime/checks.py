@@ -247,7 +247,7 @@ class StateCheck:
             self.expected_states = int(est.device_steady)
             self.expected_level = float(est.device_steady)
             expected = {k: int(expected_parts.get(f"device_{k}", 0)) for k in ("params", "grads", "optimizer")}
-        expected["buffers"] = int(est.device_buffers)
+        expected["comm_buffers"] = int(est.device_comm_buffers)
         unexplained = int(baseline - self.expected_level - self.batch_bytes)
         self.info = {
             "step": step,

@@ -26,6 +26,8 @@ from memcallbacks._runtime.sampling import MemoryEngine
 from memcallbacks._runtime.schedule import Schedule
 from memcallbacks._files.outputs import REPORT_VERSION, write_outputs
 from memcallbacks._runtime.schedule import DENSE_READ_STEPS
+from memcallbacks._files.report_shape import shape_report
+from memcallbacks._files.verdict import console_channel, console_lines
 from memcallbacks.host.ranks import find_imbalance
 from memcallbacks.trackers import RunOutputs
 from memcallbacks.trackers.ranks import receive_snapshots, snapshot_payload
@@ -120,7 +122,7 @@ class RunEnd:
         from memcallbacks._base.version import __version__
 
         s = self.session
-        return {
+        return shape_report({
             "version": REPORT_VERSION,
             "memcallbacks_version": __version__,
             "framework": s.framework,
@@ -131,7 +133,7 @@ class RunEnd:
             **s.checks.report(),  # model_states, preflight, gc, host
             "snapshots": list(s.snap.records) if s.snap is not None else [],
             "files": dict(s.files),
-        }
+        }, s.output_dir, s.history_frame())
 
     def recorded_nothing(self) -> bool:
         """No training step, no evaluation loop and no event since the last reset."""
@@ -193,6 +195,7 @@ class RunEnd:
                 report["findings"] = s.sink.to_list()
             if not (s.config.write_files and s.output_dir is not None):
                 self._to_trackers(report, gathered)
+                self._announce(report)
                 return {}
             if self.recorded_nothing():
                 s.log.warning("%s: this run recorded no training step and no evaluation loop; the files in %s are left "
@@ -202,6 +205,7 @@ class RunEnd:
             if summaries is not None and engine.rank == 0:
                 report = dict(report, files=s.files, ranks=summaries)
             self._to_trackers(report, gathered)
+            self._announce(dict(report, files=s.files))
         except OSError as exc:  # a full disk, a folder removed: the previous set stays whole
             s.log.error("%s: could not write the memory files to %s (%s); the files there are left as they were.",
                         s.owner, s.output_dir, exc.strerror or exc)
@@ -230,6 +234,18 @@ class RunEnd:
             detach=distributed and end_write.DETACH_WRITER,
             owner=s.owner,
         )
+
+    def _announce(self, report: dict[str, Any]) -> None:
+        """Rank zero: the verdict and the files' folder on the console, through the adapter's channel."""
+        s = self.session
+        if s.engine.rank != 0 or not getattr(s.config, "console_summary", True):
+            return
+        try:
+            show = console_channel(s.framework)
+            for line in console_lines(report, s.history_frame()):
+                show(line)
+        except Exception:  # a closed stream, say: the files are written, the run is not the monitor's to fail
+            s.log.debug("the end-of-run console lines failed", exc_info=True)
 
     def rank_figures(self) -> dict[str, float]:
         """This rank's figures for the per-rank comparison (host: docs/host.md; device: the run's peak)."""

@@ -313,7 +313,7 @@ class MemoryEngine:
     def eval_log_values(self, row: list[Any] | None, stage: str) -> dict[str, float]:
         p = self.config.prefix
         short = {"validate": "val", "validation": "val", "sanity_check": "val"}.get(stage, stage)
-        keys = [f"{p}/{short}/allocated_GiB", f"{p}/{short}/peak_GiB", f"{p}/{short}/peak_reserved_GiB"]
+        keys = [f"{p}/{short}/allocated_GiB", f"{p}/{short}/peak_step_GiB", f"{p}/{short}/peak_reserved_GiB"]
         if row is None or not self.enabled:
             values = [_NAN] * 3
         else:

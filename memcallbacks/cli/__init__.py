@@ -14,6 +14,8 @@ _SUBCOMMAND_MODULES = (
     "memcallbacks.cli.estimate",
     "memcallbacks.cli.preflight",
     "memcallbacks.cli.report",
+    "memcallbacks.cli.compare",
+    "memcallbacks.cli.plot",
     "memcallbacks.cli.snapshot",
 )
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -59,7 +60,7 @@ def register(subparsers: Any) -> None:
                         f"default: params/{DEFAULT_LAYER_SHARE}, one block of a {DEFAULT_LAYER_SHARE}-block transformer, said in the output)")
     parser.add_argument("--trainable", metavar="N", help="parameters that are trained (with --params; default: all)")
     parser.add_argument("--layer-cls", metavar="NAMES", help="comma-separated class names of the FSDP units (with a model)")
-    parser.add_argument("--optimizer", default="adam", help=f"one of {', '.join(OPTIMIZERS)} with +flags (e.g. adamw+amsgrad), or bytes/param (default: adam)")
+    parser.add_argument("--optimizer", default="adamw", help=f"one of {', '.join(OPTIMIZERS)} with +flags (e.g. adamw+amsgrad), or bytes/param (default: adamw)")
     parser.add_argument("--precision", default="fp32", help=f"one of {', '.join(PRECISIONS)} or Lightning's strings (default: fp32)")
     parser.add_argument("--strategies", default="single,ddp,fsdp2,zero2,zero3", help=f"comma-separated, from {', '.join(STRATEGIES)}")
     parser.add_argument("--world-sizes", default="8", help="comma-separated data-parallel sizes (default: 8)")
@@ -277,6 +278,8 @@ def load_model_class(spec: str) -> nn.Module:
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise CliUsageError(f"--model {spec!r} is not MODULE:CLASS; pass e.g. --model mypkg.models:Net")
+    if "" not in sys.path and os.getcwd() not in sys.path:  # the installed script, like `python -m`, imports from here
+        sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:

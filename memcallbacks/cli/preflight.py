@@ -153,7 +153,7 @@ def _run(args: argparse.Namespace) -> int:
         out = {"batch_size": size, "prediction": prediction.to_dict(), "capacity_bytes": capacity,
                "max_batch_size": fit.batch_size if fit else None, "max_batch_peak_bytes": fit.peak_bytes if fit else None}
         print(json.dumps(out, indent=2))
-        return 0
+        return 1 if fit is not None and fit.batch_size == 0 else 0
     print(f"batch size {size}")
     print(prediction)
     if capacity is not None:
@@ -162,4 +162,6 @@ def _run(args: argparse.Namespace) -> int:
               f"(peak {format_bytes(prediction.peak_bytes)} in {prediction.peak_phase})")
     if fit is not None:
         print(fit)
+        if fit.batch_size == 0:  # no batch fits: a failure a script or CI can act on
+            return 1
     return 0

@@ -27,5 +27,5 @@ def _run(args: argparse.Namespace) -> int:
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     parser = subparsers.add_parser("report", help="print findings and per-phase peaks from a monitor's output_dir")
-    parser.add_argument("output_dir", help="the folder holding report.json and history.csv")
+    parser.add_argument("output_dir", help="the monitor's output folder (report.json, history.csv), or a run folder that holds it")
     parser.set_defaults(func=_run)

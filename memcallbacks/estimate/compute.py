@@ -54,7 +54,7 @@ def estimate(
     root_params: float | None = None,
     layer_cls: type | str | Sequence[type | str] | None = None,
     layer_names: Sequence[str] | None = None,
-    optimizer: OptimizerArg = "adam",
+    optimizer: OptimizerArg = "adamw",
     precision: str = "fp32",
     strategy: str = "single",
     world_size: int = 1,

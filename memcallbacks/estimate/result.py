@@ -58,13 +58,13 @@ class MemoryEstimate:
     """Gradients held on the device after backward, before ``zero_grad`` (sharded where sharded)."""
     device_optimizer: int
     """Optimizer state on the device, including DeepSpeed's fp32 master partition."""
-    device_buffers: int
+    device_comm_buffers: int
     """Persistent communication buffers: DDP's gradient buckets, DeepSpeed's reduce bucket."""
     device_forward_working: int
     """Transient bytes at the forward peak: gathered layers (FSDP/ZeRO-3), autocast weight casts."""
     device_backward_working: int
     """Transient bytes at the backward peak: gathered layer params and unsharded layer grads."""
-    device_step_working: int
+    device_optimizer_working: int
     """Transient bytes during ``optimizer.step()``: foreach temporaries, DeepSpeed's fp32 grad partition."""
     device_steady: int
     """At the start of a step (after ``zero_grad``): what never goes away."""
@@ -72,7 +72,7 @@ class MemoryEstimate:
     """Model-state peak during forward."""
     device_backward_peak: int
     """Model-state peak during backward."""
-    device_step_peak: int
+    device_optimizer_peak: int
     """Model-state peak during ``optimizer.step()``."""
     host_params: int
     """Parameters offloaded to host memory."""
@@ -92,7 +92,7 @@ class MemoryEstimate:
     @property
     def device_peak(self) -> int:
         """The largest of the four device phases."""
-        return max(self.device_steady, self.device_forward_peak, self.device_backward_peak, self.device_step_peak)
+        return max(self.device_steady, self.device_forward_peak, self.device_backward_peak, self.device_optimizer_peak)
 
     @property
     def host_peak_per_node(self) -> int:
@@ -141,15 +141,15 @@ class MemoryEstimate:
             "params": (self.device_params, self.host_params),
             "grads": (self.device_grads, self.host_grads),
             "optimizer": (self.device_optimizer, self.host_optimizer),
-            "buffers": (self.device_buffers, 0),
+            "comm_buffers": (self.device_comm_buffers, 0),
             "forward_working": (self.device_forward_working, 0),
             "backward_working": (self.device_backward_working, 0),
-            "step_working": (self.device_step_working, 0),
+            "optimizer_working": (self.device_optimizer_working, 0),
             "init": (0, self.host_init),
             "steady": (self.device_steady, self.host_steady),
             "forward_peak": (self.device_forward_peak, self.host_steady),
             "backward_peak": (self.device_backward_peak, self.host_steady),
-            "step_peak": (self.device_step_peak, self.host_peak),
+            "optimizer_peak": (self.device_optimizer_peak, self.host_peak),
             "peak": (self.device_peak, self.host_peak),
         }
         frame = pd.DataFrame.from_dict(rows, orient="index", columns=["device", "host"])

@@ -196,7 +196,7 @@ def _shard(
     per_phase = {
         "forward": est.device_forward_peak,
         "backward": est.device_backward_peak,
-        "optimizer": est.device_step_peak,
+        "optimizer": est.device_optimizer_peak,
     }
     breakdown = {}
     peaks = {}

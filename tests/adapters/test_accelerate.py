@@ -21,6 +21,7 @@ from helpers import (
     GIB, MIB, BackwardTemporary, TemporaryNet, free_port, leave_rank, set_rank_environment, tensorboard_scalars, touch_temporary,
     run_ranks,
 )
+from memcallbacks._base.columns import frame_column
 from memcallbacks import MonitorConfig
 from memcallbacks.accelerate import AccelerateMemoryMonitor
 
@@ -61,7 +62,7 @@ def test_tensorboard_tracker_receives_per_phase_peaks(tmp_path: Path) -> None:
     accelerator.end_training()
 
     # default output_dir: <project_dir>/memcallbacks
-    history = pd.read_csv(tmp_path / "memcallbacks" / "history.csv").set_index("step")
+    history = pd.read_csv(tmp_path / "memcallbacks" / "history.csv").rename(columns=frame_column).set_index("step")
     assert list(history.index) == [0, 1, 2, 3, 4, 5]
     scalars = tensorboard_scalars(tmp_path / "exp")
     assert {"memory/peak_forward_GiB", "memory/peak_backward_GiB", "memory/peak_optimizer_GiB", "memory/peak_step_GiB"} <= set(scalars)
@@ -276,7 +277,7 @@ def test_two_processes_log_max_over_ranks(tmp_path: Path) -> None:
     run_ranks(_rank_main, (2, free_port(), str(tmp_path)))
 
     mem = tmp_path / "memcallbacks"
-    ranks = [pd.read_csv(mem / f"history.rank{r}.csv").set_index("step") for r in (0, 1)]
+    ranks = [pd.read_csv(mem / f"history.rank{r}.csv").rename(columns=frame_column).set_index("step") for r in (0, 1)]
     assert [list(h.index) for h in ranks] == [[0, 1, 2], [0, 1, 2]]
     assert not (mem / "history.csv").exists()
     scalars = tensorboard_scalars(tmp_path / "exp")  # written by rank 0 only

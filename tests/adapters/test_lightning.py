@@ -30,6 +30,7 @@ from helpers import (
     trainer_kwargs,
     wandb_offline_history,
 )
+from memcallbacks._base.columns import frame_column
 from memcallbacks import MemoryMonitor
 from memcallbacks._runtime.sampling import COLUMNS
 
@@ -47,7 +48,7 @@ STEP_KEY_COLUMNS = {
 STEP_KEYS = [*STEP_KEY_COLUMNS, "memory/max_allocated_GiB", "memory/monitor_time_ms"]
 VAL_KEY_COLUMNS = {
     "memory/val/allocated_GiB": "allocated",
-    "memory/val/peak_GiB": "peak_allocated",
+    "memory/val/peak_step_GiB": "peak_allocated",
     "memory/val/peak_reserved_GiB": "peak_reserved",
 }
 SCRIPTS = Path(__file__).parents[1] / "scripts"
@@ -255,8 +256,8 @@ def test_validation_and_sanity_check_are_kept_apart_from_training_rows(tmp_path)
     assert (evals["peak_allocated"] >= evals["allocated"]).all()
 
     csv = csv_metrics(tmp_path / "csv" / "version_0" / "metrics.csv")
-    assert [s for s, _ in csv["memory/val/peak_GiB"]] == [s for s, _ in csv["val_loss"]] == [1, 3]  # no sanity-check point
-    assert [v for _, v in csv["memory/val/peak_GiB"]] == pytest.approx(list(evals["peak_allocated"][1:] / GIB), rel=1e-12)
+    assert [s for s, _ in csv["memory/val/peak_step_GiB"]] == [s for s, _ in csv["val_loss"]] == [1, 3]  # no sanity-check point
+    assert [v for _, v in csv["memory/val/peak_step_GiB"]] == pytest.approx(list(evals["peak_allocated"][1:] / GIB), rel=1e-12)
     on_disk = pd.read_csv(monitor.output_dir / "eval_history.csv")
     assert list(on_disk["stage"]) == ["sanity_check", "validate", "validate"]
 
@@ -279,7 +280,7 @@ def test_validate_test_predict_on_a_fresh_trainer(tmp_path):
     csv = csv_metrics(tmp_path / "csv" / "version_0" / "metrics.csv")
     for stage, row in zip(("val", "test", "predict"), evals.itertuples()):
         assert [v for _, v in csv[f"memory/{stage}/allocated_GiB"]] == pytest.approx([row.allocated / GIB], rel=1e-12)
-        assert [v for _, v in csv[f"memory/{stage}/peak_GiB"]] == pytest.approx([row.peak_allocated / GIB], rel=1e-12)
+        assert [v for _, v in csv[f"memory/{stage}/peak_step_GiB"]] == pytest.approx([row.peak_allocated / GIB], rel=1e-12)
 
 
 def test_validate_and_test_after_fit_on_the_same_trainer(tmp_path, caplog):
@@ -366,14 +367,14 @@ def test_output_files_in_default_dir(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["eval_history.csv", "history.csv", "memory.png", "report.json"]
 
     history = monitor.history
-    on_disk = pd.read_csv(out / "history.csv")
+    on_disk = pd.read_csv(out / "history.csv").rename(columns=frame_column)
     pd.testing.assert_frame_equal(on_disk, history, check_exact=False, rtol=1e-12)
     assert list(on_disk.columns) == [c for c in COLUMNS if c not in ("alloc_retries", "ooms", "inactive_split")]
     assert list(pd.read_csv(out / "eval_history.csv")["stage"]) == list(monitor.eval_history["stage"]) == ["validate", "validate"]
 
     report = json.loads((out / "report.json").read_text())
-    assert report["version"] == 1
-    assert report["config"] == monitor.config.to_dict()
+    assert report["version"] == 2
+    assert report["config"] == dict(monitor.config.to_dict(), output_dir=str(out))  # the folder used, resolved
     assert report["findings"] == []
     assert report["events"] == []
     summary = report["summary"]
@@ -408,7 +409,7 @@ def test_ddp_two_processes_log_the_max_over_ranks(tmp_path, strategy):
     names = sorted(p.name for p in mem.iterdir())
     assert {"history.rank0.csv", "history.rank1.csv", "report.rank0.json", "report.rank1.json", "report.json"} <= set(names), names
     assert "history.csv" not in names
-    h = [pd.read_csv(mem / f"history.rank{r}.csv") for r in (0, 1)]
+    h = [pd.read_csv(mem / f"history.rank{r}.csv").rename(columns=frame_column) for r in (0, 1)]
     for frame in h:
         assert list(frame["step"]) == [0, 1, 2]
     # rank 1 carries a 192 MiB forward temporary; rank 0 does not

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from helpers import GIB, MIB, TemporaryNet, touch_temporary
+from memcallbacks._base.columns import frame_column
 from memcallbacks import Monitor, MonitorConfig
 
 TEMP_MIB = 64
@@ -80,6 +81,8 @@ def test_forward_temporary_lands_in_peak_forward(tmp_path: Any, mode: str) -> No
     monitor.close()
 
     history = pd.read_csv(tmp_path / "history.csv")  # what was written, not what is in memory
+    assert "peak_forward_bytes" in history  # the file's byte columns carry their unit
+    history = history.rename(columns=frame_column)
     assert len(history) == 4
     assert list(history["step"]) == [0, 1, 2, 3]
     assert (history["optimizer_steps"] == 1).all()

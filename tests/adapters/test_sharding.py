@@ -87,7 +87,7 @@ def check_rank(record: dict[str, Any], strategy: str, precision: str) -> dict[st
         assert within(expected[kind], at_check[kind]), (kind, expected[kind], at_check[kind])
         assert at_check[kind] == measured[kind], kind
     # grads: alive between steps (Lightning zeroes them before backward) or None (the plain loop after step)
-    buckets = expected["buffers"]
+    buckets = expected["comm_buffers"]
     assert buckets == (theory["grads"] if strategy == "ddp" else 0)  # DDP's reducer buckets
     if at_check["grads"]:
         assert within(expected["grads"], at_check["grads"])

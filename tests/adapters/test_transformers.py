@@ -16,6 +16,7 @@ from helpers import GIB, MIB, free_port, leave_rank, set_rank_environment, tenso
 transformers = pytest.importorskip("transformers")
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
+from memcallbacks._base.columns import frame_column
 from memcallbacks.transformers import MemoryMonitorCallback  # noqa: E402
 
 KEYS = {"memory/peak_forward_GiB", "memory/peak_backward_GiB", "memory/peak_optimizer_GiB", "memory/peak_step_GiB", "memory/allocated_GiB"}
@@ -65,7 +66,7 @@ def test_trainer_tensorboard_gets_memory_metrics_with_accumulation(tmp_path: Pat
     trainer.train()
 
     # one row per optimizer step, each of gradient_accumulation_steps micro-batches
-    history = pd.read_csv(tmp_path / "out" / "memcallbacks" / "history.csv")
+    history = pd.read_csv(tmp_path / "out" / "memcallbacks" / "history.csv").rename(columns=frame_column)
     assert list(history["step"]) == [0, 1, 2, 3, 4, 5]
     assert (history["micro_batches"] == 2).all()
     assert (history["optimizer_steps"] == 1).all()
@@ -199,7 +200,7 @@ def test_two_processes_log_max_over_ranks(tmp_path: Path) -> None:
     run_ranks(_rank_main, (2, free_port(), str(tmp_path)))
 
     mem = tmp_path / "out" / "memcallbacks"
-    ranks = [pd.read_csv(mem / f"history.rank{r}.csv").set_index("step") for r in (0, 1)]
+    ranks = [pd.read_csv(mem / f"history.rank{r}.csv").rename(columns=frame_column).set_index("step") for r in (0, 1)]
     assert [list(h.index) for h in ranks] == [[0, 1, 2], [0, 1, 2]]
     scalars = tensorboard_scalars(tmp_path / "out")  # rank zero's TensorBoardCallback
     points = scalars["train/memory/peak_step_GiB"]

@@ -24,6 +24,7 @@ INVALID = {
     "output_dir": [3, ["runs"], b"runs"],
     "write_files": [1, "yes", None],
     "plot": [0, None],
+    "console_summary": [1, "yes", None],
     "log_to_trackers": [0, "yes"],
     "log_validation": ["true", 1],
     "reduce_across_ranks": [1, None],

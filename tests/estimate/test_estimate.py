@@ -219,7 +219,7 @@ def test_zero_reduce_bucket_counts_by_default_and_accumulation_keeps_zero2_parti
     base = dict(num_params=7e9, precision="bf16-mixed", strategy="zero2", world_size=8)
     with_bucket = estimate(**base)
     without = estimate(**base, reduce_bucket_size=0)
-    assert with_bucket.device_buffers == 500_000_000 * 2
+    assert with_bucket.device_comm_buffers == 500_000_000 * 2
     assert with_bucket.device_steady - without.device_steady == 10**9
     accum = estimate(**base, gradient_accumulation_steps=4)
     assert accum.device_forward_peak - with_bucket.device_forward_peak == 2 * 7e9 / 8  # fp16 grad partition
@@ -375,9 +375,9 @@ def test_measure_counts_shared_storage_once_and_skips_meta() -> None:
 def test_ddp_buckets_are_a_second_copy_of_the_grads_unless_bucket_views() -> None:
     copy = estimate(num_params=1e9, strategy="ddp", world_size=4, optimizer="sgd")
     view = estimate(num_params=1e9, strategy="ddp", world_size=4, optimizer="sgd", gradient_as_bucket_view=True)
-    assert copy.device_buffers == 4 * GB and copy.device_steady == 8 * GB
+    assert copy.device_comm_buffers == 4 * GB and copy.device_steady == 8 * GB
     assert copy.device_backward_peak == 12 * GB
-    assert view.device_buffers == 0 and view.device_steady == view.device_backward_peak == 8 * GB
+    assert view.device_comm_buffers == 0 and view.device_steady == view.device_backward_peak == 8 * GB
 
 
 def test_mixed_precision_on_one_device_keeps_no_persistent_low_precision_copy() -> None:
@@ -492,7 +492,7 @@ def _distributed_worker(rank: int, world_size: int, port: int, out_dir: str) -> 
                 "strategy": est.strategy,
                 "world_size": est.world_size,
                 "buckets": buckets,
-                "device_buffers": est.device_buffers,
+                "device_comm_buffers": est.device_comm_buffers,
                 "device_grads": est.device_grads,
             }
         torch.manual_seed(0)
@@ -537,9 +537,9 @@ def test_ddp_two_ranks_gloo_measured_equals_estimated(distributed_results, view)
         # the reducer's buckets hold every trainable gradient: a copy, or the grads themselves
         assert r["buckets"] == 328 * 4
         if view:
-            assert r["device_buffers"] == 0 and r["device_grads"] == r["buckets"]
+            assert r["device_comm_buffers"] == 0 and r["device_grads"] == r["buckets"]
         else:
-            assert r["device_buffers"] == r["buckets"]
+            assert r["device_comm_buffers"] == r["buckets"]
 
 
 @pytest.mark.slow

@@ -119,7 +119,7 @@ def check_model_states(report: dict[str, Any]) -> dict[str, Any]:
     expected, measured = states["expected"], states["measured_model_states"]
     assert expected["params"] == measured["params"] == 4 * N_PARAMS
     assert expected["grads"] == measured["grads"] == 4 * N_PARAMS
-    assert states["expected_steady_bytes"] == expected["params"] + expected["grads"] + expected["optimizer"] + expected["buffers"]
+    assert states["expected_steady_bytes"] == expected["params"] + expected["grads"] + expected["optimizer"] + expected["comm_buffers"]
     assert states["margin_bytes"] == MARGIN
     return states
 

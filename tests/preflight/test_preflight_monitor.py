@@ -164,7 +164,7 @@ def test_lightning_logs_predictions_that_match_measured_peaks(tmp_path: Path) ->
     written = json.loads(Path(monitor.files["report"]).read_text())["preflight"]
     assert written["comparison"] == pre["comparison"]
     on_disk = pd.read_csv(monitor.files["history"])
-    assert set(PREDICTED) <= set(on_disk.columns)
+    assert {f"{c}_bytes" for c in PREDICTED} <= set(on_disk.columns)  # the file's names carry their unit
     text = monitor.format_report()
     assert "pre-flight" in text and "measured vs predicted" in text
 

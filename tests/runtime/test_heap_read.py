@@ -150,10 +150,17 @@ def test_the_plot_draws_allocated_as_a_line_through_the_steps_that_read_it():
     allocated = [100 * MIB if s % 3 == 0 else math.nan for s in steps]  # read on steps 0, 3, 6, 9
     history = pd.DataFrame({"step": steps, "allocated": allocated, "reserved": [200 * MIB] * 10, "host_rss": [200 * MIB] * 10,
                             "peak_forward": [250 * MIB] * 10, "peak_backward": [260 * MIB] * 10, "peak_optimizer": [240 * MIB] * 10})
-    for source in ("rss_high_water_mark", "sampled"):  # sampled: the lower panel's baseline is allocated
-        fig = history_figure(history, peak_source=source)
-        top, bottom = fig.axes
-        line = next(line for line in top.get_lines() if line.get_label() == "allocated at step start")
-        assert list(line.get_xdata()) == [0, 3, 6, 9]  # one line through four points, not four dots
-        forward = next(line for line in bottom.get_lines() if line.get_label() == "forward")
-        assert len(forward.get_xdata()) == (10 if source == "rss_high_water_mark" else 4)
+    # sampled (a GPU-like device): the floor is allocated, one line through the four steps that read it
+    top, bottom = history_figure(history, peak_source="sampled").axes
+    line = next(line for line in top.get_lines() if line.get_label() == "allocated at step start (floor)")
+    assert list(line.get_xdata()) == [0, 3, 6, 9]  # one line through four points, not four dots
+    forward = next(line for line in bottom.get_lines() if line.get_label() == "forward")
+    assert len(forward.get_xdata()) == 4
+    # CPU: the floor and the peaks are resident memory; the heap is drawn as its change, never beside RSS
+    top, bottom = history_figure(history, peak_source="rss_high_water_mark").axes
+    labels = [line.get_label() for line in top.get_lines()]
+    assert "resident memory at step start (floor)" in labels and not [x for x in labels if "allocated" in x or "heap" in x], labels
+    heap = next(line for line in bottom.get_lines() if line.get_label().startswith("heap in use"))
+    assert list(heap.get_xdata()) == [0, 3, 6, 9] and list(heap.get_ydata()) == [0, 0, 0, 0]
+    forward = next(line for line in bottom.get_lines() if line.get_label() == "forward")
+    assert len(forward.get_xdata()) == 10 and min(forward.get_ydata()) >= 0

@@ -460,7 +460,7 @@ def test_clean_ddp_two_processes_has_no_findings(tmp_path):
         assert (states["strategy"], states["world_size"], states["step"]) == ("ddp", 2, 1)
         assert states["expected"]["params"] == states["measured_model_states"]["params"] == 4 * DDP_PARAMS
         assert states["expected"]["grads"] == states["measured_model_states"]["grads"] == 4 * DDP_PARAMS
-        assert states["expected"]["buffers"] == 4 * DDP_PARAMS  # gradient buckets, not reachable from Python
+        assert states["expected"]["comm_buffers"] == 4 * DDP_PARAMS  # gradient buckets, not reachable from Python
         assert abs(states["unexplained_bytes"]) < 4 * MIB
     assert FOUND not in proc.stdout + proc.stderr
     logged = csv_metrics(tmp_path / "logs" / "csv" / "version_0" / "metrics.csv")["memory/findings"]

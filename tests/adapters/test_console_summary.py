@@ -1,0 +1,116 @@
+"""At the end of a run, at defaults, every adapter shows the verdict and the files' folder on the
+console without the user configuring logging (Lightning through its own ``rank_zero_info``, the
+others with ``print``); ``console_summary=False`` shows nothing. Real fits; the lines are checked
+against the report.json the run wrote."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from memcallbacks import Monitor
+
+ROOT = Path(__file__).resolve().parents[2]
+
+LIGHTNING_FIT = textwrap.dedent('''
+    import sys
+    sys.path.insert(0, sys.argv[1])
+    import lightning.pytorch as L
+    from helpers import BoringModel, RandomDataModule, trainer_kwargs
+    from memcallbacks import MemoryMonitor
+
+    monitor = MemoryMonitor() if sys.argv[3] == "on" else MemoryMonitor(console_summary=False)
+    L.Trainer(**trainer_kwargs(sys.argv[2], max_steps=5, callbacks=[monitor])).fit(BoringModel(), datamodule=RandomDataModule())
+''')
+
+
+def check_lines(text: str, folder: Path) -> None:
+    """The verdict line is report.json's, and the files' line names the folder it is in."""
+    report = json.loads((folder / "report.json").read_text())
+    lines = [line for line in text.splitlines() if line.startswith("memcallbacks: ")]
+    assert lines[0] == report["verdict"][0], (lines, report["verdict"])
+    assert lines[0].startswith("memcallbacks: no problem found in "), lines
+    assert lines[-1].startswith(f"memcallbacks: files in {folder}"), lines
+    assert len(lines) == 2, lines
+
+
+@pytest.mark.parametrize("switch", ["on", "off"])
+def test_lightning_shows_the_verdict_through_rank_zero_info(tmp_path: Path, switch: str) -> None:
+    script = tmp_path / "fit.py"
+    script.write_text(LIGHTNING_FIT)
+    done = subprocess.run([sys.executable, str(script), str(ROOT / "tests"), str(tmp_path), switch], capture_output=True,
+                          text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    if switch == "off":
+        assert "memcallbacks: " not in done.stdout + done.stderr
+        return
+    # Lightning's logger writes INFO to stderr, as its "GPU available" lines
+    assert "GPU available" in done.stderr and "memcallbacks: no problem found" in done.stderr, done.stderr[-2000:]
+    check_lines(done.stderr, tmp_path / "memcallbacks")
+
+
+def test_plain_monitor_prints_the_verdict(tmp_path: Path, capsys: Any) -> None:
+    model = torch.nn.Linear(16, 1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    monitor = Monitor(model, opt, output_dir=str(tmp_path), plot=False, device="cpu")
+    for _ in monitor.track(range(5)):
+        model(torch.randn(8, 16)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    monitor.close()
+    check_lines(capsys.readouterr().out, tmp_path)
+
+
+def test_plain_monitor_without_files_prints_the_verdict_only(capsys: Any) -> None:
+    model = torch.nn.Linear(16, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    monitor = Monitor(model, opt, write_files=False, device="cpu")
+    for _ in monitor.track(range(3)):
+        model(torch.randn(8, 16)).sum().backward()
+        opt.step()
+    monitor.close()
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("memcallbacks: ")]
+    assert len(lines) == 1 and lines[0].startswith("memcallbacks: no problem found in 3 steps"), lines
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_accelerate_prints_the_verdict(tmp_path: Path, capsys: Any) -> None:
+    accelerate = pytest.importorskip("accelerate")
+    from memcallbacks.accelerate import AccelerateMemoryMonitor
+
+    accelerator = accelerate.Accelerator(cpu=True, project_dir=str(tmp_path))
+    model = torch.nn.Linear(16, 1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = accelerator.prepare(model, opt)
+    monitor = AccelerateMemoryMonitor(accelerator, plot=False)
+    for _ in monitor.track(range(5)):
+        accelerator.backward(model(torch.randn(8, 16)).sum())
+        opt.step()
+        opt.zero_grad()
+    monitor.close()
+    check_lines(capsys.readouterr().out, tmp_path / "memcallbacks")
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_transformers_trainer_prints_the_verdict(tmp_path: Path, capsys: Any) -> None:
+    transformers = pytest.importorskip("transformers")
+    from memcallbacks.transformers import MemoryMonitorCallback
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0, eos_token_id=0)
+    ids = torch.randint(0, 64, (16, 8), generator=torch.Generator().manual_seed(0))
+    data = [{"input_ids": row, "labels": row} for row in ids]
+    args = transformers.TrainingArguments(output_dir=str(tmp_path / "out"), use_cpu=True, report_to=[], max_steps=4,
+                                          per_device_train_batch_size=4, save_strategy="no", disable_tqdm=True)
+    trainer = transformers.Trainer(model=transformers.GPT2LMHeadModel(config), args=args, train_dataset=data,
+                                   callbacks=[MemoryMonitorCallback(plot=False)])
+    trainer.train()
+    check_lines(capsys.readouterr().out, tmp_path / "out" / "memcallbacks")
