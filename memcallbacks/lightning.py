@@ -13,11 +13,13 @@ import copy
 import importlib
 import importlib.util
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
-from memcallbacks._base.config import MonitorConfig, check_config_names, resolve_config
+from memcallbacks._base.config import (
+    AdvancedOptions, KeywordCheck, LeakOptions, MonitorConfig, SnapshotOptions, given_fields, resolve_config, settings_of,
+)
 from memcallbacks._base.columns import BACKWARD, FORWARD, OPTIMIZER, OTHER
 from memcallbacks._runtime.guard import entry_point, quiet_gate
 from memcallbacks._runtime.results import SessionResults
@@ -33,7 +35,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["MemoryMonitor"]
 
-_DEFAULT_PREFIX = MonitorConfig.__dataclass_fields__["prefix"].default
+_DEFAULT_PREFIX = AdvancedOptions.prefix
 
 
 def _callback_bases() -> tuple[type, ...]:
@@ -54,12 +56,13 @@ def _callback_bases() -> tuple[type, ...]:
     return tuple(bases)
 
 
-class MemoryMonitor(SessionResults, *_callback_bases()):  # type: ignore[misc]
+class MemoryMonitor(KeywordCheck, SessionResults, *_callback_bases()):  # type: ignore[misc]
     """Per-phase memory peaks on every training step, logged through the trainer's loggers.
 
     Args:
-        config: a :class:`~memcallbacks.MonitorConfig`, a dict of its fields, or None.
-        **kwargs: any :class:`~memcallbacks.MonitorConfig` field, overriding ``config``.
+        config: a :class:`~memcallbacks.MonitorConfig`, a dict of its fields, or None; the
+            keywords you write win over it.
+        The keywords are :class:`~memcallbacks.MonitorConfig`'s fields (docs/configuration.md).
 
     Example::
 
@@ -78,14 +81,27 @@ class MemoryMonitor(SessionResults, *_callback_bases()):  # type: ignore[misc]
 
     _quiet = False  # the current step is quiet (the session's plan said so): the step hooks return at once
 
-    def __init__(self, config: MonitorConfig | dict[str, Any] | None = None, **kwargs: Any) -> None:
-        if config is None:
-            check_config_names(kwargs, "MemoryMonitor")
-            # a literal MonitorConfig(**kwargs) lets LightningCLI/jsonargparse see every field as an init arg
-            self.config = MonitorConfig(**kwargs)
-        else:
-            self.config = resolve_config(config, kwargs, "MemoryMonitor")
-        self._session = Session(self.config, "lightning", "MemoryMonitor", log)
+    def __init__(
+        self,
+        config: MonitorConfig | dict[str, Any] | None = None,
+        *,
+        log_every_n_steps: int | None = None,
+        sample_every_n_steps: int | None = None,
+        log_keys: str | Sequence[str] = "default",
+        output_dir: str | None = None,
+        write_files: bool = True,
+        plot: bool = True,
+        detect_leaks: bool = True,
+        watch_host: bool = True,
+        preflight: bool = False,
+        capacity_bytes: int | str | None = None,
+        auto_snapshot: bool = False,
+        leaks: LeakOptions = LeakOptions(),
+        snapshot: SnapshotOptions = SnapshotOptions(),
+        advanced: AdvancedOptions = AdvancedOptions(),
+    ) -> None:
+        self.config = resolve_config(config, given_fields(locals(), self._keywords), "MemoryMonitor")
+        self._session = Session(settings_of(self.config), "lightning", "MemoryMonitor", log)
         self._is_quiet = self._session.plan.quiet  # the plan's one quiet test, asked by the step hooks' gate
         self._stepped = False
         self._automatic = True
@@ -109,7 +125,10 @@ class MemoryMonitor(SessionResults, *_callback_bases()):  # type: ignore[misc]
         trainer = self._trainer
         if trainer is not None and trainer.is_global_zero:
             for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=step)
+                # keys joined as the logger groups them, as Lightning's DeviceStatsMonitor does
+                separator = getattr(logger, "group_separator", "/")
+                named = metrics if separator == "/" else {k.replace("/", separator): v for k, v in metrics.items()}
+                logger.log_metrics(named, step=step)
 
     # ------------------------------------------------------------------ lifecycle hooks
     @entry_point("setup")
@@ -270,9 +289,10 @@ class MemoryMonitor(SessionResults, *_callback_bases()):  # type: ignore[misc]
         with different prefixes keep apart in one Trainer and in its checkpoints. ``output_dir``
         is not part of the key: a run resumed into a new folder still restores its history.
         """
-        if self.config.prefix == _DEFAULT_PREFIX:
+        prefix = self.config.advanced.prefix
+        if prefix == _DEFAULT_PREFIX:
             return type(self).__qualname__
-        return self._generate_state_key(prefix=self.config.prefix)
+        return self._generate_state_key(prefix=prefix)
 
     def state_dict(self) -> dict[str, Any]:
         return self._state_dict() or {}  # an internal fault saves an empty state, never fails the checkpoint
