@@ -19,8 +19,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from memcallbacks.monitor import Monitor
 
 __all__ = [
-    "MonitorConfig", "LeakOptions", "SnapshotOptions", "AdvancedOptions", "Finding", "MemoryMonitor", "Monitor", "AccelerateMemoryMonitor", "MemoryMonitorCallback",
-    "__version__",
+    "MonitorConfig", "LeakOptions", "SnapshotOptions", "AdvancedOptions", "Finding",
+    "MemoryMonitor", "Monitor", "AccelerateMemoryMonitor", "MemoryMonitorCallback", "__version__",
 ]
 
 _LAZY = {

@@ -54,15 +54,18 @@ def _parameters(cls: type) -> frozenset[str]:
     return frozenset(p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)) - {"self"}
 
 
-def _normalise(owner: str, obj: Any) -> None:
+def _normalise(owner: str, obj: Any) -> dict[str, Any]:
     """Whole numbers of any type (``np.int64(10)``, ``10.0``) as ints, sizes (``"80 GiB"``) as
-    bytes in the fields that take bytes, real numbers as floats; a fraction is refused by name."""
+    bytes in the fields that take bytes, real numbers as floats; a fraction is refused by name.
+    Returns the sizes as written, for messages."""
+    written = {}
     for f in dataclasses.fields(obj):
         value, kind = getattr(obj, f.name), str(f.type)  # annotations are strings here
         if value is None or isinstance(value, bool):
             continue
         if "int | str" in kind and isinstance(value, str):
             object.__setattr__(obj, f.name, parse_size(value, f"{owner}.{f.name}"))
+            written[f.name] = value
         elif kind.startswith("int") and isinstance(value, numbers.Real) and not isinstance(value, int):
             number = float(value)
             if isinstance(value, numbers.Integral):
@@ -74,6 +77,7 @@ def _normalise(owner: str, obj: Any) -> None:
                 raise _fail(owner, f.name, value, f"it must be a whole number; pass an integer such as {example}.")
         elif kind.startswith("float") and isinstance(value, numbers.Real) and not isinstance(value, (int, float)):
             object.__setattr__(obj, f.name, float(value))
+    return written
 
 
 def _check_bools(owner: str, obj: Any, *names: str) -> None:
@@ -82,12 +86,13 @@ def _check_bools(owner: str, obj: Any, *names: str) -> None:
             raise _fail(owner, name, getattr(obj, name), "pass True or False.")
 
 
-def _check_int(owner: str, obj: Any, name: str, least: int, fix: str = "", *, none: bool = False) -> None:
+def _check_int(owner: str, obj: Any, name: str, least: int, fix: str = "", *, none: bool = False,
+               written: dict[str, Any] | None = None) -> None:
     value = getattr(obj, name)
     if value is None and none:
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < least:
-        raise _fail(owner, name, value, fix or f"pass an integer of at least {least}" + (", or None." if none else "."))
+        raise _fail(owner, name, (written or {}).get(name, value), fix or f"pass an integer of at least {least}" + (", or None." if none else "."))
 
 
 def _is_fraction(value: Any, low: float, high: float, *, low_open: bool = True) -> bool:
@@ -138,11 +143,11 @@ class LeakOptions(KeywordCheck):
 
     def __post_init__(self) -> None:
         owner = "LeakOptions"
-        _normalise(owner, self)
+        written = _normalise(owner, self)
         _check_bools(owner, self, "gc_disable_automatic", "estimate_model_states")
         for name, least in (("growth_warmup_steps", 0), ("growth_min_bytes_per_step", 1), ("growth_min_total_bytes", 1),
                             ("lingering_min_bytes", 0), ("unexplained_margin_bytes", 0)):
-            _check_int(owner, self, name, least)
+            _check_int(owner, self, name, least, written=written)
         if not _is_fraction(self.census_time_budget_s, 0, 600):
             raise _fail(owner, "census_time_budget_s", self.census_time_budget_s, "pass a number of seconds in (0, 600], e.g. 2.0.")
         _check_int(owner, self, "gc_every_n_steps", 1, "pass a positive integer (e.g. 100), or None to leave garbage "
@@ -189,7 +194,7 @@ class SnapshotOptions(KeywordCheck):
 
     def __post_init__(self) -> None:
         owner = "SnapshotOptions"
-        _normalise(owner, self)
+        written = _normalise(owner, self)
         _check_bools(owner, self, "on_alloc_retries", "on_findings")
         if self.policy not in ("always", "armed", "off"):
             raise _fail(owner, "policy", self.policy, "pass 'always', 'armed' or 'off'.")
@@ -198,7 +203,7 @@ class SnapshotOptions(KeywordCheck):
             raise _fail(owner, "capacity_fraction", frac, "pass a fraction in (0, 1], e.g. 0.9, or None to turn the capacity trigger off.")
         for name, least, none in (("peak_bytes", 1, True), ("every_n_steps", 1, True), ("steps", 1, False),
                                   ("max_snapshots", 1, False), ("max_bytes", 1 << 20, False), ("max_entries", 1000, False)):
-            _check_int(owner, self, name, least, none=none)
+            _check_int(owner, self, name, least, none=none, written=written)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -252,14 +257,14 @@ class AdvancedOptions(KeywordCheck):
 
     def __post_init__(self) -> None:
         owner = "AdvancedOptions"
-        _normalise(owner, self)
+        written = _normalise(owner, self)
         _check_bools(owner, self, "log_validation", "log_to_trackers", "reduce_across_ranks", "strict")
         if not _is_fraction(self.overhead_budget, 0, 1):
             raise _fail(owner, "overhead_budget", self.overhead_budget, "pass a fraction of step time in (0, 1], e.g. 0.01 for 1%.")
         _check_int(owner, self, "cpu_mmap_threshold", 4096, "pass a byte count between 4096 and 2**30 (e.g. '1 MiB'), or None "
-                   "to leave malloc alone.", none=True)
+                   "to leave malloc alone.", none=True, written=written)
         if self.cpu_mmap_threshold is not None and self.cpu_mmap_threshold > 1 << 30:
-            raise _fail(owner, "cpu_mmap_threshold", self.cpu_mmap_threshold, "pass a byte count between 4096 and 2**30 (e.g. '1 MiB').")
+            raise _fail(owner, "cpu_mmap_threshold", written.get("cpu_mmap_threshold", self.cpu_mmap_threshold), "pass a byte count between 4096 and 2**30 (e.g. '1 MiB').")
         if not _is_fraction(self.preflight_tolerance, 0, 10, low_open=False):
             raise _fail(owner, "preflight_tolerance", self.preflight_tolerance, "pass a fraction in [0, 10], e.g. 0.25 for 25% above the prediction.")
         if not isinstance(self.prefix, str) or not self.prefix.strip("/") or self.prefix != self.prefix.strip("/ "):
@@ -345,10 +350,10 @@ class MonitorConfig(KeywordCheck):
                 object.__setattr__(self, name, cls(**value))
             elif not isinstance(value, cls):
                 raise _fail(owner, name, value, f"pass {cls.__name__}(...) or a dict of its fields.")
-        _normalise(owner, self)
+        written = _normalise(owner, self)
         object.__setattr__(self, "log_keys", check_log_keys(self.log_keys, owner))
         self._check_cadence_and_files()
-        self._check_switches()
+        self._check_switches(written)
 
     def _check_cadence_and_files(self) -> None:
         owner = "MonitorConfig"
@@ -362,14 +367,14 @@ class MonitorConfig(KeywordCheck):
                 raise _fail(owner, "output_dir", self.output_dir, "pass a folder path, or None for the default folder.")
         _check_bools(owner, self, "write_files", "plot", "detect_leaks", "watch_host", "preflight", "auto_snapshot")
 
-    def _check_switches(self) -> None:
+    def _check_switches(self, written: dict[str, Any]) -> None:
         """Settings that do nothing without their switch are refused, naming the switch."""
         owner = "MonitorConfig"
         _check_int(owner, self, "capacity_bytes", 1 << 20, "pass a byte count of at least 2**20, or a size such as '80 GiB', "
-                   "or None for the device's capacity.", none=True)
+                   "or None for the device's capacity.", none=True, written=written)
         if not self.preflight:
             if self.capacity_bytes is not None:
-                raise _fail(owner, "capacity_bytes", self.capacity_bytes, "the pre-flight's capacity does nothing without "
+                raise _fail(owner, "capacity_bytes", written.get("capacity_bytes", self.capacity_bytes), "the pre-flight's capacity does nothing without "
                             "preflight=True; set preflight=True, or leave capacity_bytes at None.")
             if self.advanced.preflight_tolerance != AdvancedOptions.preflight_tolerance:
                 raise _fail(owner, "advanced.preflight_tolerance", self.advanced.preflight_tolerance, "it does nothing "
