@@ -475,7 +475,7 @@ def _ckpt_states(path: Path) -> dict:
 def test_two_monitors_in_one_trainer_log_and_checkpoint_apart(tmp_path):
     """Each monitor has its own prefix (its keys, its state_key) and output_dir; a resumed fit gives each its own history back."""
     every = MemoryMonitor(log_every_n_steps=1, sample_every_n_steps=1, output_dir=str(tmp_path / "every"))
-    second = MemoryMonitor(prefix="mem2", log_every_n_steps=2, sample_every_n_steps=2, output_dir=str(tmp_path / "second"))
+    second = MemoryMonitor(log_every_n_steps=2, sample_every_n_steps=2, output_dir=str(tmp_path / "second"), advanced={"prefix": "mem2"})
     assert every.state_key == "MemoryMonitor"  # the key of earlier releases: their checkpoints still load
     assert second.state_key == "MemoryMonitor{'prefix': 'mem2'}"
     ckpt = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_last=True)
@@ -495,7 +495,7 @@ def test_two_monitors_in_one_trainer_log_and_checkpoint_apart(tmp_path):
 
     # resume with the monitors in the other order, into new folders: each state finds its monitor
     every2 = MemoryMonitor(log_every_n_steps=1, sample_every_n_steps=1, output_dir=str(tmp_path / "every2"))
-    second2 = MemoryMonitor(prefix="mem2", log_every_n_steps=2, sample_every_n_steps=2, output_dir=str(tmp_path / "second2"))
+    second2 = MemoryMonitor(log_every_n_steps=2, sample_every_n_steps=2, output_dir=str(tmp_path / "second2"), advanced={"prefix": "mem2"})
     trainer = fit(
         tmp_path, every2, max_steps=6, callbacks=[second2, every2, ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_last=True)],
         enable_checkpointing=True, ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"),
@@ -509,7 +509,7 @@ def test_two_monitors_in_one_trainer_log_and_checkpoint_apart(tmp_path):
 
 def test_resume_restores_a_state_saved_under_the_old_key(tmp_path):
     """Earlier releases keyed every monitor by the class name: a monitor with another prefix still gets its history back."""
-    first = MemoryMonitor(prefix="gpu_mem", log_every_n_steps=1, sample_every_n_steps=1, write_files=False)
+    first = MemoryMonitor(log_every_n_steps=1, sample_every_n_steps=1, write_files=False, advanced={"prefix": "gpu_mem"})
     ckpt = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_last=True)
     fit(tmp_path, first, max_steps=3, callbacks=[first, ckpt], enable_checkpointing=True)
     checkpoint = torch.load(str(tmp_path / "ckpt" / "last.ckpt"), map_location="cpu", weights_only=False)
@@ -517,7 +517,7 @@ def test_resume_restores_a_state_saved_under_the_old_key(tmp_path):
     old = tmp_path / "old_key.ckpt"
     torch.save(checkpoint, str(old))
 
-    second = MemoryMonitor(prefix="gpu_mem", log_every_n_steps=1, sample_every_n_steps=1, write_files=False)
+    second = MemoryMonitor(log_every_n_steps=1, sample_every_n_steps=1, write_files=False, advanced={"prefix": "gpu_mem"})
     with pytest.warns(UserWarning, match="callbacks used to create the checkpoint"):  # Lightning's own note on the unknown key
         fit(tmp_path, second, max_steps=5, ckpt_path=str(old))
     assert list(second.history["step"]) == [0, 1, 2, 3, 4]
@@ -528,7 +528,7 @@ def test_resume_restores_a_state_saved_under_the_old_key(tmp_path):
 def test_two_monitors_writing_to_one_folder_are_refused_before_training(tmp_path, output_dir):
     folder = None if output_dir is None else str(tmp_path / output_dir)
     first = MemoryMonitor(output_dir=folder)
-    second = MemoryMonitor(prefix="mem2", output_dir=folder)
+    second = MemoryMonitor(output_dir=folder, advanced={"prefix": "mem2"})
     model = BoringModel()
     with pytest.raises(ValueError) as info:
         fit(tmp_path, first, model, callbacks=[first, second], logger=loggers(tmp_path))
@@ -540,7 +540,7 @@ def test_two_monitors_writing_to_one_folder_are_refused_before_training(tmp_path
     assert model.training_steps_run == 0 and first.history.empty and second.history.empty
 
     # one of them without files is fine
-    quiet = MemoryMonitor(prefix="mem2", output_dir=folder, write_files=False, log_every_n_steps=1, sample_every_n_steps=1)
+    quiet = MemoryMonitor(output_dir=folder, write_files=False, log_every_n_steps=1, sample_every_n_steps=1, advanced={"prefix": "mem2"})
     fit(tmp_path / "ok", first, max_steps=2, callbacks=[first, quiet])
     assert len(quiet.history) == 2 and len(first.history) > 0
 
@@ -552,7 +552,7 @@ def test_two_monitors_with_one_prefix_are_refused_by_either_trainer(tmp_path):
         same = [MemoryMonitor(output_dir=str(tmp_path / "a")), MemoryMonitor(output_dir=str(tmp_path / "b"))]
         with pytest.raises(RuntimeError, match="state_key"):
             trainer_cls(**trainer_kwargs(tmp_path, callbacks=same))
-        apart = [MemoryMonitor(output_dir=str(tmp_path / "a")), MemoryMonitor(prefix="b", output_dir=str(tmp_path / "b"))]
+        apart = [MemoryMonitor(output_dir=str(tmp_path / "a")), MemoryMonitor(output_dir=str(tmp_path / "b"), advanced={"prefix": "b"})]
         trainer = trainer_cls(**trainer_kwargs(tmp_path, callbacks=apart))
         assert [cb.state_key for cb in trainer.callbacks if isinstance(cb, MemoryMonitor)] == ["MemoryMonitor", "MemoryMonitor{'prefix': 'b'}"]
 
@@ -669,7 +669,7 @@ def test_internal_error_still_leaves_a_report(tmp_path):
 
 
 def test_strict_reraises_internal_errors(tmp_path):
-    monitor = MemoryMonitor(log_every_n_steps=1, sample_every_n_steps=1, strict=True, write_files=False)
+    monitor = MemoryMonitor(log_every_n_steps=1, sample_every_n_steps=1, write_files=False, advanced={"strict": True})
     model = BoringModel()
     with pytest.raises(RuntimeError, match="injected backend fault"):
         fit(tmp_path, monitor, model, max_steps=5, callbacks=[InjectBackendFault(monitor, 2), monitor])

@@ -206,7 +206,7 @@ def test_track_accumulation_logged_steps_when_only_logged_steps_are_sampled() ->
     calls: list[int] = []
     model = TemporaryNet()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    monitor = Monitor(model, optimizer, lambda metrics, step: calls.append(step), log_every_n_steps=2, sample_every_n_steps=1000, write_files=False, cpu_mmap_threshold=1 << 20)
+    monitor = Monitor(model, optimizer, lambda metrics, step: calls.append(step), log_every_n_steps=2, sample_every_n_steps=1000, write_files=False, advanced={"cpu_mmap_threshold": 1 << 20})
     train(monitor, model, optimizer, batches(12), "track", accumulate=2)
     monitor.close()
 
@@ -356,7 +356,7 @@ def test_log_fn_gets_documented_keys_on_logged_steps() -> None:
     calls: list[tuple[int, dict[str, float]]] = []
     model = TemporaryNet(forward_mib=TEMP_MIB // 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    monitor = Monitor(model, optimizer, lambda metrics, step: calls.append((step, metrics)), log_every_n_steps=2, write_files=False, cpu_mmap_threshold=1 << 20)
+    monitor = Monitor(model, optimizer, lambda metrics, step: calls.append((step, metrics)), log_every_n_steps=2, write_files=False, advanced={"cpu_mmap_threshold": 1 << 20})
     train(monitor, model, optimizer, batches(6), "track")
     monitor.close()
 
@@ -375,7 +375,7 @@ def test_log_fn_gets_documented_keys_on_logged_steps() -> None:
 
 def test_prefix_renames_every_key() -> None:
     calls: list[dict[str, float]] = []
-    monitor = Monitor(log_fn=lambda m, s: calls.append(m), prefix="mem/train", log_every_n_steps=1, write_files=False)
+    monitor = Monitor(log_fn=lambda m, s: calls.append(m), log_every_n_steps=1, write_files=False, advanced={"prefix": "mem/train"})
     with monitor.step():
         pass
     monitor.close()

@@ -183,7 +183,7 @@ def _rank_main(rank: int, world_size: int, port: int, out: str) -> None:
             touch_temporary(RANK_TEMP_MIB)
 
         model.register_forward_pre_hook(temporary)
-    monitor = MemoryMonitorCallback(sample_every_n_steps=1, cpu_mmap_threshold=1 << 20, plot=False)
+    monitor = MemoryMonitorCallback(sample_every_n_steps=1, plot=False, advanced={"cpu_mmap_threshold": 1 << 20})
     args = training_args(Path(out), gradient_accumulation_steps=1, max_steps=3, logging_steps=1)
     trainer = Trainer(model=model, args=args, train_dataset=TokenData(), callbacks=[monitor])
     assert trainer.args.world_size == world_size

@@ -28,8 +28,7 @@ def logged_keys() -> set[str]:
     model = torch.nn.Linear(16, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     keys: set[str] = set()
-    monitor = Monitor(model, opt, lambda metrics, step: keys.update(metrics), write_files=False, log_every_n_steps=1,
-                      device="cpu", gc_every_n_steps=2)
+    monitor = Monitor(model, opt, lambda metrics, step: keys.update(metrics), write_files=False, log_every_n_steps=1, device="cpu", leaks={"gc_every_n_steps": 2})
     for _ in monitor.track(range(6)):
         model(torch.randn(8, 16)).sum().backward()
         opt.step()

@@ -49,7 +49,7 @@ def test_every_integer_field_refuses_a_fraction_by_name(name: str) -> None:
 def test_whole_numbers_through_every_entry_point() -> None:
     assert Monitor(write_files=False, log_every_n_steps=np.int64(10)).config.log_every_n_steps == 10
     assert Monitor(write_files=False, config={"log_every_n_steps": 10.0}).config.log_every_n_steps == 10
-    assert MonitorConfig(overhead_budget=np.float32(0.5)).overhead_budget == 0.5
+    assert MonitorConfig(advanced={"overhead_budget": np.float32(0.5)}).overhead_budget == 0.5
     with pytest.raises(ValueError, match=r"log_every_n_steps=10.5 is invalid: it must be a whole number; pass an integer such as 10"):
         Monitor(write_files=False, log_every_n_steps=10.5)
     for bad in (float("nan"), float("inf")):
@@ -63,7 +63,7 @@ def test_whole_numbers_through_every_entry_point() -> None:
 def test_a_keyword_equal_to_its_default_wins_over_config() -> None:
     from memcallbacks import MemoryMonitor
 
-    base = MonitorConfig(detect_leaks=False, growth_warmup_steps=9, prefix="gpu")
+    base = MonitorConfig(detect_leaks=False, leaks={"growth_warmup_steps": 9}, advanced={"prefix": "gpu"})
     for cls in (Monitor, MemoryMonitor):
         kwargs: dict[str, Any] = {"write_files": False} if cls is Monitor else {}
         config = cls(config=base, detect_leaks=True, growth_warmup_steps=4, prefix="memory", **kwargs).config

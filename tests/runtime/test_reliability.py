@@ -51,7 +51,7 @@ class Step5Fails(BoringModel):
 
 
 def test_failed_lightning_fit_restores_gc_and_closes_the_backend(tmp_path: Path) -> None:
-    monitor = MemoryMonitor(gc_every_n_steps=2, gc_disable_automatic=True, output_dir=str(tmp_path / "mem"))
+    monitor = MemoryMonitor(output_dir=str(tmp_path / "mem"), leaks={"gc_every_n_steps": 2, "gc_disable_automatic": True})
     trainer = L.Trainer(**trainer_kwargs(tmp_path, max_steps=8, callbacks=[monitor]))
     with pytest.raises(ValueError, match="user bug at step 5"):
         trainer.fit(Step5Fails(), RandomDataModule(batches=8))
@@ -66,7 +66,7 @@ def test_monitor_dropped_without_close_removes_its_global_hooks(tmp_path: Path) 
     def loop() -> None:
         model = TemporaryNet()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-        monitor = Monitor(model, optimizer, output_dir=str(tmp_path), gc_every_n_steps=1, gc_disable_automatic=True)
+        monitor = Monitor(model, optimizer, output_dir=str(tmp_path), leaks={"gc_every_n_steps": 1, "gc_disable_automatic": True})
         for batch in monitor.track(torch.randn(3, 4, 32).unbind(0)):
             model(batch).sum().backward()
             optimizer.step()
