@@ -29,7 +29,7 @@ from accelerate import Accelerator  # noqa: E402
 pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
 
 TEMP_MIB = 64
-CPU = dict(cpu_mmap_threshold=1 << 20, sample_every_n_steps=1)
+CPU = dict(advanced={"cpu_mmap_threshold": 1 << 20}, sample_every_n_steps=1)
 
 
 def loader(batches: int, dim: int = 32) -> torch.utils.data.DataLoader:

@@ -21,7 +21,7 @@ from helpers import GIB, MIB, TemporaryNet, touch_temporary
 from memcallbacks import Monitor, MonitorConfig
 
 TEMP_MIB = 64
-CPU = dict(cpu_mmap_threshold=1 << 20, sample_every_n_steps=1)
+CPU = dict(advanced={"cpu_mmap_threshold": 1 << 20}, sample_every_n_steps=1)
 # earlier tests' garbage (cycles holding tensors) freed by a collection inside a phase would lower
 # the RSS while a temporary raises it: collect before each test
 pytestmark = pytest.mark.usefixtures("collected_heap")

@@ -95,9 +95,9 @@ def test_full_disk_keeps_the_first_run_whole(tmp_path: Path) -> None:
         # two pages free: the second run's history.csv (2 pages) fits, its report.json (2 pages, with
         # one gc record per step) does not, even after the first history's page is freed by a rename
         os.truncate(folder / "filler", (folder / "filler").stat().st_size - 2 * 4096)
-        second = plain_run(tmp_path / "probe", 30, plot=False, gc_every_n_steps=1)
+        second = plain_run(tmp_path / "probe", 30, plot=False, leaks={"gc_every_n_steps": 1})
         assert os.path.getsize(second.files["history"]) > 4096 and os.path.getsize(second.files["report"]) > 4096
-        plain_run(folder, 30, plot=False, gc_every_n_steps=1)  # must not raise, must not mix
+        plain_run(folder, 30, plot=False, leaks={"gc_every_n_steps": 1})  # must not raise, must not mix
         report, history = load_output_dir(folder)
         assert report["summary"]["steps_seen"] == 4 and len(history) == 4
         assert not list(folder.glob(".*.tmp"))
@@ -157,7 +157,7 @@ def test_use_after_close_warns_and_passes_the_loop_through(tmp_path: Path, caplo
 
 
 # ---------------------------------------------------------------------- 6. refused configuration
-@pytest.mark.parametrize("bad", [dict(snapshot_every_n_steps=10), dict(snapshot_peak_bytes=1 << 30), dict(output_dir="")])
+@pytest.mark.parametrize("bad", [dict(snapshot={"every_n_steps": 10}), dict(snapshot={"peak_bytes": 1 << 30}), dict(output_dir="")])
 def test_silently_ignored_settings_are_refused(bad: dict[str, Any]) -> None:
     name = next(iter(bad))
     with pytest.raises(ValueError, match=f"MonitorConfig.{name}="):

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from helpers import csv_metrics
+from helpers import csv_metrics, flat_settings
 from memcallbacks import MemoryMonitor
 
 SCRIPTS = Path(__file__).parents[1] / "scripts"
@@ -207,10 +207,9 @@ def test_oom_observer_dump_is_accounted_and_rendered_when_the_error_arrives(tmp_
     there); the dump is accounted against the budget and rendered when the error reaches the hooks.
     The observer's own call is replayed with a real snapshot file (the CUDA test does it for real)."""
     from memcallbacks._runtime.auto_snapshot import OBSERVER_TRIGGER, AutoSnapshot
-    from memcallbacks._base.config import MonitorConfig
 
     caplog.set_level(logging.WARNING, logger="memcallbacks")
-    snap = AutoSnapshot(MonitorConfig(auto_snapshot=True), device_kind="cuda", capacity=80 << 30, output_dir=tmp_path, rank=1, world_size=2)
+    snap = AutoSnapshot(flat_settings(auto_snapshot=True), device_kind="cuda", capacity=80 << 30, output_dir=tmp_path, rank=1, world_size=2)
     snap.folder.mkdir(parents=True)
     snap.step = 7
     path = snap._oom_path()  # what the observer asks for, inside the failing allocation
@@ -227,9 +226,8 @@ def test_oom_observer_dump_is_accounted_and_rendered_when_the_error_arrives(tmp_
 
 def test_oom_observer_dump_that_failed_is_reported_not_counted(tmp_path):
     from memcallbacks._runtime.auto_snapshot import AutoSnapshot
-    from memcallbacks._base.config import MonitorConfig
 
-    snap = AutoSnapshot(MonitorConfig(auto_snapshot=True), device_kind="cuda", capacity=80 << 30, output_dir=tmp_path)
+    snap = AutoSnapshot(flat_settings(auto_snapshot=True), device_kind="cuda", capacity=80 << 30, output_dir=tmp_path)
     snap._oom_path()  # the observer's dump then failed: no file
     snap.stop()  # an OOM the training code caught: the run ends normally
     (record,) = snap.records

@@ -33,7 +33,7 @@ pytestmark = pytest.mark.usefixtures("one_thread", "collected_heap")
 
 SCRIPTS = Path(__file__).parents[1] / "scripts"
 PHASES = ["memory/peak_forward_GiB", "memory/peak_backward_GiB", "memory/peak_optimizer_GiB", "memory/allocated_GiB"]
-SNAPSHOTS = dict(auto_snapshot=True, snapshot_every_n_steps=2, snapshot_steps=1)
+SNAPSHOTS = dict(auto_snapshot=True, snapshot={"every_n_steps": 2, "steps": 1})
 
 
 class KeepsLoss(BoringModel):
