@@ -481,17 +481,17 @@ def resolve_config(config: MonitorConfig | Mapping[str, Any] | None, overrides: 
     check_config_names(overrides, owner)
     if config is None:
         return MonitorConfig(**overrides)
-    if isinstance(config, Mapping):
-        check_config_names(config, owner)
-        return MonitorConfig(**{**config, **overrides})
-    if not isinstance(config, MonitorConfig):
-        raise TypeError(f"{owner}(config={config!r}) must be a MonitorConfig, a dict of its fields, or None.")
     # every keyword written wins over config=, also one equal to its default. LightningCLI
     # (jsonargparse) writes every field, the ones not in its YAML at their defaults: only there
     # do keywords at their default leave config's values alone
     changed = dict(overrides)
     if set(overrides) == _parameters(MonitorConfig):
         changed = {k: v for k, v in overrides.items() if not _same(v, _DEFAULTS[k])}
+    if isinstance(config, Mapping):
+        check_config_names(config, owner)
+        return MonitorConfig(**{**config, **changed})
+    if not isinstance(config, MonitorConfig):
+        raise TypeError(f"{owner}(config={config!r}) must be a MonitorConfig, a dict of its fields, or None.")
     return dataclasses.replace(config, **changed) if changed else config
 
 

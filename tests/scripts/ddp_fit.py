@@ -39,7 +39,7 @@ def main() -> None:
     }
     # Lightning's "ddp" launcher sets LOCAL_RANK in the processes it starts; the first process has none
     mem = f"mem{os.environ.get('LOCAL_RANK', '0')}" if args.per_rank_dirs else "mem"
-    monitor = MemoryMonitor(log_every_n_steps=1, sample_every_n_steps=1, output_dir=os.path.join(args.out, mem), **snapshots)
+    monitor = MemoryMonitor(log_keys="all", log_every_n_steps=1, sample_every_n_steps=1, output_dir=os.path.join(args.out, mem), **snapshots)
     logs = os.path.join(args.out, "logs")
     loggers = [TensorBoardLogger(logs, name="tb", version=0), CSVLogger(logs, name="csv", version=0)]
     if args.mlflow:
