@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 from memcallbacks._base.version import __version__
 
-from memcallbacks._base.config import AdvancedOptions, LeakOptions, MonitorConfig, SnapshotOptions
+from memcallbacks._base.config import MonitorConfig
+from memcallbacks._base.options import AdvancedOptions, LeakOptions, SnapshotOptions
 from memcallbacks._base.findings import Finding
 
 if TYPE_CHECKING:  # pragma: no cover

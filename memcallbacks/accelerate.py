@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
 import torch
 from torch import nn
 
-from memcallbacks._base.config import AdvancedOptions, LeakOptions, MonitorConfig, SnapshotOptions, given_fields
+from memcallbacks._base.config import MonitorConfig, given_fields
+from memcallbacks._base.options import AdvancedOptions, LeakOptions, SnapshotOptions
 from memcallbacks._base.columns import BACKWARD, FORWARD
 from memcallbacks._runtime.adapter_support import accelerate_strategy, precision_name, rank_zero_trackers
 from memcallbacks._runtime.guard import entry_point
@@ -78,20 +79,10 @@ class AccelerateMemoryMonitor(Monitor):
         log_fn: LogFn | None = None,
         *,
         config: MonitorConfig | dict[str, Any] | None = None,
-        log_every_n_steps: int | None = None,
-        sample_every_n_steps: int | None = None,
-        log_keys: str | Sequence[str] = "default",
-        output_dir: str | None = None,
-        write_files: bool = True,
-        plot: bool = True,
-        detect_leaks: bool = True,
-        watch_host: bool = True,
-        preflight: bool = False,
-        capacity_bytes: int | str | None = None,
-        auto_snapshot: bool = False,
-        leaks: LeakOptions = LeakOptions(),
-        snapshot: SnapshotOptions = SnapshotOptions(),
-        advanced: AdvancedOptions = AdvancedOptions(),
+        log_every_n_steps: int | None = None, sample_every_n_steps: int | None = None, log_keys: str | Sequence[str] = "default",
+        output_dir: str | None = None, write_files: bool = True, plot: bool = True, detect_leaks: bool = True, watch_host: bool = True,
+        preflight: bool = False, capacity_bytes: int | str | None = None, auto_snapshot: bool = False, leaks: LeakOptions = LeakOptions(),
+        snapshot: SnapshotOptions = SnapshotOptions(), advanced: AdvancedOptions = AdvancedOptions(),
     ) -> None:
         if not all(hasattr(accelerator, name) for name in ("device", "process_index", "num_processes", "log", "backward")):
             raise TypeError(

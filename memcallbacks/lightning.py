@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
-from memcallbacks._base.config import (
-    AdvancedOptions, KeywordCheck, LeakOptions, MonitorConfig, SnapshotOptions, given_fields, resolve_config, settings_of,
-)
+from memcallbacks._base.config import MonitorConfig, given_fields, resolve_config, settings_of
+from memcallbacks._base.options import AdvancedOptions, KeywordCheck, LeakOptions, SnapshotOptions
+from memcallbacks._base.keys import grouped
 from memcallbacks._base.columns import BACKWARD, FORWARD, OPTIMIZER, OTHER
 from memcallbacks._runtime.guard import entry_point, quiet_gate
 from memcallbacks._runtime.results import SessionResults
@@ -34,9 +34,6 @@ if TYPE_CHECKING:  # pragma: no cover
 log = logging.getLogger(__name__)
 
 __all__ = ["MemoryMonitor"]
-
-_DEFAULT_PREFIX = AdvancedOptions.prefix
-
 
 def _callback_bases() -> tuple[type, ...]:
     bases = []
@@ -60,9 +57,8 @@ class MemoryMonitor(KeywordCheck, SessionResults, *_callback_bases()):  # type: 
     """Per-phase memory peaks on every training step, logged through the trainer's loggers.
 
     Args:
-        config: a :class:`~memcallbacks.MonitorConfig`, a dict of its fields, or None; the
-            keywords you write win over it.
-        The keywords are :class:`~memcallbacks.MonitorConfig`'s fields (docs/configuration.md).
+        config: a :class:`~memcallbacks.MonitorConfig`, a dict of its fields, or None. The keywords
+            are its fields (docs/configuration.md); those you write win over ``config``.
 
     Example::
 
@@ -81,24 +77,11 @@ class MemoryMonitor(KeywordCheck, SessionResults, *_callback_bases()):  # type: 
 
     _quiet = False  # the current step is quiet (the session's plan said so): the step hooks return at once
 
-    def __init__(
-        self,
-        config: MonitorConfig | dict[str, Any] | None = None,
-        *,
-        log_every_n_steps: int | None = None,
-        sample_every_n_steps: int | None = None,
-        log_keys: str | Sequence[str] = "default",
-        output_dir: str | None = None,
-        write_files: bool = True,
-        plot: bool = True,
-        detect_leaks: bool = True,
-        watch_host: bool = True,
-        preflight: bool = False,
-        capacity_bytes: int | str | None = None,
-        auto_snapshot: bool = False,
-        leaks: LeakOptions = LeakOptions(),
-        snapshot: SnapshotOptions = SnapshotOptions(),
-        advanced: AdvancedOptions = AdvancedOptions(),
+    def __init__(self, config: MonitorConfig | dict[str, Any] | None = None, *,  # MonitorConfig's fields, by name:
+        log_every_n_steps: int | None = None, sample_every_n_steps: int | None = None, log_keys: str | Sequence[str] = "default",
+        output_dir: str | None = None, write_files: bool = True, plot: bool = True, detect_leaks: bool = True, watch_host: bool = True,
+        preflight: bool = False, capacity_bytes: int | str | None = None, auto_snapshot: bool = False, leaks: LeakOptions = LeakOptions(),
+        snapshot: SnapshotOptions = SnapshotOptions(), advanced: AdvancedOptions = AdvancedOptions(),
     ) -> None:
         self.config = resolve_config(config, given_fields(locals(), self._keywords), "MemoryMonitor")
         self._session = Session(settings_of(self.config), "lightning", "MemoryMonitor", log)
@@ -125,10 +108,7 @@ class MemoryMonitor(KeywordCheck, SessionResults, *_callback_bases()):  # type: 
         trainer = self._trainer
         if trainer is not None and trainer.is_global_zero:
             for logger in trainer.loggers:
-                # keys joined as the logger groups them, as Lightning's DeviceStatsMonitor does
-                separator = getattr(logger, "group_separator", "/")
-                named = metrics if separator == "/" else {k.replace("/", separator): v for k, v in metrics.items()}
-                logger.log_metrics(named, step=step)
+                logger.log_metrics(grouped(metrics, getattr(logger, "group_separator", "/")), step=step)
 
     # ------------------------------------------------------------------ lifecycle hooks
     @entry_point("setup")
@@ -289,10 +269,9 @@ class MemoryMonitor(KeywordCheck, SessionResults, *_callback_bases()):  # type: 
         with different prefixes keep apart in one Trainer and in its checkpoints. ``output_dir``
         is not part of the key: a run resumed into a new folder still restores its history.
         """
-        prefix = self.config.advanced.prefix
-        if prefix == _DEFAULT_PREFIX:
+        if self.config.advanced.prefix == AdvancedOptions.prefix:
             return type(self).__qualname__
-        return self._generate_state_key(prefix=prefix)
+        return self._generate_state_key(prefix=self.config.advanced.prefix)
 
     def state_dict(self) -> dict[str, Any]:
         return self._state_dict() or {}  # an internal fault saves an empty state, never fails the checkpoint

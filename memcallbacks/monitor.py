@@ -17,9 +17,8 @@ from typing import Any, Iterable, Iterator, Sequence
 import torch
 from torch import nn
 
-from memcallbacks._base.config import (
-    AdvancedOptions, KeywordCheck, LeakOptions, MonitorConfig, SnapshotOptions, given_fields, resolve_config, settings_of,
-)
+from memcallbacks._base.config import MonitorConfig, given_fields, resolve_config, settings_of
+from memcallbacks._base.options import AdvancedOptions, KeywordCheck, LeakOptions, SnapshotOptions
 from memcallbacks._base.columns import OPTIMIZER, OTHER
 from memcallbacks._runtime.adapter_support import OptimizerHooks, check_plain_arguments, phase_index
 from memcallbacks._runtime.device_check import device_for
@@ -43,9 +42,8 @@ class Monitor(KeywordCheck, PlainControls):
             accumulation from the first batch on.
         log_fn: optional ``log_fn(metrics: dict[str, float], step: int)``, called on rank zero on logged steps.
         device: the device to measure; default: the model's, else CPU.
-        config: a :class:`~memcallbacks.MonitorConfig` (or a dict of its fields); the keywords you
-            write win over it.
-        The other keywords are :class:`~memcallbacks.MonitorConfig`'s fields (docs/configuration.md).
+        config: a :class:`~memcallbacks.MonitorConfig` (or a dict of its fields). The other keywords
+            are its fields (docs/configuration.md); those you write win over ``config``.
 
     Example::
 
@@ -75,22 +73,11 @@ class Monitor(KeywordCheck, PlainControls):
         optimizer: torch.optim.Optimizer | None = None,
         log_fn: LogFn | None = None,
         *,
-        device: torch.device | str | None = None,
-        config: MonitorConfig | dict[str, Any] | None = None,
-        log_every_n_steps: int | None = None,
-        sample_every_n_steps: int | None = None,
-        log_keys: str | Sequence[str] = "default",
-        output_dir: str | None = None,
-        write_files: bool = True,
-        plot: bool = True,
-        detect_leaks: bool = True,
-        watch_host: bool = True,
-        preflight: bool = False,
-        capacity_bytes: int | str | None = None,
-        auto_snapshot: bool = False,
-        leaks: LeakOptions = LeakOptions(),
-        snapshot: SnapshotOptions = SnapshotOptions(),
-        advanced: AdvancedOptions = AdvancedOptions(),
+        device: torch.device | str | None = None, config: MonitorConfig | dict[str, Any] | None = None,
+        log_every_n_steps: int | None = None, sample_every_n_steps: int | None = None, log_keys: str | Sequence[str] = "default",
+        output_dir: str | None = None, write_files: bool = True, plot: bool = True, detect_leaks: bool = True, watch_host: bool = True,
+        preflight: bool = False, capacity_bytes: int | str | None = None, auto_snapshot: bool = False, leaks: LeakOptions = LeakOptions(),
+        snapshot: SnapshotOptions = SnapshotOptions(), advanced: AdvancedOptions = AdvancedOptions(),
     ) -> None:
         check_plain_arguments(type(self).__name__, model, optimizer, log_fn)
         self.config = resolve_config(config, given_fields(locals(), self._keywords), type(self).__name__)

@@ -27,7 +27,8 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "installed. Install it: pip install 'memcallbacks[transformers]'."
     ) from exc
 
-from memcallbacks._base.config import AdvancedOptions, KeywordCheck, LeakOptions, MonitorConfig, SnapshotOptions, given_fields, resolve_config
+from memcallbacks._base.config import MonitorConfig, given_fields, resolve_config
+from memcallbacks._base.options import AdvancedOptions, KeywordCheck, LeakOptions, SnapshotOptions
 from memcallbacks._base.columns import OPTIMIZER, OTHER
 from memcallbacks._runtime.adapter_support import precision_name, rank_zero_trackers
 from memcallbacks._runtime.guard import entry_point
@@ -97,20 +98,10 @@ class MemoryMonitorCallback(KeywordCheck, SessionResults, TrainerCallback):
         self,
         config: MonitorConfig | dict[str, Any] | None = None,
         *,
-        log_every_n_steps: int | None = None,
-        sample_every_n_steps: int | None = None,
-        log_keys: str | Sequence[str] = "default",
-        output_dir: str | None = None,
-        write_files: bool = True,
-        plot: bool = True,
-        detect_leaks: bool = True,
-        watch_host: bool = True,
-        preflight: bool = False,
-        capacity_bytes: int | str | None = None,
-        auto_snapshot: bool = False,
-        leaks: LeakOptions = LeakOptions(),
-        snapshot: SnapshotOptions = SnapshotOptions(),
-        advanced: AdvancedOptions = AdvancedOptions(),
+        log_every_n_steps: int | None = None, sample_every_n_steps: int | None = None, log_keys: str | Sequence[str] = "default",
+        output_dir: str | None = None, write_files: bool = True, plot: bool = True, detect_leaks: bool = True, watch_host: bool = True,
+        preflight: bool = False, capacity_bytes: int | str | None = None, auto_snapshot: bool = False, leaks: LeakOptions = LeakOptions(),
+        snapshot: SnapshotOptions = SnapshotOptions(), advanced: AdvancedOptions = AdvancedOptions(),
     ) -> None:
         self.config = resolve_config(config, given_fields(locals(), self._keywords), "MemoryMonitorCallback")
         self._monitor: _TrainerMonitor | None = None

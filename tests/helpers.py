@@ -411,7 +411,8 @@ def is_png(path: str | os.PathLike[str]) -> bool:
 def flat_settings(**flat: Any) -> Any:
     """The runtime's settings for settings given by their flat names (``gc_every_n_steps=10``,
     ``snapshot_steps=2``), for tests that build a runtime part (a StepPlan, a Session) on its own."""
-    from memcallbacks._base.config import FLAT_NAMES, MonitorConfig, settings_of
+    from memcallbacks._base.config import MonitorConfig, settings_of
+    from memcallbacks._base.options import FLAT_NAMES
 
     given: dict[str, Any] = {}
     for name, value in flat.items():
