@@ -305,7 +305,10 @@ def _hint(name: str, valid: frozenset[str], *, top: bool) -> str:
         grouped.update({flat: f"{group}={GROUPS[group].__name__}({field}=...)" for flat, (group, field) in FLAT_NAMES.items()})
         if name in grouped:
             return f"{name!r} (it belongs to a group: pass {grouped[name]})"
-    close = difflib.get_close_matches(name, sorted(valid | set(grouped)), n=1)
+    names = sorted(valid | set(grouped))
+    # a name cut short ('log_every') is completed first; difflib weighs the missing end as errors
+    close = [min((n for n in names if n.startswith(name)), key=len)] if any(n.startswith(name) for n in names) else \
+        difflib.get_close_matches(name, names, n=1)
     if close:
         return f"{name!r} (did you mean {' or '.join(grouped.get(c, repr(c)) for c in close)}?)"
     return f"{name!r} (valid names: {', '.join(sorted(valid))})"
