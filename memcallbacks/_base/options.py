@@ -44,10 +44,16 @@ class KeywordCheck:
 
 @functools.cache
 def keyword_names(cls: type) -> frozenset[str]:
+    """The keywords ``cls(...)`` takes: a dataclass's fields, else the first ``__init__`` in the MRO
+    that names its keywords (a subclass's ``__init__(*args, **kwargs)`` passes them on)."""
     if dataclasses.is_dataclass(cls):
         return frozenset(f.name for f in dataclasses.fields(cls) if f.init)
-    params = inspect.signature(cls.__init__).parameters.values()
-    return frozenset(p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)) - {"self"}
+    for klass in cls.__mro__:
+        if "__init__" in vars(klass):
+            params = inspect.signature(vars(klass)["__init__"]).parameters.values()
+            if all(p.kind is not p.VAR_KEYWORD for p in params):
+                return frozenset(p.name for p in params if p.kind is not p.VAR_POSITIONAL) - {"self"}
+    return frozenset()
 
 
 def normalise(owner: str, obj: Any) -> dict[str, Any]:

@@ -256,3 +256,18 @@ def test_write_files_false_never_touches_output_dir(tmp_path):
     L.Trainer(**trainer_kwargs(tmp_path, max_steps=2, callbacks=[monitor])).fit(model, RandomDataModule())
     assert model.training_steps_run == 2 and list(monitor.history["step"]) == [0, 1]
     assert monitor.files == {} and sorted(p.name for p in Path(tmp_path).iterdir()) == ["a-file"]
+
+
+class PassingMonitor(MemoryMonitor):
+    """A user's subclass that passes its keywords on (``__init__(*args, **kwargs)``)."""
+
+    def __init__(self, *args, **kwargs):
+        self.made_here = True
+        super().__init__(*args, **kwargs)
+
+
+def test_a_subclass_passing_keywords_on_keeps_the_names_and_the_checks():
+    monitor = PassingMonitor(log_every_n_steps=3, leaks={"gc_every_n_steps": 5})
+    assert monitor.made_here and monitor.config.log_every_n_steps == 3 and monitor.config.leaks.gc_every_n_steps == 5
+    with pytest.raises(TypeError, match=r"PassingMonitor\(\) got unexpected keyword argument\(s\): 'log_evry_n_steps' \(did you mean"):
+        PassingMonitor(log_evry_n_steps=3)

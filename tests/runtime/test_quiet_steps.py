@@ -20,8 +20,8 @@ import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
 
-from helpers import MIB, trainer_kwargs
-from memcallbacks import MemoryMonitor, Monitor, MonitorConfig
+from helpers import MIB, flat_settings, trainer_kwargs
+from memcallbacks import MemoryMonitor, Monitor
 from memcallbacks._runtime import cadence as C
 from memcallbacks._runtime import plan as P
 from memcallbacks.leaks.gc_watch import CollectionWatch
@@ -51,7 +51,7 @@ def test_budget_samples_go_in_phase_with_the_logged_steps(every, log_every, alig
 
 
 def cadence(**config: Any) -> C.Cadence:
-    c = C.Cadence(MonitorConfig(**config))
+    c = C.Cadence(flat_settings(**config))
     c.configure(log_every=50, logs=True, log_first_step=False)
     return c
 
