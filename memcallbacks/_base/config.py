@@ -121,17 +121,18 @@ class MonitorConfig(KeywordCheck):
                    "or None for the device's capacity.", none=True, written=written)
         if not self.preflight:
             if self.capacity_bytes is not None:
-                raise invalid(owner, "capacity_bytes", written.get("capacity_bytes", self.capacity_bytes), "the pre-flight's capacity does nothing without "
-                            "preflight=True; set preflight=True, or leave capacity_bytes at None.")
+                raise invalid(owner, "capacity_bytes", written.get("capacity_bytes", self.capacity_bytes), "the pre-flight's "
+                              "capacity does nothing without preflight=True; set preflight=True, or leave capacity_bytes at None.")
             if self.advanced.preflight_tolerance != AdvancedOptions.preflight_tolerance:
                 raise invalid(owner, "advanced.preflight_tolerance", self.advanced.preflight_tolerance, "it does nothing "
-                            "without preflight=True; set preflight=True, or leave preflight_tolerance at 0.25.")
+                              "without preflight=True; set preflight=True, or leave preflight_tolerance at 0.25.")
         changed = _changed(self.snapshot)
         if changed and not self.auto_snapshot:
             raise ValueError(f"{owner}.snapshot=SnapshotOptions({', '.join(changed)}) is invalid: snapshot settings do nothing "
                              "without auto_snapshot=True; set auto_snapshot=True, or leave snapshot at its defaults.")
         if self.auto_snapshot and not self.write_files:
-            raise invalid(owner, "auto_snapshot", True, "snapshots are files: keep write_files=True (and an output_dir), or set auto_snapshot=False.")
+            raise invalid(owner, "auto_snapshot", True, "snapshots are files: keep write_files=True (and an output_dir), or set "
+                          "auto_snapshot=False.")
 
     def to_dict(self) -> dict[str, Any]:
         """Every field, the groups as dicts of theirs (``report.json``'s ``config``)."""
@@ -143,7 +144,6 @@ class MonitorConfig(KeywordCheck):
 def _changed(options: Any) -> list[str]:
     """``name=value`` of each field of ``options`` that is not at its default."""
     return [f"{f.name}={getattr(options, f.name)!r}" for f in dataclasses.fields(options) if getattr(options, f.name) != f.default]
-
 
 
 class Settings:
