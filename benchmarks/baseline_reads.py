@@ -34,7 +34,7 @@ from memcallbacks.leaks.growth import GrowthDetector
 
 KiB, MiB = 1024, 1024 * 1024
 DIM, BATCH = 256, 128
-WARMUP = 4  # MonitorConfig.growth_warmup_steps
+WARMUP = 4  # LeakOptions.growth_warmup_steps
 
 
 def train(steps: int, leak: Callable[[list[Any]], None] | None, variable: bool) -> dict[str, list[float]]:

@@ -20,7 +20,6 @@ one-off cost around the steps (construction, ``close()`` with its files) is repo
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import json
 import logging
@@ -39,7 +38,6 @@ import accelerate
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState, GradientState
 
-from memcallbacks import MonitorConfig
 from memcallbacks.accelerate import AccelerateMemoryMonitor
 
 # benchmarks/_common.py: run as a script, this file's folder is sys.path[0]
@@ -117,8 +115,7 @@ def run(variant: str, log_every: int, args: argparse.Namespace, batches: list[tu
     if variant != BARE:
         extra: dict[str, Any] = {"sample_every_n_steps": 1} if variant == MONITOR_EVERY_STEP else {}
         if args.no_detection:  # the adapter's own cost, without leak detection and the model-state check
-            fields = {f.name for f in dataclasses.fields(MonitorConfig)}
-            extra.update({name: False for name in ("detect_leaks", "estimate_model_states") if name in fields})
+            extra.update(detect_leaks=False, leaks={"estimate_model_states": False})
         cls = TimedMonitor if timed else AccelerateMemoryMonitor
         monitor = cls(accelerator, log_every_n_steps=log_every, output_dir=os.path.join(run_dir, "memcallbacks"), **extra)
     setup_s = time.perf_counter() - t_setup

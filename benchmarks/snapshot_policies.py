@@ -5,7 +5,7 @@ what allocator-history recording pays for). Variants, interleaved in shuffled or
 
 - ``bare``: no monitor;
 - ``monitor``: ``Monitor`` without auto snapshots;
-- ``off`` / ``armed`` / ``always``: ``auto_snapshot=True`` with that ``snapshot_policy``. No
+- ``off`` / ``armed`` / ``always``: ``auto_snapshot=True`` with that ``snapshot.policy``. No
   threshold is crossed, so ``armed`` never starts recording: its cost is the trigger checks alone;
   ``always`` records the allocator's history (Python stacks, ring buffer) on every allocation;
 - ``armed (recording)``: ``armed`` after a trigger armed it, i.e. while it records: the cost a run
@@ -88,7 +88,7 @@ def run_block(variant: str, model: nn.Module, optimizer: torch.optim.Optimizer, 
         kwargs: dict[str, Any] = {"log_every_n_steps": 50, "plot": False, "output_dir": workdir}
         if variant != "monitor":
             policy = "armed" if variant.startswith("armed") else variant
-            kwargs.update(auto_snapshot=True, snapshot_policy=policy, snapshot_capacity_fraction=0.99)
+            kwargs.update(auto_snapshot=True, snapshot={"policy": policy, "capacity_fraction": 0.99})
         monitor = Monitor(model, optimizer, **kwargs)
         if variant == "armed (recording)" and device.type == "cuda":
             monitor._session.snap._record()  # what a step above 80% of the threshold does

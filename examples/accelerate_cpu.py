@@ -23,6 +23,7 @@ from accelerate import Accelerator
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from memcallbacks import AdvancedOptions
 from memcallbacks.accelerate import AccelerateMemoryMonitor
 
 
@@ -67,8 +68,9 @@ def main() -> None:
 
     # Built after prepare, the monitor hooks the prepared model itself (accelerator._models).
     # CPU only: tensors of 256 KiB or more go back to the OS when freed, so RSS peaks follow tensor
-    # lifetimes (MonitorConfig.cpu_mmap_threshold); on a GPU the allocator's own peaks are used.
-    monitor = AccelerateMemoryMonitor(accelerator, log_every_n_steps=10, sample_every_n_steps=1, cpu_mmap_threshold=256 << 10)
+    # lifetimes (AdvancedOptions.cpu_mmap_threshold); on a GPU the allocator's own peaks are used.
+    monitor = AccelerateMemoryMonitor(accelerator, log_every_n_steps=10, sample_every_n_steps=1,
+                                      advanced=AdvancedOptions(cpu_mmap_threshold="256 KiB"))
     loss_fn = nn.CrossEntropyLoss()
     step = 0
     for tokens_batch, targets in monitor.track(train):  # marks step boundaries

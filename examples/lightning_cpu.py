@@ -24,7 +24,7 @@ except ImportError:  # the older package name works the same way
     import pytorch_lightning as L  # type: ignore[no-redef]
     from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger  # type: ignore[no-redef]
 
-from memcallbacks import MemoryMonitor
+from memcallbacks import AdvancedOptions, MemoryMonitor
 
 
 class TinyAttentionModel(L.LightningModule):
@@ -74,8 +74,8 @@ def main() -> None:
     val = DataLoader(TensorDataset(tokens[:64], tokens[:64].roll(-1, dims=1)), batch_size=args.batch_size)
 
     # CPU only: return tensors of 256 KiB or more to the OS when freed, so RSS peaks follow tensor
-    # lifetimes (see MonitorConfig.cpu_mmap_threshold); on a GPU the allocator's own peaks are used.
-    monitor = MemoryMonitor(log_every_n_steps=10, sample_every_n_steps=1, cpu_mmap_threshold=256 << 10)
+    # lifetimes (see AdvancedOptions.cpu_mmap_threshold); on a GPU the allocator's own peaks are used.
+    monitor = MemoryMonitor(log_every_n_steps=10, sample_every_n_steps=1, advanced=AdvancedOptions(cpu_mmap_threshold="256 KiB"))
     trainer = L.Trainer(
         accelerator="cpu",
         max_steps=args.steps,

@@ -18,7 +18,7 @@ import os
 import torch
 from torch import nn
 
-from memcallbacks import Monitor
+from memcallbacks import AdvancedOptions, Monitor
 
 
 class TinyAttentionModel(nn.Module):
@@ -69,14 +69,14 @@ def main() -> None:
             print(f"step {step}: peak {metrics['memory/peak_step_GiB']:.3f} GiB")
 
     # CPU only: tensors of 256 KiB or more go back to the OS when freed, so RSS peaks follow tensor
-    # lifetimes (MonitorConfig.cpu_mmap_threshold); on a GPU the allocator's own peaks are used.
+    # lifetimes (AdvancedOptions.cpu_mmap_threshold); on a GPU the allocator's own peaks are used.
     monitor = Monitor(
         model,
         optimizer,
         log_fn,
         log_every_n_steps=10,
         sample_every_n_steps=1,
-        cpu_mmap_threshold=256 << 10,
+        advanced=AdvancedOptions(cpu_mmap_threshold="256 KiB"),
         output_dir=os.path.join(args.out, "memcallbacks"),
     )
     for step, (x, y) in enumerate(monitor.track(batches)):  # marks step boundaries

@@ -4,7 +4,7 @@
 
 Trains a small MLP for 8 steps with ``Monitor(..., preflight=True)`` and prints the pre-flight's
 lines of the report: per phase, the predicted rise above the step start against the largest
-measured one (CPU peaks are RSS high-water marks; ``cpu_mmap_threshold`` gives freed tensors back
+measured one (CPU peaks are RSS high-water marks; ``AdvancedOptions(cpu_mmap_threshold=...)`` gives freed tensors back
 to the OS so the RSS follows tensor lifetimes). Then the same loop with ``capacity_bytes`` set
 below the predicted peak: the warning comes before the first forward runs.
 """
@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from memcallbacks import Monitor
+from memcallbacks import AdvancedOptions, Monitor
 
 logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
@@ -27,7 +27,8 @@ def train(steps: int = 8, **monitor_kwargs: object) -> Monitor:
     model = nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 1024), nn.GELU(), nn.Linear(1024, 10))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     data = [(torch.randn(2048, 256), torch.randint(0, 10, (2048,))) for _ in range(steps)]
-    monitor = Monitor(model, optimizer, preflight=True, write_files=False, cpu_mmap_threshold=1 << 20, sample_every_n_steps=1, **monitor_kwargs)
+    monitor = Monitor(model, optimizer, preflight=True, write_files=False, sample_every_n_steps=1,
+                      advanced=AdvancedOptions(cpu_mmap_threshold="1 MiB"), **monitor_kwargs)
     for x, y in monitor.track(data):
         F.cross_entropy(model(x), y).backward()
         optimizer.step()

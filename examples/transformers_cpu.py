@@ -17,6 +17,7 @@ import importlib.util
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
+from memcallbacks import AdvancedOptions
 from memcallbacks.transformers import MemoryMonitorCallback
 
 
@@ -49,8 +50,8 @@ def main() -> None:
     data = RepeatingTokens(args.batch_size * args.accumulate * args.steps)
 
     # CPU only: tensors of 256 KiB or more go back to the OS when freed, so RSS peaks follow tensor
-    # lifetimes (MonitorConfig.cpu_mmap_threshold); on a GPU the allocator's own peaks are used.
-    monitor = MemoryMonitorCallback(sample_every_n_steps=1, cpu_mmap_threshold=256 << 10)
+    # lifetimes (AdvancedOptions.cpu_mmap_threshold); on a GPU the allocator's own peaks are used.
+    monitor = MemoryMonitorCallback(sample_every_n_steps=1, advanced=AdvancedOptions(cpu_mmap_threshold="256 KiB"))
     training_args = TrainingArguments(
         output_dir=args.out,
         use_cpu=True,

@@ -12,13 +12,17 @@ from typing import TYPE_CHECKING, Any
 from memcallbacks._base.version import __version__
 
 from memcallbacks._base.config import MonitorConfig
+from memcallbacks._base.options import AdvancedOptions, LeakOptions, SnapshotOptions
 from memcallbacks._base.findings import Finding
 
 if TYPE_CHECKING:  # pragma: no cover
     from memcallbacks.lightning import MemoryMonitor
     from memcallbacks.monitor import Monitor
 
-__all__ = ["MonitorConfig", "Finding", "MemoryMonitor", "Monitor", "AccelerateMemoryMonitor", "MemoryMonitorCallback", "__version__"]
+__all__ = [
+    "MonitorConfig", "LeakOptions", "SnapshotOptions", "AdvancedOptions", "Finding",
+    "MemoryMonitor", "Monitor", "AccelerateMemoryMonitor", "MemoryMonitorCallback", "__version__",
+]
 
 _LAZY = {
     "MemoryMonitor": "memcallbacks.lightning",

@@ -15,12 +15,13 @@ from __future__ import annotations
 import logging
 import weakref
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
 
-from memcallbacks._base.config import MonitorConfig
+from memcallbacks._base.config import MonitorConfig, given_fields
+from memcallbacks._base.options import AdvancedOptions, LeakOptions, SnapshotOptions
 from memcallbacks._base.columns import BACKWARD, FORWARD
 from memcallbacks._runtime.adapter_support import accelerate_strategy, precision_name, rank_zero_trackers
 from memcallbacks._runtime.guard import entry_point
@@ -48,7 +49,8 @@ class AccelerateMemoryMonitor(Monitor):
             be built before ``prepare``.
         optimizer: optional; the optimizer phase is bounded by torch's optimizer-step hooks either way.
         log_fn: ``log_fn(metrics, step)``; default ``accelerator.log(metrics, step=step)`` (rank zero only).
-        config: a :class:`~memcallbacks.MonitorConfig` (or dict); ``**kwargs`` are its fields.
+        config: a :class:`~memcallbacks.MonitorConfig` (or a dict of its fields); the keywords you
+            write win over it. The other keywords are its fields (docs/configuration.md).
             ``output_dir`` defaults to ``<project_dir or logging_dir>/memcallbacks`` when the
             accelerator has one, else ``./memcallbacks``.
 
@@ -77,7 +79,11 @@ class AccelerateMemoryMonitor(Monitor):
         log_fn: LogFn | None = None,
         *,
         config: MonitorConfig | dict[str, Any] | None = None,
-        **kwargs: Any,
+        log_every_n_steps: int | None = None, sample_every_n_steps: int | None = None, log_keys: str | Sequence[str] = "default",
+        output_dir: str | None = None, write_files: bool = True, plot: bool = True, console_summary: bool = True,
+        detect_leaks: bool = True, watch_host: bool = True,
+        preflight: bool = False, capacity_bytes: int | str | None = None, auto_snapshot: bool = False, leaks: LeakOptions = LeakOptions(),
+        snapshot: SnapshotOptions = SnapshotOptions(), advanced: AdvancedOptions = AdvancedOptions(),
     ) -> None:
         if not all(hasattr(accelerator, name) for name in ("device", "process_index", "num_processes", "log", "backward")):
             raise TypeError(
@@ -88,7 +94,8 @@ class AccelerateMemoryMonitor(Monitor):
         self._discover = model is None  # hook what accelerator.prepare has seen
         self._warned_no_tracker = False
         # the session holds the adapter's own method weakly (a dropped monitor is cleaned up, lifecycle.py)
-        super().__init__(model, optimizer, log_fn or weak_method(self._log_to_trackers), device=accelerator.device, config=config, **kwargs)
+        super().__init__(model, optimizer, log_fn or weak_method(self._log_to_trackers), device=accelerator.device, config=config,
+                         **given_fields(locals(), self._keywords))
         self._optimizer = optimizer
         if model is not None:  # hooked by Monitor.__init__
             self._session.attach(title=type(model).__name__)

@@ -14,11 +14,13 @@ import functools
 import importlib
 import importlib.util
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
-from memcallbacks._base.config import MonitorConfig, check_config_names, resolve_config
+from memcallbacks._base.config import MonitorConfig, given_fields, resolve_config, settings_of
+from memcallbacks._base.options import AdvancedOptions, KeywordCheck, LeakOptions, SnapshotOptions
+from memcallbacks._base.keys import grouped
 from memcallbacks._base.columns import BACKWARD, FORWARD, OPTIMIZER, OTHER
 from memcallbacks._runtime.guard import entry_point, unguarded_hook
 from memcallbacks._runtime.results import SessionResults
@@ -34,9 +36,6 @@ if TYPE_CHECKING:  # pragma: no cover
 log = logging.getLogger(__name__)
 
 __all__ = ["MemoryMonitor"]
-
-_DEFAULT_PREFIX = MonitorConfig.__dataclass_fields__["prefix"].default
-
 
 def _callback_bases() -> tuple[type, ...]:
     bases = []
@@ -56,12 +55,12 @@ def _callback_bases() -> tuple[type, ...]:
     return tuple(bases)
 
 
-class MemoryMonitor(SessionResults, *_callback_bases()):  # type: ignore[misc]
+class MemoryMonitor(KeywordCheck, SessionResults, *_callback_bases()):  # type: ignore[misc]
     """Per-phase memory peaks on every training step, logged through the trainer's loggers.
 
     Args:
-        config: a :class:`~memcallbacks.MonitorConfig`, a dict of its fields, or None.
-        **kwargs: any :class:`~memcallbacks.MonitorConfig` field, overriding ``config``.
+        config: a :class:`~memcallbacks.MonitorConfig`, a dict of its fields, or None. The keywords
+            are its fields (docs/configuration.md); those you write win over ``config``.
 
     Example::
 
@@ -80,14 +79,15 @@ class MemoryMonitor(SessionResults, *_callback_bases()):  # type: ignore[misc]
 
     _quiet = False  # the current step is quiet (the schedule said so): the step hooks return at once
 
-    def __init__(self, config: MonitorConfig | dict[str, Any] | None = None, **kwargs: Any) -> None:
-        if config is None:
-            check_config_names(kwargs, "MemoryMonitor")
-            # a literal MonitorConfig(**kwargs) lets LightningCLI/jsonargparse see every field as an init arg
-            self.config = MonitorConfig(**kwargs)
-        else:
-            self.config = resolve_config(config, kwargs, "MemoryMonitor")
-        self._session = Session(self.config, "lightning", "MemoryMonitor", log)
+    def __init__(self, config: MonitorConfig | dict[str, Any] | None = None, *,  # MonitorConfig's fields, by name:
+        log_every_n_steps: int | None = None, sample_every_n_steps: int | None = None, log_keys: str | Sequence[str] = "default",
+        output_dir: str | None = None, write_files: bool = True, plot: bool = True, console_summary: bool = True,
+        detect_leaks: bool = True, watch_host: bool = True, preflight: bool = False, capacity_bytes: int | str | None = None,
+        auto_snapshot: bool = False, leaks: LeakOptions = LeakOptions(), snapshot: SnapshotOptions = SnapshotOptions(),
+        advanced: AdvancedOptions = AdvancedOptions(),
+    ) -> None:
+        self.config = resolve_config(config, given_fields(locals(), self._keywords), "MemoryMonitor")
+        self._session = Session(settings_of(self.config), "lightning", "MemoryMonitor", log)
         self._step_kind = self._session.schedule.step_kind  # asked once per step, by the step hooks' gate
         self._stepped = False
         self._automatic = True
@@ -111,7 +111,7 @@ class MemoryMonitor(SessionResults, *_callback_bases()):  # type: ignore[misc]
         trainer = self._trainer
         if trainer is not None and trainer.is_global_zero:
             for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=step)
+                logger.log_metrics(grouped(metrics, getattr(logger, "group_separator", "/")), step=step)
 
     # ------------------------------------------------------------------ lifecycle hooks
     @entry_point("setup")
@@ -272,9 +272,9 @@ class MemoryMonitor(SessionResults, *_callback_bases()):  # type: ignore[misc]
         with different prefixes keep apart in one Trainer and in its checkpoints. ``output_dir``
         is not part of the key: a run resumed into a new folder still restores its history.
         """
-        if self.config.prefix == _DEFAULT_PREFIX:
+        if self.config.advanced.prefix == AdvancedOptions.prefix:
             return type(self).__qualname__
-        return self._generate_state_key(prefix=self.config.prefix)
+        return self._generate_state_key(prefix=self.config.advanced.prefix)
 
     def state_dict(self) -> dict[str, Any]:
         return self._state_dict() or {}  # an internal fault saves an empty state, never fails the checkpoint

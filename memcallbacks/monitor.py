@@ -12,12 +12,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import weakref
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
 
-from memcallbacks._base.config import MonitorConfig, resolve_config
+from memcallbacks._base.config import MonitorConfig, given_fields, resolve_config, settings_of
+from memcallbacks._base.options import AdvancedOptions, KeywordCheck, LeakOptions, SnapshotOptions
 from memcallbacks._base.columns import OPTIMIZER, OTHER
 from memcallbacks._runtime.adapter_support import OptimizerHooks, check_plain_arguments, phase_index
 from memcallbacks._runtime.adapter_support import device_for
@@ -31,7 +32,7 @@ from memcallbacks._runtime.plain_support import AccumulationWindow, TrackGuard
 __all__ = ["Monitor"]
 
 
-class Monitor(PlainControls):
+class Monitor(KeywordCheck, PlainControls):
     """Per-phase memory of a plain PyTorch training loop.
 
     Args:
@@ -41,7 +42,8 @@ class Monitor(PlainControls):
             accumulation from the first batch on.
         log_fn: optional ``log_fn(metrics: dict[str, float], step: int)``, called on rank zero on logged steps.
         device: the device to measure; default: the model's, else CPU.
-        config: a :class:`~memcallbacks.MonitorConfig` (or dict); ``**kwargs`` override its fields.
+        config: a :class:`~memcallbacks.MonitorConfig` (or a dict of its fields). The other keywords
+            are its fields (docs/configuration.md); those you write win over ``config``.
 
     Example::
 
@@ -71,13 +73,16 @@ class Monitor(PlainControls):
         optimizer: torch.optim.Optimizer | None = None,
         log_fn: LogFn | None = None,
         *,
-        device: torch.device | str | None = None,
-        config: MonitorConfig | dict[str, Any] | None = None,
-        **kwargs: Any,
+        device: torch.device | str | None = None, config: MonitorConfig | dict[str, Any] | None = None,
+        log_every_n_steps: int | None = None, sample_every_n_steps: int | None = None, log_keys: str | Sequence[str] = "default",
+        output_dir: str | None = None, write_files: bool = True, plot: bool = True, console_summary: bool = True,
+        detect_leaks: bool = True, watch_host: bool = True,
+        preflight: bool = False, capacity_bytes: int | str | None = None, auto_snapshot: bool = False, leaks: LeakOptions = LeakOptions(),
+        snapshot: SnapshotOptions = SnapshotOptions(), advanced: AdvancedOptions = AdvancedOptions(),
     ) -> None:
         check_plain_arguments(type(self).__name__, model, optimizer, log_fn)
-        self.config = resolve_config(config, kwargs, type(self).__name__)
-        self._session = Session(self.config, self.framework, self._public_name or type(self).__name__, logging.getLogger(type(self).__module__))
+        self.config = resolve_config(config, given_fields(locals(), self._keywords), type(self).__name__)
+        self._session = Session(settings_of(self.config), self.framework, self._public_name or type(self).__name__, logging.getLogger(type(self).__module__))
         self._session.attach(log_fn=log_fn)
         self._meter = HookMeter(self._session.schedule)  # every hook call's whole time is the monitor's own
         self._model_hooks = ModelHooks(self._session, self._forward_pre, self._meter)  # the forward hooks, the step's outputs

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 from torch import nn
@@ -27,7 +27,8 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "installed. Install it: pip install 'memcallbacks[transformers]'."
     ) from exc
 
-from memcallbacks._base.config import MonitorConfig, resolve_config
+from memcallbacks._base.config import MonitorConfig, given_fields, resolve_config
+from memcallbacks._base.options import AdvancedOptions, KeywordCheck, LeakOptions, SnapshotOptions
 from memcallbacks._base.columns import OPTIMIZER, OTHER
 from memcallbacks._runtime.adapter_support import precision_name, rank_zero_trackers
 from memcallbacks._runtime.guard import entry_point
@@ -68,12 +69,13 @@ class _TrainerMonitor(Monitor):
         self._restore()
 
 
-class MemoryMonitorCallback(SessionResults, TrainerCallback):
+class MemoryMonitorCallback(KeywordCheck, SessionResults, TrainerCallback):
     """Per-phase memory peaks of a ``transformers.Trainer`` run, logged through the Trainer's own logs.
 
     Args:
-        config: a :class:`~memcallbacks.MonitorConfig`, a dict of its fields, or None.
-        **kwargs: any :class:`~memcallbacks.MonitorConfig` field, overriding ``config``.
+        config: a :class:`~memcallbacks.MonitorConfig`, a dict of its fields, or None; the
+            keywords you write win over it.
+        The keywords are :class:`~memcallbacks.MonitorConfig`'s fields (docs/configuration.md).
             ``log_every_n_steps=None`` follows ``TrainingArguments(logging_steps=...)`` (with
             ``logging_strategy="steps"``; other strategies log no memory metrics unless
             ``log_every_n_steps`` is set, which also makes the Trainer log on those steps).
@@ -92,8 +94,17 @@ class MemoryMonitorCallback(SessionResults, TrainerCallback):
     ``report_to`` integrations, which come first by default, see the merged metrics.
     """
 
-    def __init__(self, config: MonitorConfig | dict[str, Any] | None = None, **kwargs: Any) -> None:
-        self.config = resolve_config(config, kwargs, "MemoryMonitorCallback")
+    def __init__(
+        self,
+        config: MonitorConfig | dict[str, Any] | None = None,
+        *,
+        log_every_n_steps: int | None = None, sample_every_n_steps: int | None = None, log_keys: str | Sequence[str] = "default",
+        output_dir: str | None = None, write_files: bool = True, plot: bool = True, console_summary: bool = True,
+        detect_leaks: bool = True, watch_host: bool = True,
+        preflight: bool = False, capacity_bytes: int | str | None = None, auto_snapshot: bool = False, leaks: LeakOptions = LeakOptions(),
+        snapshot: SnapshotOptions = SnapshotOptions(), advanced: AdvancedOptions = AdvancedOptions(),
+    ) -> None:
+        self.config = resolve_config(config, given_fields(locals(), self._keywords), "MemoryMonitorCallback")
         self._monitor: _TrainerMonitor | None = None
         self._pending: tuple[int, dict[str, float]] | None = None
         self._first = False  # known to be first in the Trainer's callback list

@@ -39,6 +39,7 @@ __all__ = [
     "announced",
     "free_port",
     "set_rank_environment",
+    "flat_settings",
 ]
 
 GIB = 2**30
@@ -443,3 +444,19 @@ def is_png(path: str | os.PathLike[str]) -> bool:
         return False
     width, height = struct.unpack(">II", data[16:24])
     return width > 0 and height > 0
+
+
+def flat_settings(**flat: Any) -> Any:
+    """The runtime's settings for settings given by their flat names (``gc_every_n_steps=10``,
+    ``snapshot_steps=2``), for tests that build a runtime part (a StepPlan, a Session) on its own."""
+    from memcallbacks._base.config import MonitorConfig, settings_of
+    from memcallbacks._base.options import FLAT_NAMES
+
+    given: dict[str, Any] = {}
+    for name, value in flat.items():
+        group, field = FLAT_NAMES.get(name, ("", name))
+        if group:
+            given.setdefault(group, {})[field] = value
+        else:
+            given[name] = value
+    return settings_of(MonitorConfig(**given))

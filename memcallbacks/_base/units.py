@@ -1,10 +1,12 @@
-"""Byte units and the one byte formatter every report, finding and table uses."""
+"""Byte units, the one byte formatter every report and finding uses, and size strings ("80 GiB")."""
 
 from __future__ import annotations
 
 import math
+import re
+from typing import Any
 
-__all__ = ["KiB", "MiB", "GiB", "TiB", "KB", "MB", "GB", "UNITS", "format_bytes", "format_delta"]
+__all__ = ["KiB", "MiB", "GiB", "TiB", "KB", "MB", "GB", "UNITS", "format_bytes", "format_delta", "parse_size"]
 
 KiB = 2**10
 MiB = 2**20
@@ -41,3 +43,34 @@ def format_delta(n: int | float | None, *, missing: str = "-") -> str:
         return missing
     text = format_bytes(n)
     return text if text.startswith("-") else "+" + text
+
+
+_SIZE_UNITS = {
+    "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 2**10, "m": 2**20, "g": 2**30,
+}
+_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+
+def _named(name: str, value: Any) -> str:
+    """``("train_memory(max_leak)", "4 pc")`` -> ``"train_memory(max_leak='4 pc')"``."""
+    return f"{name[:-1]}={value!r})" if name.endswith(")") else f"{name}={value!r}"
+
+
+def parse_size(value: Any, name: str) -> int:
+    """``"4 MiB"`` -> 4194304; an int is bytes. Raise ValueError naming ``name`` otherwise."""
+    if isinstance(value, bool):
+        raise ValueError(f"{_named(name, value)} is not a size; pass bytes as an int or a string such as '4 MiB', '2 GiB' or '0 B'.")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"{_named(name, value)} is negative; pass 0 or more bytes, e.g. '0 B' or '4 MiB'.")
+        return value
+    if isinstance(value, str):
+        match = _SIZE.match(value)
+        unit = match.group(2).lower() if match else ""
+        if match and unit in _SIZE_UNITS or match and unit == "":
+            return int(round(float(match.group(1)) * _SIZE_UNITS.get(unit, 1)))
+    raise ValueError(
+        f"{_named(name, value)} is not a size; pass bytes as an int or a string such as '4 MiB', '2 GiB' or '0 B' "
+        "(units: B, KiB, MiB, GiB, TiB, or KB, MB, GB, TB in powers of ten)."
+    )

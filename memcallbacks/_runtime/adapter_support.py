@@ -131,8 +131,8 @@ def refuse_shared_folder(mine: str | None, config: Any, others: list[tuple[Any, 
     for other, folder in others:
         if folder == mine:
             raise SetupError(
-                f"MemoryMonitor(output_dir={config.output_dir!r}, prefix={config.prefix!r}): the "
-                f"MemoryMonitor with prefix={other.prefix!r} in the same Trainer writes its files to the "
+                f"MemoryMonitor(output_dir={config.output_dir!r}, prefix={config.advanced.prefix!r}): the "
+                f"MemoryMonitor with prefix={other.advanced.prefix!r} in the same Trainer writes its files to the "
                 f"same folder, {mine}, so one would overwrite the other's history.csv, report.json and "
                 "memory.png. Give each monitor its own output_dir=..., or write_files=False to all but one."
             )

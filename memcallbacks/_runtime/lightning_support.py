@@ -129,7 +129,7 @@ def checkpoint_state(monitor: Any, trainer: Any, checkpoint: dict[str, Any], cls
     """The monitor state in ``checkpoint`` that is ``monitor``'s (``MemoryMonitor.on_load_checkpoint``), or None."""
     monitors = sum(isinstance(cb, cls) for cb in trainer.callbacks)
     return saved_state_of(checkpoint.get("callbacks") or {}, monitor.state_key, type(monitor).__qualname__, monitors,
-                          monitor.config.prefix, log)
+                          monitor.config.advanced.prefix, log)
 
 
 def add_eval_hooks(cls: type, start: Callable[..., None], batch_end: Callable[..., None], end: Callable[..., None]) -> None:

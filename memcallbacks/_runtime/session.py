@@ -532,11 +532,11 @@ class Session:
     @property
     def dashboard(self) -> Dashboard:
         """What the trackers' charts show; a capacity line where the device has one (not host RAM on CPU)."""
-        return Dashboard(self.config.prefix, capacity=self.device_kind != "cpu" and bool(self.engine.capacity))
+        return Dashboard(self.config.prefix, capacity=self.device_kind != "cpu" and bool(self.engine.capacity), keys=self.config.logged_keys)
 
     def emit(self, metrics: dict[str, float], step: int) -> None:
-        if metrics and self.log_fn is not None and self.engine.rank == 0:
-            self.log_fn(metrics, step)
+        if self.log_fn is not None and self.engine.rank == 0 and (shown := self.config.logged(metrics)):
+            self.log_fn(shown, step)
             if self.trackers is not None and self.config.log_to_trackers:
                 self.trackers.on_log(self.findings, self.dashboard)
 

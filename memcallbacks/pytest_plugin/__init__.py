@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING, Any, Iterator
 import pytest
 
 from memcallbacks._base.units import format_bytes
-from memcallbacks.pytest_plugin.limits import PHASE_NAMES, Limits, parse_fail_on, parse_size
+from memcallbacks._base.units import parse_size
+from memcallbacks.pytest_plugin.limits import PHASE_NAMES, Limits, parse_fail_on
 
 if TYPE_CHECKING:  # pragma: no cover
     from memcallbacks.pytest_plugin.session import TrainMemory

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 from memcallbacks._base.units import format_bytes
 from memcallbacks._runtime.guard import session_of
@@ -19,6 +20,17 @@ log = logging.getLogger(__name__)
 __all__ = ["Failure", "TrainMemory"]
 
 _WIDTH = 100
+
+
+def merged_config(base: dict[str, Any], changes: Mapping[str, Any]) -> dict[str, Any]:
+    """``base``'s MonitorConfig fields with ``changes`` on top; a group (``leaks=...``) merges field by
+    field, so the plugin's leak thresholds stay unless the test names them."""
+    out = dict(base)
+    for name, value in changes.items():
+        if isinstance(out.get(name), dict) and dataclasses.is_dataclass(value):
+            value = {f.name: getattr(value, f.name) for f in dataclasses.fields(value) if getattr(value, f.name) != f.default}
+        out[name] = {**out[name], **value} if isinstance(out.get(name), dict) and isinstance(value, Mapping) else value
+    return out
 
 
 @dataclass
@@ -93,13 +105,15 @@ class TrainMemory:
             "output_dir": str(folder),
             "plot": False,
             "console_summary": False,  # the plugin reports through pytest, not the console
-            "estimate_model_states": False,
-            "growth_warmup_steps": self._limits.warmup,
-            # a loop variable still holding the last step's scalar loss (4 B) is not a failure: lingering
-            # counts from LINGERING_FLOOR bytes (a kept graph or batch is far above it)
-            "lingering_min_bytes": max(self._limits.max_leak, LINGERING_FLOOR),
+            "leaks": {
+                "estimate_model_states": False,
+                "growth_warmup_steps": self._limits.warmup,
+                # a loop variable still holding the last step's scalar loss (4 B) is not a failure: lingering
+                # counts from LINGERING_FLOOR bytes (a kept graph or batch is far above it)
+                "lingering_min_bytes": max(self._limits.max_leak, LINGERING_FLOOR),
+            },
         }
-        config.update(self._limits.config)
+        config = merged_config(config, self._limits.config)
         return config
 
     def start(self) -> None:
@@ -129,7 +143,7 @@ class TrainMemory:
         from memcallbacks.monitor import Monitor
 
         self.start()
-        monitor = Monitor(model, optimizer, **{**self.monitor_config(), **config})
+        monitor = Monitor(model, optimizer, **merged_config(self.monitor_config(), config))
         self.probe(session_of(monitor), name="train_memory.track()")
         self.closers.append(monitor.close)
         try:

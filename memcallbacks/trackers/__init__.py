@@ -51,9 +51,10 @@ def recognise(obj: Any) -> Tracker | None:
     source = type(obj).__name__
     # Lightning (lightning.pytorch and pytorch_lightning): the experiment of a logger exists on rank zero
     if "TensorBoardLogger" in names:
-        return _tb()(lambda: obj.experiment, source=source)
+        return _tb()(lambda: obj.experiment, source=source, separator=getattr(obj, "group_separator", "/"))
     if "WandbLogger" in names:
-        return _wandb()(lambda: obj.experiment, step_metric="trainer/global_step", source=source)
+        return _wandb()(lambda: obj.experiment, step_metric="trainer/global_step", source=source,
+                        separator=getattr(obj, "group_separator", "/"))
     if "MLFlowLogger" in names:
         return _mlflow()(lambda: (obj.experiment, obj.run_id), source=source)
     # Accelerate: accelerator.trackers, after accelerator.init_trackers(...)

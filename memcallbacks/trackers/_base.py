@@ -14,10 +14,16 @@ __all__ = ["Dashboard", "RunOutputs", "Tracker", "finding_text", "flat_summary"]
 
 @dataclass(frozen=True)
 class Dashboard:
-    """What the charts show: the monitor's key prefix, and whether a capacity line is logged."""
+    """What the charts show: the monitor's key prefix, whether a capacity line is logged, and the
+    keys handed to loggers (``log_keys``; None: every key)."""
 
     prefix: str
     capacity: bool = False
+    keys: frozenset[str] | None = None
+
+    def logs(self, name: str) -> bool:
+        """Whether key ``name`` (without the prefix) reaches the loggers."""
+        return self.keys is None or f"{self.prefix}/{name}" in self.keys
 
 
 @dataclass
@@ -81,9 +87,11 @@ class Tracker:
 
     name = "tracker"
 
-    def __init__(self, resolve: Callable[[], Any], *, key_prefix: str = "", step_metric: str | None = None, source: str = "") -> None:
+    def __init__(self, resolve: Callable[[], Any], *, key_prefix: str = "", step_metric: str | None = None, source: str = "",
+                 separator: str = "/") -> None:
         self.resolve = resolve
         self.key_prefix = key_prefix  # what the framework puts before our keys (Transformers: "train/")
+        self.separator = separator  # what joins our keys' parts in this logger (Lightning's logger.group_separator)
         self.step_metric = step_metric
         self.source = source  # the user's object, for messages
         self.started = False

@@ -22,8 +22,9 @@ LEAK_KEYS = ("findings", "gc_freed_GiB", "unexplained_GiB")
 HOST_KEYS = ("host_rss_GiB", "host_private_GiB", "host_python_GiB", "host_workers_GiB")
 
 
-def layout(dashboard: Dashboard, key_prefix: str = "") -> dict[str, dict[str, list[Any]]]:
-    """The custom-scalars layout, in the form ``SummaryWriter.add_custom_scalars`` takes.
+def layout(dashboard: Dashboard, key_prefix: str = "", separator: str = "/") -> dict[str, dict[str, list[Any]]]:
+    """The custom-scalars layout, in the form ``SummaryWriter.add_custom_scalars`` takes: a chart
+    for each group of keys the run logs (``log_keys``), with the lines of those keys.
 
     Each chart line is an anchored regular expression matching exactly one logged tag, so a
     second monitor with another prefix, or the user's own keys, never join these charts.
@@ -31,18 +32,12 @@ def layout(dashboard: Dashboard, key_prefix: str = "") -> dict[str, dict[str, li
     p = dashboard.prefix
 
     def tags(names: tuple[str, ...]) -> list[str]:
-        return ["^" + re.escape(f"{key_prefix}{p}/{name}") + "$" for name in names]
+        return ["^" + re.escape(f"{key_prefix}{p}/{name}".replace("/", separator)) + "$" for name in names if dashboard.logs(name)]
 
     phase = tags(PHASE_KEYS) + (tags(("capacity_GiB",)) if dashboard.capacity else [])
     category = CATEGORY if p == "memory" else f"{CATEGORY} ({p})"
-    return {
-        category: {
-            "memory per phase": ["Multiline", phase],
-            "reserved vs allocated": ["Multiline", tags(RESERVED_KEYS)],
-            "leaks": ["Multiline", tags(LEAK_KEYS)],
-            "host": ["Multiline", tags(HOST_KEYS)],
-        }
-    }
+    charts = {"memory per phase": phase, "reserved vs allocated": tags(RESERVED_KEYS), "leaks": tags(LEAK_KEYS), "host": tags(HOST_KEYS)}
+    return {category: {title: ["Multiline", lines] for title, lines in charts.items() if lines}}
 
 
 class TensorBoardTracker(Tracker):
@@ -59,7 +54,7 @@ class TensorBoardTracker(Tracker):
         writer = self.handle()
         if writer is None:
             return False
-        writer.add_custom_scalars(layout(dashboard, self.key_prefix))
+        writer.add_custom_scalars(layout(dashboard, self.key_prefix, self.separator))
         return True
 
     def findings(self, findings: list[Finding], dashboard: Dashboard) -> bool:

@@ -35,7 +35,7 @@ class WandbTracker(Tracker):
         run = self.handle()
         if run is None:
             return False
-        keys = f"{self.key_prefix}{dashboard.prefix}/*"
+        keys = f"{self.key_prefix}{dashboard.prefix}/*".replace("/", self.separator)
         if self.step_metric:
             run.define_metric(self.step_metric)
             run.define_metric(keys, step_metric=self.step_metric, step_sync=True, summary="max")

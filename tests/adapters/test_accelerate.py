@@ -31,7 +31,7 @@ from accelerate import Accelerator  # noqa: E402
 pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
 
 TEMP_MIB = 64
-CPU = dict(cpu_mmap_threshold=1 << 20, sample_every_n_steps=1)
+CPU = dict(advanced={"cpu_mmap_threshold": 1 << 20}, sample_every_n_steps=1)
 
 
 def loader(batches: int, dim: int = 32) -> torch.utils.data.DataLoader:
@@ -56,7 +56,7 @@ def test_tensorboard_tracker_receives_per_phase_peaks(tmp_path: Path) -> None:
     model = TemporaryNet(forward_mib=TEMP_MIB)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     model, optimizer, data = accelerator.prepare(model, optimizer, loader(6))
-    monitor = AccelerateMemoryMonitor(accelerator, log_every_n_steps=2, plot=False, **CPU)  # models found in accelerator._models
+    monitor = AccelerateMemoryMonitor(accelerator, log_keys="all", log_every_n_steps=2, plot=False, **CPU)  # models found in accelerator._models
     run_loop(accelerator, model, optimizer, data, monitor)
     monitor.close()
     accelerator.end_training()
@@ -255,7 +255,7 @@ def _rank_main(rank: int, world_size: int, port: int, out: str) -> None:
     model = TemporaryNet(forward_mib=RANK_TEMP_MIB if rank == 1 else 0)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     model, optimizer, data = accelerator.prepare(model, optimizer, loader(6))  # DDP; 3 batches per rank
-    monitor = AccelerateMemoryMonitor(accelerator, log_every_n_steps=1, plot=False, **CPU)
+    monitor = AccelerateMemoryMonitor(accelerator, log_keys="all", log_every_n_steps=1, plot=False, **CPU)
     run_loop(accelerator, model, optimizer, data, monitor)
     monitor.close()
     # gloo's teardown can deadlock when the process group goes (with the DDP model, at return) while its

@@ -88,7 +88,7 @@ def assert_matches_history(logged: dict, history: pd.DataFrame, steps: list[int]
 
 # ---------------------------------------------------------------------- 1. keys, steps and values on disk
 def test_metrics_land_in_tensorboard_and_csv_with_history_values(tmp_path):
-    monitor = MemoryMonitor(log_every_n_steps=2, sample_every_n_steps=1)
+    monitor = MemoryMonitor(log_keys="all", log_every_n_steps=2, sample_every_n_steps=1)
     trainer = fit(tmp_path, monitor, max_steps=6, logger=loggers(tmp_path), limit_val_batches=2, val_check_interval=3)
 
     history = monitor.history
@@ -117,7 +117,7 @@ def test_metrics_land_in_tensorboard_and_csv_with_history_values(tmp_path):
 
 
 def test_trainer_log_every_n_steps_is_followed_when_the_monitor_has_none(tmp_path):
-    monitor = MemoryMonitor(sample_every_n_steps=1)
+    monitor = MemoryMonitor(log_keys="all", sample_every_n_steps=1)
     fit(tmp_path, monitor, max_steps=7, log_every_n_steps=3, logger=loggers(tmp_path))
 
     history = monitor.history
@@ -132,7 +132,7 @@ def test_trainer_log_every_n_steps_is_followed_when_the_monitor_has_none(tmp_pat
 def test_cpu_default_samples_the_logged_steps_and_the_measuring_steps(tmp_path):
     # at defaults the first steps are sampled to measure the monitor's cost (the overhead budget then
     # picks the interval); logged steps are always sampled, and what is logged is the history's row
-    monitor = MemoryMonitor()
+    monitor = MemoryMonitor(log_keys="all")
     fit(tmp_path, monitor, max_steps=6, log_every_n_steps=2, logger=loggers(tmp_path))
 
     history = monitor.history
@@ -171,7 +171,7 @@ def test_backward_temporary_shows_in_backward_peak_not_forward(tmp_path):
 
 # ---------------------------------------------------------------------- 3. loop shapes
 def test_gradient_accumulation_gives_one_row_per_optimizer_step(tmp_path):
-    monitor = MemoryMonitor(log_every_n_steps=1, sample_every_n_steps=1)
+    monitor = MemoryMonitor(log_keys="all", log_every_n_steps=1, sample_every_n_steps=1)
     # 8 batches, accumulate 3: optimizer steps after batches 2, 5 and (end of epoch) 7
     trainer = fit(
         tmp_path, monitor, datamodule=RandomDataModule(batches=8), max_steps=-1, max_epochs=1,
@@ -188,7 +188,7 @@ def test_gradient_accumulation_gives_one_row_per_optimizer_step(tmp_path):
 
 
 def test_manual_optimization_with_two_optimizers(tmp_path):
-    monitor = MemoryMonitor(log_every_n_steps=1, sample_every_n_steps=1)
+    monitor = MemoryMonitor(log_keys="all", log_every_n_steps=1, sample_every_n_steps=1)
     model = TwoOptimizerModel()
     # every opt.step() advances global_step: 3 batches = 6 optimizer steps
     trainer = fit(tmp_path, monitor, model, max_steps=6, logger=CSVLogger(str(tmp_path), name="csv", version=0), log_every_n_steps=1)
@@ -209,7 +209,7 @@ def test_manual_optimization_with_two_optimizers(tmp_path):
 
 def test_manual_optimization_monitor_log_every_n_steps_means_what_the_trainers_does(tmp_path):
     """With two optimizers global_step is always even at batch start; ``(global_step + 1) % 2`` never hits."""
-    monitor = MemoryMonitor(log_every_n_steps=2, sample_every_n_steps=2)
+    monitor = MemoryMonitor(log_keys="all", log_every_n_steps=2, sample_every_n_steps=2)
     fit(tmp_path, monitor, TwoOptimizerModel(), max_steps=8, log_every_n_steps=2, logger=CSVLogger(str(tmp_path), name="csv", version=0))
 
     csv = csv_metrics(tmp_path / "csv" / "version_0" / "metrics.csv")
@@ -263,7 +263,7 @@ def test_validation_and_sanity_check_are_kept_apart_from_training_rows(tmp_path)
 
 
 def test_validate_test_predict_on_a_fresh_trainer(tmp_path):
-    monitor = MemoryMonitor(log_every_n_steps=1, sample_every_n_steps=1)
+    monitor = MemoryMonitor(log_keys="all", log_every_n_steps=1, sample_every_n_steps=1)
     trainer = L.Trainer(**trainer_kwargs(tmp_path, limit_val_batches=None, callbacks=[monitor], logger=CSVLogger(str(tmp_path), name="csv", version=0)))
     model, dm = BoringModel(), RandomDataModule(eval_batches=3)
     trainer.validate(model, dm)
@@ -320,7 +320,7 @@ def test_logger_false_warns_once_and_still_writes_history(tmp_path, caplog):
 def test_wandb_offline_run_receives_the_keys(tmp_path):
     import wandb
 
-    monitor = MemoryMonitor(log_every_n_steps=1, sample_every_n_steps=1, write_files=False)
+    monitor = MemoryMonitor(log_keys="all", log_every_n_steps=1, sample_every_n_steps=1, write_files=False)
     logger = WandbLogger(save_dir=str(tmp_path), project="memcallbacks-tests", offline=True)
     try:
         fit(tmp_path, monitor, max_steps=3, logger=logger)
@@ -340,7 +340,7 @@ def test_wandb_offline_run_receives_the_keys(tmp_path):
 
 def test_mlflow_file_store_receives_the_keys(tmp_path):
     uri = f"file:{tmp_path / 'mlruns'}"
-    monitor = MemoryMonitor(log_every_n_steps=1, sample_every_n_steps=1, write_files=False)
+    monitor = MemoryMonitor(log_keys="all", log_every_n_steps=1, sample_every_n_steps=1, write_files=False)
     logger = MLFlowLogger(experiment_name="memcallbacks-tests", tracking_uri=uri)
     import warnings
 
@@ -475,8 +475,8 @@ def _ckpt_states(path: Path) -> dict:
 
 def test_two_monitors_in_one_trainer_log_and_checkpoint_apart(tmp_path):
     """Each monitor has its own prefix (its keys, its state_key) and output_dir; a resumed fit gives each its own history back."""
-    every = MemoryMonitor(log_every_n_steps=1, sample_every_n_steps=1, output_dir=str(tmp_path / "every"))
-    second = MemoryMonitor(prefix="mem2", log_every_n_steps=2, sample_every_n_steps=2, output_dir=str(tmp_path / "second"))
+    every = MemoryMonitor(log_keys="all", log_every_n_steps=1, sample_every_n_steps=1, output_dir=str(tmp_path / "every"))
+    second = MemoryMonitor(log_keys="all", log_every_n_steps=2, sample_every_n_steps=2, output_dir=str(tmp_path / "second"), advanced={"prefix": "mem2"})
     assert every.state_key == "MemoryMonitor"  # the key of earlier releases: their checkpoints still load
     assert second.state_key == "MemoryMonitor{'prefix': 'mem2'}"
     ckpt = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_last=True)
@@ -495,8 +495,8 @@ def test_two_monitors_in_one_trainer_log_and_checkpoint_apart(tmp_path):
     assert {"MemoryMonitor", "MemoryMonitor{'prefix': 'mem2'}"} <= set(states)
 
     # resume with the monitors in the other order, into new folders: each state finds its monitor
-    every2 = MemoryMonitor(log_every_n_steps=1, sample_every_n_steps=1, output_dir=str(tmp_path / "every2"))
-    second2 = MemoryMonitor(prefix="mem2", log_every_n_steps=2, sample_every_n_steps=2, output_dir=str(tmp_path / "second2"))
+    every2 = MemoryMonitor(log_keys="all", log_every_n_steps=1, sample_every_n_steps=1, output_dir=str(tmp_path / "every2"))
+    second2 = MemoryMonitor(log_keys="all", log_every_n_steps=2, sample_every_n_steps=2, output_dir=str(tmp_path / "second2"), advanced={"prefix": "mem2"})
     trainer = fit(
         tmp_path, every2, max_steps=6, callbacks=[second2, every2, ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_last=True)],
         enable_checkpointing=True, ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"),
@@ -510,7 +510,7 @@ def test_two_monitors_in_one_trainer_log_and_checkpoint_apart(tmp_path):
 
 def test_resume_restores_a_state_saved_under_the_old_key(tmp_path):
     """Earlier releases keyed every monitor by the class name: a monitor with another prefix still gets its history back."""
-    first = MemoryMonitor(prefix="gpu_mem", log_every_n_steps=1, sample_every_n_steps=1, write_files=False)
+    first = MemoryMonitor(log_every_n_steps=1, sample_every_n_steps=1, write_files=False, advanced={"prefix": "gpu_mem"})
     ckpt = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_last=True)
     fit(tmp_path, first, max_steps=3, callbacks=[first, ckpt], enable_checkpointing=True)
     checkpoint = torch.load(str(tmp_path / "ckpt" / "last.ckpt"), map_location="cpu", weights_only=False)
@@ -518,7 +518,7 @@ def test_resume_restores_a_state_saved_under_the_old_key(tmp_path):
     old = tmp_path / "old_key.ckpt"
     torch.save(checkpoint, str(old))
 
-    second = MemoryMonitor(prefix="gpu_mem", log_every_n_steps=1, sample_every_n_steps=1, write_files=False)
+    second = MemoryMonitor(log_every_n_steps=1, sample_every_n_steps=1, write_files=False, advanced={"prefix": "gpu_mem"})
     with pytest.warns(UserWarning, match="callbacks used to create the checkpoint"):  # Lightning's own note on the unknown key
         fit(tmp_path, second, max_steps=5, ckpt_path=str(old))
     assert list(second.history["step"]) == [0, 1, 2, 3, 4]
@@ -529,7 +529,7 @@ def test_resume_restores_a_state_saved_under_the_old_key(tmp_path):
 def test_two_monitors_writing_to_one_folder_are_refused_before_training(tmp_path, output_dir):
     folder = None if output_dir is None else str(tmp_path / output_dir)
     first = MemoryMonitor(output_dir=folder)
-    second = MemoryMonitor(prefix="mem2", output_dir=folder)
+    second = MemoryMonitor(output_dir=folder, advanced={"prefix": "mem2"})
     model = BoringModel()
     with pytest.raises(ValueError) as info:
         fit(tmp_path, first, model, callbacks=[first, second], logger=loggers(tmp_path))
@@ -541,7 +541,7 @@ def test_two_monitors_writing_to_one_folder_are_refused_before_training(tmp_path
     assert model.training_steps_run == 0 and first.history.empty and second.history.empty
 
     # one of them without files is fine
-    quiet = MemoryMonitor(prefix="mem2", output_dir=folder, write_files=False, log_every_n_steps=1, sample_every_n_steps=1)
+    quiet = MemoryMonitor(output_dir=folder, write_files=False, log_every_n_steps=1, sample_every_n_steps=1, advanced={"prefix": "mem2"})
     fit(tmp_path / "ok", first, max_steps=2, callbacks=[first, quiet])
     assert len(quiet.history) == 2 and len(first.history) > 0
 
@@ -553,7 +553,7 @@ def test_two_monitors_with_one_prefix_are_refused_by_either_trainer(tmp_path):
         same = [MemoryMonitor(output_dir=str(tmp_path / "a")), MemoryMonitor(output_dir=str(tmp_path / "b"))]
         with pytest.raises(RuntimeError, match="state_key"):
             trainer_cls(**trainer_kwargs(tmp_path, callbacks=same))
-        apart = [MemoryMonitor(output_dir=str(tmp_path / "a")), MemoryMonitor(prefix="b", output_dir=str(tmp_path / "b"))]
+        apart = [MemoryMonitor(output_dir=str(tmp_path / "a")), MemoryMonitor(output_dir=str(tmp_path / "b"), advanced={"prefix": "b"})]
         trainer = trainer_cls(**trainer_kwargs(tmp_path, callbacks=apart))
         assert [cb.state_key for cb in trainer.callbacks if isinstance(cb, MemoryMonitor)] == ["MemoryMonitor", "MemoryMonitor{'prefix': 'b'}"]
 
@@ -613,6 +613,87 @@ def test_lightning_cli_accepts_a_config_mapping(tmp_path, capsys, monkeypatch):
     assert pd.read_csv(out / "history.csv")["step"].tolist() == [0, 1, 2]
 
 
+def test_lightning_cli_sets_grouped_settings_and_sizes_from_yaml(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "mem"
+    init_args = "\n".join("        " + line for line in f"""sample_every_n_steps: 1
+preflight: true
+capacity_bytes: 80 GiB
+log_keys: [default, peak_step_GiB]
+output_dir: {out}
+leaks:
+  growth_warmup_steps: 7
+  lingering_min_bytes: 2 MiB
+advanced:
+  prefix: gpu_mem
+  cpu_mmap_threshold: 256 KiB""".splitlines())
+    cli = _run_cli(tmp_path, _cli_config(tmp_path, init_args), capsys, monkeypatch)
+
+    (monitor,) = [c for c in cli.trainer.callbacks if isinstance(c, MemoryMonitor)]
+    config = monitor.config
+    assert config.capacity_bytes == 80 * 2**30 and config.preflight and config.log_keys == ("default", "peak_step_GiB")
+    assert (config.leaks.growth_warmup_steps, config.leaks.lingering_min_bytes) == (7, 2 << 20)
+    assert config.leaks.gc_every_n_steps is None and config.snapshot == type(config.snapshot)()  # the rest at defaults
+    assert (config.advanced.prefix, config.advanced.cpu_mmap_threshold) == ("gpu_mem", 256 << 10)
+    assert pd.read_csv(out / "history.csv")["step"].tolist() == [0, 1, 2]
+
+
+def test_lightning_cli_refuses_a_snapshot_setting_without_auto_snapshot(tmp_path, capsys, monkeypatch):
+    from lightning.pytorch.cli import LightningCLI
+
+    config = _cli_config(tmp_path, "        snapshot:\n          max_snapshots: 2")
+    monkeypatch.setattr(sys, "argv", ["train.py"])
+    with pytest.raises(ValueError, match=r"auto_snapshot=True"):
+        LightningCLI(BoringModel, RandomDataModule, args=["fit", "--config", str(config)], save_config_callback=None)
+
+
+# ---------------------------------------------------------------------- 9. what a logger receives at defaults
+def memory_keys_per_step(logged: dict) -> dict[int, set[str]]:
+    """``{step: {memory key, ...}}`` from what a logger wrote (``tensorboard_scalars``/``csv_metrics``)."""
+    steps: dict[int, set[str]] = {}
+    for key, points in logged.items():
+        if key.startswith("memory/"):
+            for step, _ in points:
+                steps.setdefault(step, set()).add(key)
+    return steps
+
+
+def test_at_defaults_a_logger_receives_at_most_eight_memory_keys_per_step(tmp_path):
+    monitor = MemoryMonitor()
+    fit(tmp_path, monitor, max_steps=12, log_every_n_steps=2, logger=loggers(tmp_path), limit_val_batches=2, val_check_interval=4)
+
+    default = {"memory/peak_forward_GiB", "memory/peak_backward_GiB", "memory/peak_optimizer_GiB", "memory/reserved_GiB",
+               "memory/allocated_GiB", "memory/findings", "memory/host_rss_GiB", "memory/val/peak_GiB"}
+    for logged in (tensorboard_scalars(tmp_path / "tb"), csv_metrics(tmp_path / "csv" / "version_0" / "metrics.csv")):
+        per_step = memory_keys_per_step(logged)
+        assert len(per_step) >= 6, per_step  # six logged training steps, and the validation runs
+        assert max(len(keys) for keys in per_step.values()) <= 8, per_step
+        assert set().union(*per_step.values()) <= default, set().union(*per_step.values()) - default
+        assert "memory/peak_forward_GiB" in per_step[1] and "memory/val/peak_GiB" in set().union(*per_step.values())
+    # the files keep everything: the history has every column whatever is logged
+    assert {"peak_allocated", "peak_reserved", "monitor_time_s"} <= set(monitor.history.columns)
+
+
+class DottedCSVLogger(CSVLogger):
+    """A logger that groups its keys with '.', as a logger may (Lightning's ``Logger.group_separator``)."""
+
+    @property
+    def group_separator(self) -> str:
+        return "."
+
+
+def test_keys_are_joined_with_the_loggers_group_separator(tmp_path):
+    monitor = MemoryMonitor(log_every_n_steps=1, sample_every_n_steps=1, write_files=False)
+    logger = DottedCSVLogger(str(tmp_path), name="dotted", version=0)
+    fit(tmp_path, monitor, max_steps=3, logger=[logger, CSVLogger(str(tmp_path), name="csv", version=0)],
+        limit_val_batches=1, val_check_interval=2)
+
+    dotted = csv_metrics(tmp_path / "dotted" / "version_0" / "metrics.csv")
+    plain = csv_metrics(tmp_path / "csv" / "version_0" / "metrics.csv")
+    assert "memory.peak_forward_GiB" in dotted and "memory.val.peak_GiB" in dotted
+    assert not any(key.startswith("memory/") for key in dotted)
+    assert {k.replace("/", ".") for k in plain if k.startswith("memory/")} == {k for k in dotted if k.startswith("memory.")}
+
+
 # ---------------------------------------------------------------------- 10. failures
 def device_backend(monitor: MemoryMonitor):
     """The monitor's device backend object (the one seam fault injection goes through)."""
@@ -637,7 +718,7 @@ class InjectBackendFault(L.Callback):
 
 def test_internal_error_is_logged_once_and_training_goes_on(tmp_path, caplog):
     caplog.set_level(logging.WARNING, logger="memcallbacks")
-    monitor = MemoryMonitor(log_every_n_steps=1, sample_every_n_steps=1, write_files=False)
+    monitor = MemoryMonitor(log_keys="all", log_every_n_steps=1, sample_every_n_steps=1, write_files=False)
     model = BoringModel()
     trainer = fit(tmp_path, monitor, model, max_steps=5, callbacks=[InjectBackendFault(monitor, 2), monitor], log_every_n_steps=1, logger=CSVLogger(str(tmp_path), name="csv", version=0))
 
@@ -669,7 +750,7 @@ def test_internal_error_still_leaves_a_report(tmp_path):
 
 
 def test_strict_reraises_internal_errors(tmp_path):
-    monitor = MemoryMonitor(log_every_n_steps=1, sample_every_n_steps=1, strict=True, write_files=False)
+    monitor = MemoryMonitor(log_every_n_steps=1, sample_every_n_steps=1, write_files=False, advanced={"strict": True})
     model = BoringModel()
     with pytest.raises(RuntimeError, match="injected backend fault"):
         fit(tmp_path, monitor, model, max_steps=5, callbacks=[InjectBackendFault(monitor, 2), monitor])
@@ -712,7 +793,7 @@ def test_works_with_pytorch_lightning_package(tmp_path):
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
-    monitor = MemoryMonitor(log_every_n_steps=1, sample_every_n_steps=1)
+    monitor = MemoryMonitor(log_keys="all", log_every_n_steps=1, sample_every_n_steps=1)
     assert isinstance(monitor, pl.Callback) and isinstance(monitor, L.Callback)
     trainer = pl.Trainer(**trainer_kwargs(tmp_path, max_steps=3, callbacks=[monitor], logger=PLCSVLogger(str(tmp_path), name="csv", version=0)))
     trainer.fit(PLModel(), RandomDataModule().train_dataloader())

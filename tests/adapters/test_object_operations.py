@@ -119,7 +119,7 @@ def _plain_loop(monitor: Monitor, model: nn.Module, optimizer: Any, tmp_path: Pa
 def test_plain_monitor_object_operations_during_and_after(tmp_path: Path) -> None:
     model = _mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    monitor = Monitor(model, optimizer, write_files=False, sample_every_n_steps=1, strict=True)
+    monitor = Monitor(model, optimizer, write_files=False, sample_every_n_steps=1, advanced={"strict": True})
     kept: list[Any] = []
     _plain_loop(monitor, model, optimizer, tmp_path, steps=20, kept=kept)
     monitor.close()
@@ -131,7 +131,7 @@ def test_plain_monitor_object_operations_during_and_after(tmp_path: Path) -> Non
 
 def test_a_model_saved_with_a_monitor_attached_loads_without_memcallbacks(tmp_path: Path) -> None:
     model = _mlp()
-    monitor = Monitor(model, write_files=False, strict=True)
+    monitor = Monitor(model, write_files=False, advanced={"strict": True})
     blob = pickle.dumps(model)
     assert b"memcallbacks" not in blob  # the hooks pickle as a no-op of Python itself, naming no monitor
     torch.save(model, tmp_path / "model.pt")
@@ -164,7 +164,7 @@ def _ddp_rank(rank: int, world_size: int, port: int, out: str) -> None:
     try:
         model = _mlp()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-        monitor = Monitor(model, optimizer, write_files=False, sample_every_n_steps=1, strict=True)
+        monitor = Monitor(model, optimizer, write_files=False, sample_every_n_steps=1, advanced={"strict": True})
         ddp = DistributedDataParallel(model)  # wrapped after the monitor attached to the bare module
         for x in monitor.track([torch.randn(4, 32) for _ in range(4)]):
             ddp(x).pow(2).mean().backward()
@@ -187,7 +187,7 @@ def test_accelerate_monitor_object_operations_during_and_after(tmp_path: Path) -
     accelerator = Accelerator(cpu=True, project_dir=str(tmp_path))
     model = _mlp()
     model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.01))
-    monitor = AccelerateMemoryMonitor(accelerator, model, optimizer, write_files=False, sample_every_n_steps=1, strict=True)
+    monitor = AccelerateMemoryMonitor(accelerator, model, optimizer, write_files=False, sample_every_n_steps=1, advanced={"strict": True})
     _plain_loop(monitor, model, optimizer, tmp_path, steps=8)
     accelerator.save_state(str(tmp_path / "state"))  # Accelerate's own checkpoint, while the monitor is attached
     accelerator.load_state(str(tmp_path / "state"))
@@ -237,7 +237,7 @@ def test_lightning_monitor_object_operations_checkpoint_and_resume(tmp_path: Pat
 
     from memcallbacks import MemoryMonitor
 
-    monitor = MemoryMonitor(write_files=False, sample_every_n_steps=1, strict=True)
+    monitor = MemoryMonitor(write_files=False, sample_every_n_steps=1, advanced={"strict": True})
     operations = _operations_callback(tmp_path)
     checkpoints = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=4, save_top_k=-1)
     model = _lightning_module()
@@ -248,7 +248,7 @@ def test_lightning_monitor_object_operations_checkpoint_and_resume(tmp_path: Pat
     exercise(model, trainer.optimizers[0], tmp_path)  # after fit
 
     # resume from the checkpoint saved mid-run (the monitor's state is in it) with a new monitor
-    resumed = MemoryMonitor(write_files=False, sample_every_n_steps=1, strict=True)
+    resumed = MemoryMonitor(write_files=False, sample_every_n_steps=1, advanced={"strict": True})
     trainer = L.Trainer(**trainer_kwargs(tmp_path, max_steps=8, callbacks=[resumed]))
     trainer.fit(_lightning_module(), RandomDataModule(), ckpt_path=str(tmp_path / "ckpt" / "epoch=0-step=4.ckpt"))
     assert list(resumed.history["step"]) == list(range(8))  # the checkpoint's rows 0-3, then the resumed steps
@@ -284,7 +284,7 @@ def test_transformers_callback_object_operations_during_and_after(tmp_path: Path
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=128, n_positions=16, bos_token_id=0, eos_token_id=0,
                                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
-    monitor = MemoryMonitorCallback(write_files=False, sample_every_n_steps=1, strict=True)
+    monitor = MemoryMonitorCallback(write_files=False, sample_every_n_steps=1, advanced={"strict": True})
     operations = Operations()
     args = TrainingArguments(output_dir=str(tmp_path / "out"), use_cpu=True, report_to=[], max_steps=8, per_device_train_batch_size=4,
                              save_strategy="steps", save_steps=4, disable_tqdm=True, dataloader_num_workers=0, optim="sgd",
@@ -296,7 +296,7 @@ def test_transformers_callback_object_operations_during_and_after(tmp_path: Path
     exercise(model, trainer.optimizer, tmp_path)
 
     # the Trainer's own checkpoint (saved at step 4 with the monitor attached), resumed with a new callback
-    resumed = MemoryMonitorCallback(write_files=False, sample_every_n_steps=1, strict=True)
+    resumed = MemoryMonitorCallback(write_files=False, sample_every_n_steps=1, advanced={"strict": True})
     trainer = Trainer(model=model, args=args, train_dataset=Ids(), callbacks=[resumed])
     trainer.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-4"))
     assert list(resumed.history["step"]) == [4, 5, 6, 7]

@@ -22,7 +22,7 @@ from memcallbacks._base.columns import frame_column
 from memcallbacks import Monitor, MonitorConfig
 
 TEMP_MIB = 64
-CPU = dict(cpu_mmap_threshold=1 << 20, sample_every_n_steps=1)
+CPU = dict(advanced={"cpu_mmap_threshold": 1 << 20}, sample_every_n_steps=1)
 # earlier tests' garbage (cycles holding tensors) freed by a collection inside a phase would lower
 # the RSS while a temporary raises it: collect before each test
 pytestmark = pytest.mark.usefixtures("collected_heap")
@@ -209,7 +209,7 @@ def test_track_accumulation_logged_steps_when_only_logged_steps_are_sampled() ->
     calls: list[int] = []
     model = TemporaryNet()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    monitor = Monitor(model, optimizer, lambda metrics, step: calls.append(step), log_every_n_steps=2, sample_every_n_steps=1000, write_files=False, cpu_mmap_threshold=1 << 20)
+    monitor = Monitor(model, optimizer, lambda metrics, step: calls.append(step), log_every_n_steps=2, sample_every_n_steps=1000, write_files=False, advanced={"cpu_mmap_threshold": 1 << 20})
     train(monitor, model, optimizer, batches(12), "track", accumulate=2)
     monitor.close()
 
@@ -359,7 +359,8 @@ def test_log_fn_gets_documented_keys_on_logged_steps() -> None:
     calls: list[tuple[int, dict[str, float]]] = []
     model = TemporaryNet(forward_mib=TEMP_MIB // 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    monitor = Monitor(model, optimizer, lambda metrics, step: calls.append((step, metrics)), log_every_n_steps=2, write_files=False, cpu_mmap_threshold=1 << 20)
+    monitor = Monitor(model, optimizer, lambda metrics, step: calls.append((step, metrics)), log_every_n_steps=2, write_files=False,
+                      log_keys="all", advanced={"cpu_mmap_threshold": 1 << 20})
     train(monitor, model, optimizer, batches(6), "track")
     monitor.close()
 
@@ -378,7 +379,7 @@ def test_log_fn_gets_documented_keys_on_logged_steps() -> None:
 
 def test_prefix_renames_every_key() -> None:
     calls: list[dict[str, float]] = []
-    monitor = Monitor(log_fn=lambda m, s: calls.append(m), prefix="mem/train", log_every_n_steps=1, write_files=False)
+    monitor = Monitor(log_fn=lambda m, s: calls.append(m), log_every_n_steps=1, write_files=False, advanced={"prefix": "mem/train"})
     with monitor.step():
         pass
     monitor.close()
@@ -449,7 +450,7 @@ def test_context_manager_closes() -> None:
         (dict(model=3), TypeError, r"Monitor\(model=int\) must be a torch.nn.Module"),
         (dict(optimizer="sgd"), TypeError, r"Monitor\(optimizer=str\) must be a torch optimizer"),
         (dict(log_fn=5), TypeError, r"Monitor\(log_fn=5\) must be callable"),
-        (dict(log_every=3), TypeError, r"unexpected keyword argument\(s\) 'log_every'; valid names"),
+        (dict(log_every=3), TypeError, r"unexpected keyword argument\(s\): 'log_every' \(did you mean 'log_every_n_steps'\?\)"),
         (dict(log_every_n_steps=0), ValueError, r"MonitorConfig.log_every_n_steps=0 is invalid"),
         (dict(config=42), TypeError, r"Monitor\(config=42\) must be a MonitorConfig"),
     ],
@@ -508,3 +509,15 @@ def test_auto_mode_keeps_its_forward_hooks() -> None:
         assert model._forward_pre_hooks
     monitor.close()
     assert len(monitor.history) == 4
+
+
+def test_log_fn_gets_the_short_list_at_defaults() -> None:
+    calls: list[dict[str, float]] = []
+    model = TemporaryNet(forward_mib=TEMP_MIB // 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = Monitor(model, optimizer, lambda metrics, step: calls.append(metrics), log_every_n_steps=2, write_files=False)
+    train(monitor, model, optimizer, batches(6), "track")
+    monitor.close()
+    assert len(calls) == 3 and all(len(metrics) <= 8 for metrics in calls)
+    assert set().union(*calls) == {"memory/peak_forward_GiB", "memory/peak_backward_GiB", "memory/peak_optimizer_GiB", "memory/reserved_GiB",
+                                   "memory/allocated_GiB", "memory/findings", "memory/host_rss_GiB"}

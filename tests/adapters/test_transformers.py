@@ -60,7 +60,7 @@ def training_args(tmp_path: Path, **overrides: Any) -> TrainingArguments:
 
 
 def test_trainer_tensorboard_gets_memory_metrics_with_accumulation(tmp_path: Path) -> None:
-    monitor = MemoryMonitorCallback(sample_every_n_steps=1, plot=False)
+    monitor = MemoryMonitorCallback(log_keys="all", sample_every_n_steps=1, plot=False)
     trainer = Trainer(model=tiny_gpt2(), args=training_args(tmp_path), train_dataset=TokenData(), callbacks=[monitor])
     assert trainer.callback_handler.callbacks[0] is monitor  # ahead of the report_to integrations
     trainer.train()
@@ -93,7 +93,7 @@ def test_trainer_tensorboard_gets_memory_metrics_with_accumulation(tmp_path: Pat
 
 
 def test_log_every_n_steps_makes_the_trainer_log_those_steps(tmp_path: Path) -> None:
-    monitor = MemoryMonitorCallback(log_every_n_steps=2, write_files=False)
+    monitor = MemoryMonitorCallback(log_keys="all", log_every_n_steps=2, write_files=False)
     args = training_args(tmp_path, logging_steps=3, gradient_accumulation_steps=1, max_steps=4)
     trainer = Trainer(model=tiny_gpt2(), args=args, train_dataset=TokenData(), callbacks=[monitor])
     trainer.train()
@@ -117,7 +117,7 @@ def test_added_after_init_still_reaches_earlier_callbacks(tmp_path: Path) -> Non
     recorder = Recorder()
     args = training_args(tmp_path, report_to=[], gradient_accumulation_steps=1, max_steps=2, logging_steps=1)
     trainer = Trainer(model=tiny_gpt2(), args=args, train_dataset=TokenData(), callbacks=[recorder])
-    monitor = MemoryMonitorCallback(write_files=False)
+    monitor = MemoryMonitorCallback(log_keys="all", write_files=False)
     trainer.add_callback(monitor)  # after the recorder; moved to the front when training begins
     trainer.train()
     assert trainer.callback_handler.callbacks[0] is monitor
@@ -184,7 +184,7 @@ def _rank_main(rank: int, world_size: int, port: int, out: str) -> None:
             touch_temporary(RANK_TEMP_MIB)
 
         model.register_forward_pre_hook(temporary)
-    monitor = MemoryMonitorCallback(sample_every_n_steps=1, cpu_mmap_threshold=1 << 20, plot=False)
+    monitor = MemoryMonitorCallback(log_keys="all", sample_every_n_steps=1, plot=False, advanced={"cpu_mmap_threshold": 1 << 20})
     args = training_args(Path(out), gradient_accumulation_steps=1, max_steps=3, logging_steps=1)
     trainer = Trainer(model=model, args=args, train_dataset=TokenData(), callbacks=[monitor])
     assert trainer.args.world_size == world_size

@@ -14,6 +14,7 @@ import torch
 
 from memcallbacks import Monitor
 from memcallbacks._base.findings import KINDS
+from memcallbacks._base.keys import ALL_KEYS, DEFAULT_KEYS, EVAL_KEYS, OPTION_KEYS, TRAINING_KEYS
 from memcallbacks.trackers.tensorboard import HOST_KEYS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,8 +29,8 @@ def logged_keys() -> set[str]:
     model = torch.nn.Linear(16, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     keys: set[str] = set()
-    monitor = Monitor(model, opt, lambda metrics, step: keys.update(metrics), write_files=False, log_every_n_steps=1,
-                      device="cpu", gc_every_n_steps=2)
+    monitor = Monitor(model, opt, lambda metrics, step: keys.update(metrics), write_files=False, log_every_n_steps=1, device="cpu",
+                      log_keys="all", leaks={"gc_every_n_steps": 2})
     for _ in monitor.track(range(6)):
         model(torch.randn(8, 16)).sum().backward()
         opt.step()
@@ -52,6 +53,24 @@ def test_every_logged_key_of_a_real_run_is_documented() -> None:
     assert {"memory/host_python_GiB", "memory/host_private_GiB", "memory/gc_time_ms"} <= keys, sorted(keys)
     missing = sorted(keys - table_keys(METRICS))
     assert not missing, f"logged but not in docs/metrics.md's tables: {missing}"
+
+
+def test_the_key_lists_are_the_documented_keys_and_hold_every_logged_key() -> None:
+    keys = logged_keys()
+    unlisted = sorted(k for k in keys if k.removeprefix("memory/") not in ALL_KEYS)
+    assert not unlisted, f"logged but not in memcallbacks/_base/keys.py: {unlisted}"
+    training = {k for k in table_keys(METRICS) if "/val/" not in k}
+    assert training == {f"memory/{k}" for k in TRAINING_KEYS}, training ^ {f"memory/{k}" for k in TRAINING_KEYS}
+    evaluation = {k for k in table_keys(METRICS) if "/val/" in k}
+    assert evaluation == {f"memory/{k}" for k in EVAL_KEYS if k.startswith("val/")}
+
+
+def test_the_default_list_is_the_documented_one() -> None:
+    """docs/metrics.md names the keys logged by default and those an option adds, each in backticks."""
+    section = METRICS.split("## Logged by default", 1)[1].split("\n## ", 1)[0]
+    named = set(re.findall(r"`memory/([^`]+)`", section))
+    assert named == set(DEFAULT_KEYS) | {k for keys in OPTION_KEYS.values() for k in keys}, named
+    assert len([k for k in DEFAULT_KEYS if "/" not in k]) + 1 <= 8  # a training step's keys and an evaluation's
 
 
 def test_every_host_key_is_documented() -> None:

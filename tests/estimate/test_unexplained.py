@@ -79,9 +79,8 @@ def loader(batches: int = STEPS) -> DataLoader:
 
 
 def lightning_fit(tmp_path: Path, optimizer: str, cache_mib: int = 0) -> tuple[MemoryMonitor, dict[str, Any], dict[str, list[tuple[int, float]]]]:
-    monitor = MemoryMonitor(
-        sample_every_n_steps=1, log_every_n_steps=1, unexplained_margin_bytes=MARGIN, output_dir=str(tmp_path / "mem"), plot=False
-    )
+    monitor = MemoryMonitor(log_keys="all", sample_every_n_steps=1, log_every_n_steps=1, output_dir=str(tmp_path / "mem"), plot=False,
+                            leaks={"unexplained_margin_bytes": MARGIN})
     trainer = L.Trainer(**trainer_kwargs(tmp_path, max_steps=STEPS, callbacks=[monitor], logger=CSVLogger(str(tmp_path), name="csv", version=0)))
     trainer.fit(StateModel(optimizer, cache_mib), loader())
     report = json.loads((tmp_path / "mem" / "report.json").read_text())
@@ -93,10 +92,8 @@ def plain_run(tmp_path: Path, optimizer: str, cache_mib: int = 0) -> tuple[Monit
     opt = make_optimizer(optimizer, model.parameters())
     data = loader()  # before the monitor starts: the dataset is not the run's to explain
     csv = FabricCSVLogger(str(tmp_path), name="csv", version=0)
-    monitor = Monitor(
-        model, opt, csv.log_metrics,
-        sample_every_n_steps=1, log_every_n_steps=1, unexplained_margin_bytes=MARGIN, output_dir=str(tmp_path / "mem"), plot=False,
-    )
+    monitor = Monitor(model, opt, csv.log_metrics, log_keys="all", sample_every_n_steps=1, log_every_n_steps=1, output_dir=str(tmp_path / "mem"),
+                      plot=False, leaks={"unexplained_margin_bytes": MARGIN})
     for batch in monitor.track(data):
         loss = model(batch).pow(2).mean()
         opt.zero_grad()

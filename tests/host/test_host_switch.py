@@ -16,7 +16,7 @@ def _fit(**config):
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     logged: list[dict[str, float]] = []
     monitor = Monitor(model, opt, lambda metrics, step: logged.append(metrics), write_files=False, log_every_n_steps=1,
-                      device="cpu", **config)
+                      device="cpu", log_keys="all", **config)
     for _ in monitor.track(range(6)):
         model(torch.randn(8, 16)).sum().backward()
         opt.step()

@@ -26,7 +26,7 @@ from helpers import MIB, csv_metrics, trainer_kwargs
 from memcallbacks import Monitor
 
 pytestmark = [pytest.mark.usefixtures("collected_heap"), pytest.mark.rss_sensitive]
-CPU = dict(cpu_mmap_threshold=1 << 20, sample_every_n_steps=1, log_every_n_steps=1)
+CPU = dict(advanced={"cpu_mmap_threshold": 1 << 20}, sample_every_n_steps=1, log_every_n_steps=1)
 PHASES = ("forward", "backward", "optimizer")
 PREDICTED = [f"predicted_peak_{ph}" for ph in PHASES]
 DIM, BATCH = 256, 2048  # activations (a few MiB per layer) outweigh the parameters

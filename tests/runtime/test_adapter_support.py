@@ -19,7 +19,7 @@ from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParalle
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from memcallbacks import MonitorConfig
+from helpers import flat_settings
 from memcallbacks._runtime import preflight_check
 from memcallbacks._runtime.adapter_support import OptimizerHooks, lightning_strategy, precision_name, rank_zero_trackers
 from memcallbacks._runtime.session import Session
@@ -171,7 +171,7 @@ def test_hooks_are_skipped_during_the_preflight_fake_step(tmp_path, model_and_op
     # a raw global hook, not guarded: it shows that the fake step does fire torch's global hooks
     raw: list[bool] = []
     raw_handle = register_optimizer_step_pre_hook(lambda opt, args, kwargs: raw.append(preflight_check.fake_step_running()))
-    session = Session(MonitorConfig(preflight=True, write_files=False), "plain", "Monitor")
+    session = Session(flat_settings(preflight=True, write_files=False), "plain", "Monitor")
     try:
         session.start(torch.device("cpu"))
         session.attach(model=model, optimizer=optimizer)

@@ -17,14 +17,25 @@ import pytest
 import torch
 from torch import nn
 
-from memcallbacks import Monitor, MonitorConfig
+from memcallbacks import AdvancedOptions, LeakOptions, Monitor, MonitorConfig, SnapshotOptions
 from memcallbacks.cli import main
 
-_INT_FIELDS = [f.name for f in dataclasses.fields(MonitorConfig) if f.type in ("int", "int | None")]
+GROUPS = {"leaks": LeakOptions, "snapshot": SnapshotOptions, "advanced": AdvancedOptions}
+# every integer setting, as "field" or "group.field"
+_INT_FIELDS = [f.name for f in dataclasses.fields(MonitorConfig) if f.type.startswith("int")] + [
+    f"{group}.{f.name}" for group, cls in GROUPS.items() for f in dataclasses.fields(cls) if f.type.startswith("int")]
 # a valid value of each integer field, and what each needs alongside it
-VALID_INT = {"cpu_mmap_threshold": 1 << 20, "max_history_rows": 1000, "max_snapshot_bytes": 1 << 30, "snapshot_max_entries": 5000,
-             "capacity_bytes": 1 << 30}
-NEEDS = {"snapshot_peak_bytes": {"auto_snapshot": True}, "snapshot_every_n_steps": {"auto_snapshot": True}}
+VALID_INT = {"advanced.cpu_mmap_threshold": 1 << 20, "advanced.max_history_rows": 1000, "snapshot.max_bytes": 1 << 30,
+             "snapshot.max_entries": 5000, "capacity_bytes": 1 << 30}
+NEEDS = {"snapshot": {"auto_snapshot": True}, "capacity_bytes": {"preflight": True}}
+
+
+def build(path: str, value: Any) -> tuple[Any, str]:
+    """MonitorConfig with ``path`` set to ``value``, and the name its messages give the field."""
+    group, _, name = path.rpartition(".")
+    given = {group: {name: value}} if group else {path: value}
+    config = MonitorConfig(**given, **NEEDS.get(group or path, {}))
+    return (getattr(getattr(config, group), name) if group else getattr(config, name)), f"{GROUPS[group].__name__ if group else 'MonitorConfig'}.{name}"
 
 
 # ---------------------------------------------------------------------- integer fields
@@ -32,8 +43,7 @@ NEEDS = {"snapshot_peak_bytes": {"auto_snapshot": True}, "snapshot_every_n_steps
 def test_every_integer_field_takes_any_whole_number(name: str) -> None:
     value = VALID_INT.get(name, 10)
     for given in (np.int64(value), np.int32(value) if value < 2**31 else np.int64(value), float(value), np.float64(value)):
-        config = MonitorConfig(**{name: given}, **NEEDS.get(name, {}))
-        stored = getattr(config, name)
+        stored, _ = build(name, given)
         assert stored == value and type(stored) is int, (name, given, stored)
 
 
@@ -41,15 +51,16 @@ def test_every_integer_field_takes_any_whole_number(name: str) -> None:
 def test_every_integer_field_refuses_a_fraction_by_name(name: str) -> None:
     value = VALID_INT.get(name, 10) + 0.5
     with pytest.raises(ValueError) as info:
-        MonitorConfig(**{name: value}, **NEEDS.get(name, {}))
+        build(name, value)
     text = str(info.value)
-    assert f"MonitorConfig.{name}={value!r} is invalid" in text and "whole number" in text
+    owner = f"{GROUPS[name.split('.')[0]].__name__}.{name.split('.')[1]}" if "." in name else f"MonitorConfig.{name}"
+    assert f"{owner}={value!r} is invalid" in text and "whole number" in text
 
 
 def test_whole_numbers_through_every_entry_point() -> None:
     assert Monitor(write_files=False, log_every_n_steps=np.int64(10)).config.log_every_n_steps == 10
     assert Monitor(write_files=False, config={"log_every_n_steps": 10.0}).config.log_every_n_steps == 10
-    assert MonitorConfig(overhead_budget=np.float32(0.5)).overhead_budget == 0.5
+    assert MonitorConfig(advanced={"overhead_budget": np.float32(0.5)}).advanced.overhead_budget == 0.5
     with pytest.raises(ValueError, match=r"log_every_n_steps=10.5 is invalid: it must be a whole number; pass an integer such as 10"):
         Monitor(write_files=False, log_every_n_steps=10.5)
     for bad in (float("nan"), float("inf")):
@@ -63,15 +74,15 @@ def test_whole_numbers_through_every_entry_point() -> None:
 def test_a_keyword_equal_to_its_default_wins_over_config() -> None:
     from memcallbacks import MemoryMonitor
 
-    base = MonitorConfig(detect_leaks=False, growth_warmup_steps=9, prefix="gpu")
+    base = MonitorConfig(detect_leaks=False, leaks={"growth_warmup_steps": 9}, advanced={"prefix": "gpu"})
     for cls in (Monitor, MemoryMonitor):
         kwargs: dict[str, Any] = {"write_files": False} if cls is Monitor else {}
-        config = cls(config=base, detect_leaks=True, growth_warmup_steps=4, prefix="memory", **kwargs).config
-        assert (config.detect_leaks, config.growth_warmup_steps, config.prefix) == (True, 4, "memory"), cls
-        assert cls(config=base, **kwargs).config.growth_warmup_steps == 9  # config= alone is kept
+        config = cls(config=base, detect_leaks=True, leaks=LeakOptions(), **kwargs).config
+        assert (config.detect_leaks, config.leaks.growth_warmup_steps, config.advanced.prefix) == (True, 4, "gpu"), cls
+        assert cls(config=base, **kwargs).config.leaks.growth_warmup_steps == 9  # config= alone is kept
     # LightningCLI passes every field (the ones not in its YAML at their defaults): config's values stay
     every = {f: getattr(MonitorConfig(), f) for f in MonitorConfig.__dataclass_fields__}
-    assert MemoryMonitor(config=base, **every).config.growth_warmup_steps == 9
+    assert MemoryMonitor(config=base, **every).config.leaks.growth_warmup_steps == 9
 
 
 # ---------------------------------------------------------------------- devices

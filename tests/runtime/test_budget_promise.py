@@ -127,7 +127,7 @@ def test_over_budget_the_costliest_part_backs_off_and_says_so_once(tmp_path):
     logger.addHandler(records)
     try:
         r = nanogpt.train(150, monitored=True, output_dir=str(tmp_path / "mem"),
-                          monitor_kwargs={"overhead_budget": 1e-6, "log_every_n_steps": 1000}, **SMALL)
+                          monitor_kwargs={"advanced": {"overhead_budget": 1e-6}, "log_every_n_steps": 1000}, **SMALL)
     finally:
         logger.removeHandler(records)
         logger.setLevel(level)

@@ -30,7 +30,7 @@ from memcallbacks._runtime.checks import StateCheck
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerate_state", "one_thread")
 
-CONFIG = dict(log_every_n_steps=1, sample_every_n_steps=1, gc_every_n_steps=2, gc_disable_automatic=True)
+CONFIG = dict(log_every_n_steps=1, sample_every_n_steps=1, leaks={"gc_every_n_steps": 2, "gc_disable_automatic": True})
 
 
 def _boom(*args: Any, **kwargs: Any) -> Any:

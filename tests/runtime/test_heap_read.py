@@ -21,8 +21,8 @@ import lightning.pytorch as L
 import pytest
 from lightning.pytorch.loggers import CSVLogger
 
-from helpers import MIB, BoringModel, RandomDataModule, trainer_kwargs
-from memcallbacks import MemoryMonitor, MonitorConfig
+from helpers import MIB, BoringModel, RandomDataModule, flat_settings, trainer_kwargs
+from memcallbacks import MemoryMonitor
 from memcallbacks._base.cpu import CpuBackend
 from memcallbacks._runtime import schedule as C
 from memcallbacks._runtime.schedule import Schedule
@@ -45,7 +45,7 @@ class StandInBackend:
 
 def heap_plan(log_every: int, cost: float = COST_S) -> Schedule:
     """A schedule that has measured 1 ms steps and ``cost`` per read, and chosen its intervals."""
-    plan = Schedule(MonitorConfig())
+    plan = Schedule(flat_settings())
     plan.configure(log_every=log_every, logs=True, log_first_step=False)
     plan.backend = StandInBackend(cost)
     return feed(plan, step_s=STEP_S, steps=16, read_s=cost)
@@ -87,7 +87,7 @@ def test_cheap_reads_wanted_reads_and_the_budgets_first_steps():
     plan = heap_plan(log_every=1)
     assert plan.heap_due(100) and not plan.heap_due(101)
     assert plan.heap_due(102, wanted=True)  # the theory check compares this step's baseline
-    fresh = Schedule(MonitorConfig())  # no median step yet: only the watch's reads (every one of the first 48)
+    fresh = Schedule(flat_settings())  # no median step yet: only the watch's reads (every one of the first 48)
     fresh.configure(log_every=1, logs=True, log_first_step=False)
     fresh.backend = StandInBackend(COST_S)
     fresh.read_every = 32

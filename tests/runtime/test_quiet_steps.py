@@ -20,7 +20,7 @@ import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
 
-from helpers import MIB, trainer_kwargs
+from helpers import MIB, flat_settings, trainer_kwargs
 from memcallbacks import MemoryMonitor, Monitor, MonitorConfig
 from memcallbacks._runtime import schedule as C
 from schedule_feed import SteppedClock, feed
@@ -62,7 +62,7 @@ def trip(c: C.Schedule, count: int) -> None:
 
 
 def cadence(**config: Any) -> C.Schedule:
-    c = C.Schedule(MonitorConfig(**config))
+    c = C.Schedule(flat_settings(**config))
     c.configure(log_every=50, logs=True, log_first_step=False)
     return c
 

@@ -51,7 +51,7 @@ class Step5Fails(BoringModel):
 
 
 def test_failed_lightning_fit_restores_gc_and_closes_the_backend(tmp_path: Path) -> None:
-    monitor = MemoryMonitor(gc_every_n_steps=2, gc_disable_automatic=True, output_dir=str(tmp_path / "mem"))
+    monitor = MemoryMonitor(output_dir=str(tmp_path / "mem"), leaks={"gc_every_n_steps": 2, "gc_disable_automatic": True})
     trainer = L.Trainer(**trainer_kwargs(tmp_path, max_steps=8, callbacks=[monitor]))
     with pytest.raises(ValueError, match="user bug at step 5"):
         trainer.fit(Step5Fails(), RandomDataModule(batches=8))
@@ -66,7 +66,7 @@ def test_monitor_dropped_without_close_removes_its_global_hooks(tmp_path: Path) 
     def loop() -> None:
         model = TemporaryNet()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-        monitor = Monitor(model, optimizer, output_dir=str(tmp_path), gc_every_n_steps=1, gc_disable_automatic=True)
+        monitor = Monitor(model, optimizer, output_dir=str(tmp_path), leaks={"gc_every_n_steps": 1, "gc_disable_automatic": True})
         for batch in monitor.track(torch.randn(3, 4, 32).unbind(0)):
             model(batch).sum().backward()
             optimizer.step()
@@ -95,9 +95,9 @@ def test_full_disk_keeps_the_first_run_whole(tmp_path: Path) -> None:
         # two pages free: the second run's history.csv (2 pages) fits, its report.json (2 pages, with
         # one gc record per step) does not, even after the first history's page is freed by a rename
         os.truncate(folder / "filler", (folder / "filler").stat().st_size - 2 * 4096)
-        second = plain_run(tmp_path / "probe", 30, plot=False, gc_every_n_steps=1)
+        second = plain_run(tmp_path / "probe", 30, plot=False, leaks={"gc_every_n_steps": 1})
         assert os.path.getsize(second.files["history"]) > 4096 and os.path.getsize(second.files["report"]) > 4096
-        plain_run(folder, 30, plot=False, gc_every_n_steps=1)  # must not raise, must not mix
+        plain_run(folder, 30, plot=False, leaks={"gc_every_n_steps": 1})  # must not raise, must not mix
         report, history = load_output_dir(folder)
         assert report["summary"]["steps_seen"] == 4 and len(history) == 4
         assert not list(folder.glob(".*.tmp"))
@@ -157,7 +157,7 @@ def test_use_after_close_warns_and_passes_the_loop_through(tmp_path: Path, caplo
 
 
 # ---------------------------------------------------------------------- 6. refused configuration
-@pytest.mark.parametrize("bad", [dict(snapshot_every_n_steps=10), dict(snapshot_peak_bytes=1 << 30), dict(output_dir="")])
+@pytest.mark.parametrize("bad", [dict(snapshot={"every_n_steps": 10}), dict(snapshot={"peak_bytes": 1 << 30}), dict(output_dir="")])
 def test_silently_ignored_settings_are_refused(bad: dict[str, Any]) -> None:
     name = next(iter(bad))
     with pytest.raises(ValueError, match=f"MonitorConfig.{name}="):

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from memcallbacks import MonitorConfig
+from helpers import flat_settings
 from memcallbacks._base.devices import CpuBackend, StatmReader, heap_in_use_bytes
 from memcallbacks._runtime.schedule import Schedule, StepKind, Tripwire
 
@@ -46,7 +46,7 @@ class Counter:
 
 def make_plan(**config: Any) -> Schedule:
     """A schedule for a run that logs every 50 steps (the plain loop's default)."""
-    plan = Schedule(MonitorConfig(**config))
+    plan = Schedule(flat_settings(**config))
     plan.configure(log_every=50, logs=True, log_first_step=False)
     return plan
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch import nn
 
-from memcallbacks import MonitorConfig
+from helpers import flat_settings
 from memcallbacks._base.columns import BACKWARD, FORWARD, MICRO_BATCHES, OPTIMIZER, STEP
 from memcallbacks._runtime.adapter_support import rank_zero_trackers
 from memcallbacks._runtime.lifecycle import output_folder
@@ -78,7 +78,7 @@ class Tiny:
 
 def new_session(tmp_path: Path, **config: Any) -> Session:
     config.setdefault("output_dir", str(tmp_path / "out"))
-    return Session(MonitorConfig(**config), "plain", "Monitor", logging.getLogger("memcallbacks.test_session"))
+    return Session(flat_settings(**config), "plain", "Monitor", logging.getLogger("memcallbacks.test_session"))
 
 
 @pytest.fixture
@@ -338,14 +338,14 @@ def test_output_folder_rule(tmp_path, monkeypatch):
 
 def test_start_writes_into_the_output_folder_the_rule_names(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    s = Session(MonitorConfig(), "plain", "Monitor")
+    s = Session(flat_settings(), "plain", "Monitor")
     try:
         s.start(torch.device("cpu"))
         assert s.output_dir is not None
         assert os.path.realpath(s.output_dir) == os.path.realpath(tmp_path / "memcallbacks_output")
     finally:
         s.stop()
-    d = Session(MonitorConfig(), "plain", "Monitor")
+    d = Session(flat_settings(), "plain", "Monitor")
     try:
         d.start(torch.device("cpu"), default_output_dir=str(tmp_path / "logs"))
         assert os.path.realpath(d.output_dir) == os.path.realpath(tmp_path / "logs")

@@ -195,7 +195,7 @@ ZOO = {
     "a running sum without detach()": (RunningSum, 64, DIM, {}, "growth", "growth", "RunningSum.l1_total -> autograd graph grew by"),
     "an output dict kept on self": (AutoEncoder, 24, 2048, {}, "lingering", "lingering:batch", "AutoEncoder.last_output['target']"),
     "tensors held in a reference cycle": (
-        CycleTrace, 32, DIM, {"gc_every_n_steps": 8, "gc_disable_automatic": True}, "cycle", None, "holds Trace.activations",
+        CycleTrace, 32, DIM, {"leaks": {"gc_every_n_steps": 8, "gc_disable_automatic": True}}, "cycle", None, "holds Trace.activations",
     ),
 }
 
@@ -374,7 +374,7 @@ def clean_configuration(name: str, tmp_path: Path) -> Clean:
     if name == "manual optimization":
         return Clean(ManualModel(), vector_loader(16, **wide))
     if name == "periodic gc with automatic gc off":
-        return Clean(CleanModel(), vector_loader(16, **wide), monitor={"gc_every_n_steps": 8, "gc_disable_automatic": True})
+        return Clean(CleanModel(), vector_loader(16, **wide), monitor={"leaks": {"gc_every_n_steps": 8, "gc_disable_automatic": True}})
     raise AssertionError(name)
 
 

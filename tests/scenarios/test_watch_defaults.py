@@ -107,7 +107,7 @@ def test_lightning_without_logger_finds_a_callback_leak(tmp_path, rate, within):
 
 
 def test_lightning_with_logger_finds_a_nested_module_attribute(tmp_path):
-    mon = fit(tmp_path, Net(nbytes=MIB), 60, logger=True)
+    mon = fit(tmp_path, Net(nbytes=MIB), 60, logger=True, log_keys=["default", "overhead"])
     step = growth_step(mon.findings)
     assert step is not None and step <= 20, [str(f) for f in mon.findings]
     growth = next(f for f in mon.findings if f.kind == "growth")

@@ -20,7 +20,7 @@ from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 from memcallbacks.accelerate import AccelerateMemoryMonitor  # noqa: E402
 
 SEEN: list[torch.Tensor] = []  # the module-level global of the "global list" bug
-CONFIG = dict(sample_every_n_steps=1, write_files=False, growth_warmup_steps=2, estimate_model_states=False)
+CONFIG = dict(sample_every_n_steps=1, write_files=False, leaks={"growth_warmup_steps": 2, "estimate_model_states": False})
 STEPS = 60
 
 

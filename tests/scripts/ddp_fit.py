@@ -29,17 +29,17 @@ def main() -> None:
     parser.add_argument("--strategy", default="ddp")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--rank-temp-mib", type=int, default=192)
-    parser.add_argument("--snapshot-peak-mib", type=int, default=None, help="auto_snapshot with this snapshot_peak_bytes")
+    parser.add_argument("--snapshot-peak-mib", type=int, default=None, help="auto_snapshot with this snapshot peak_bytes")
     parser.add_argument("--mlflow", default=None, help="also log to an MLFlowLogger with this tracking URI")
     parser.add_argument("--per-rank-dirs", action="store_true", help="output_dir OUT_DIR/mem{rank}, as on separate nodes (ddp only)")
     args = parser.parse_args()
 
     snapshots = {} if args.snapshot_peak_mib is None else {
-        "auto_snapshot": True, "snapshot_peak_bytes": args.snapshot_peak_mib << 20, "snapshot_steps": 1, "snapshot_capacity_fraction": None,
+        "auto_snapshot": True, "snapshot": {"peak_bytes": args.snapshot_peak_mib << 20, "steps": 1, "capacity_fraction": None},
     }
     # Lightning's "ddp" launcher sets LOCAL_RANK in the processes it starts; the first process has none
     mem = f"mem{os.environ.get('LOCAL_RANK', '0')}" if args.per_rank_dirs else "mem"
-    monitor = MemoryMonitor(log_every_n_steps=1, sample_every_n_steps=1, output_dir=os.path.join(args.out, mem), **snapshots)
+    monitor = MemoryMonitor(log_keys="all", log_every_n_steps=1, sample_every_n_steps=1, output_dir=os.path.join(args.out, mem), **snapshots)
     logs = os.path.join(args.out, "logs")
     loggers = [TensorBoardLogger(logs, name="tb", version=0), CSVLogger(logs, name="csv", version=0)]
     if args.mlflow:

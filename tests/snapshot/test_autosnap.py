@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from helpers import csv_metrics
+from helpers import csv_metrics, flat_settings
 from memcallbacks import MemoryMonitor
 
 SCRIPTS = Path(__file__).parents[1] / "scripts"
@@ -57,7 +57,7 @@ def snapshot_files(folder: Path) -> list[str]:
 
 def test_threshold_trigger_captures_the_next_steps_on_cpu(tmp_path):
     out = tmp_path / "mem"
-    monitor = MemoryMonitor(auto_snapshot=True, snapshot_peak_bytes=1, snapshot_steps=2, sample_every_n_steps=1, output_dir=str(out))
+    monitor = MemoryMonitor(auto_snapshot=True, sample_every_n_steps=1, output_dir=str(out), snapshot={"peak_bytes": 1, "steps": 2})
     fit(tmp_path, monitor, Model(), steps=8)
     records = monitor.report()["snapshots"]
     assert len(records) == 1 and "threshold" in records[0]["trigger"] and records[0]["step"] == 1
@@ -74,10 +74,7 @@ def test_threshold_trigger_captures_the_next_steps_on_cpu(tmp_path):
 def test_a_finding_triggers_a_snapshot_and_periodic_ones_respect_max_snapshots(tmp_path, caplog):
     caplog.set_level(logging.WARNING, logger="memcallbacks")
     out = tmp_path / "mem"
-    monitor = MemoryMonitor(
-        auto_snapshot=True, snapshot_capacity_fraction=None, snapshot_every_n_steps=5, snapshot_steps=1,
-        max_snapshots=3, sample_every_n_steps=1, output_dir=str(out), growth_warmup_steps=2,
-    )
+    monitor = MemoryMonitor(auto_snapshot=True, sample_every_n_steps=1, output_dir=str(out), snapshot={"capacity_fraction": None, "every_n_steps": 5, "steps": 1, "max_snapshots": 3}, leaks={"growth_warmup_steps": 2})
     fit(tmp_path, monitor, Model(leak_from=3), steps=60)
     records = monitor.report()["snapshots"]
     assert len(records) == 3 == len(snapshot_files(out))  # bounded
@@ -90,10 +87,7 @@ def test_a_finding_triggers_a_snapshot_and_periodic_ones_respect_max_snapshots(t
 
 def test_byte_budget_stops_snapshots(tmp_path):
     out = tmp_path / "mem"
-    monitor = MemoryMonitor(
-        auto_snapshot=True, snapshot_capacity_fraction=None, snapshot_every_n_steps=2, snapshot_steps=1,
-        max_snapshots=50, max_snapshot_bytes=1 << 20, sample_every_n_steps=1, output_dir=str(out),
-    )
+    monitor = MemoryMonitor(auto_snapshot=True, sample_every_n_steps=1, output_dir=str(out), snapshot={"capacity_fraction": None, "every_n_steps": 2, "steps": 1, "max_snapshots": 50, "max_bytes": 1 << 20})
     fit(tmp_path, monitor, Model(), steps=40)
     records = monitor.report()["snapshots"]
     total = sum(r["bytes"] for r in records)
@@ -106,7 +100,7 @@ def test_unwritable_snapshot_folder_is_reported_before_training(tmp_path):
     out = tmp_path / "mem"
     out.mkdir()
     (out / "snapshots").write_text("a file where the snapshot folder should be")
-    monitor = MemoryMonitor(auto_snapshot=True, snapshot_peak_bytes=1, output_dir=str(out))
+    monitor = MemoryMonitor(auto_snapshot=True, output_dir=str(out), snapshot={"peak_bytes": 1})
     model = Model()
     with pytest.raises(PermissionError, match="auto_snapshot: output_dir .*snapshots.* is not writable"):
         fit(tmp_path, monitor, model, steps=5)
@@ -130,7 +124,7 @@ class BreakSnapshotFolder(L.Callback):
 def test_failing_disk_mid_run_warns_with_traceback_and_training_goes_on(tmp_path, caplog):
     caplog.set_level(logging.WARNING, logger="memcallbacks")
     out = tmp_path / "mem"
-    monitor = MemoryMonitor(auto_snapshot=True, snapshot_peak_bytes=1, snapshot_steps=1, sample_every_n_steps=1, output_dir=str(out))
+    monitor = MemoryMonitor(auto_snapshot=True, sample_every_n_steps=1, output_dir=str(out), snapshot={"peak_bytes": 1, "steps": 1})
     trainer = L.Trainer(
         accelerator="cpu", max_steps=6, callbacks=[BreakSnapshotFolder(out / "snapshots"), monitor], logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
@@ -144,7 +138,7 @@ def test_failing_disk_mid_run_warns_with_traceback_and_training_goes_on(tmp_path
 
 def test_oom_writes_a_census_and_the_error_propagates(tmp_path):
     out = tmp_path / "mem"
-    monitor = MemoryMonitor(auto_snapshot=True, snapshot_capacity_fraction=None, sample_every_n_steps=1, output_dir=str(out))
+    monitor = MemoryMonitor(auto_snapshot=True, sample_every_n_steps=1, output_dir=str(out), snapshot={"capacity_fraction": None})
     with pytest.raises(torch.OutOfMemoryError):
         fit(tmp_path, monitor, Model(oom_at=3), steps=10)
     report = json.loads((out / "report.json").read_text())
@@ -190,7 +184,7 @@ def test_auto_snapshot_needs_files():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_threshold_with_armed_history(tmp_path):
     out = tmp_path / "mem"
-    monitor = MemoryMonitor(auto_snapshot=True, snapshot_peak_bytes=64 << 20, snapshot_steps=2, output_dir=str(out))
+    monitor = MemoryMonitor(auto_snapshot=True, output_dir=str(out), snapshot={"peak_bytes": 64 << 20, "steps": 2})
 
     class Big(Model):
         def training_step(self, batch, batch_idx):
@@ -213,10 +207,9 @@ def test_oom_observer_dump_is_accounted_and_rendered_when_the_error_arrives(tmp_
     there); the dump is accounted against the budget and rendered when the error reaches the hooks.
     The observer's own call is replayed with a real snapshot file (the CUDA test does it for real)."""
     from memcallbacks._runtime.auto_snapshot import OBSERVER_TRIGGER, AutoSnapshot
-    from memcallbacks._base.config import MonitorConfig
 
     caplog.set_level(logging.WARNING, logger="memcallbacks")
-    snap = AutoSnapshot(MonitorConfig(auto_snapshot=True), device_kind="cuda", capacity=80 << 30, output_dir=tmp_path, rank=1, world_size=2)
+    snap = AutoSnapshot(flat_settings(auto_snapshot=True), device_kind="cuda", capacity=80 << 30, output_dir=tmp_path, rank=1, world_size=2)
     snap.folder.mkdir(parents=True)
     snap.step = 7
     path = snap._oom_path()  # what the observer asks for, inside the failing allocation
@@ -233,9 +226,8 @@ def test_oom_observer_dump_is_accounted_and_rendered_when_the_error_arrives(tmp_
 
 def test_oom_observer_dump_that_failed_is_reported_not_counted(tmp_path):
     from memcallbacks._runtime.auto_snapshot import AutoSnapshot
-    from memcallbacks._base.config import MonitorConfig
 
-    snap = AutoSnapshot(MonitorConfig(auto_snapshot=True), device_kind="cuda", capacity=80 << 30, output_dir=tmp_path)
+    snap = AutoSnapshot(flat_settings(auto_snapshot=True), device_kind="cuda", capacity=80 << 30, output_dir=tmp_path)
     snap._oom_path()  # the observer's dump then failed: no file
     snap.stop()  # an OOM the training code caught: the run ends normally
     (record,) = snap.records

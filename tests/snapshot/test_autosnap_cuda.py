@@ -102,9 +102,7 @@ class Fragmenting(Model):
 
 def test_alloc_retries_trigger_a_snapshot_that_shows_the_flush(tmp_path):
     out = tmp_path / "mem"
-    monitor = MemoryMonitor(
-        auto_snapshot=True, snapshot_capacity_fraction=None, snapshot_steps=2, log_every_n_steps=1, output_dir=str(out),
-    )
+    monitor = MemoryMonitor(auto_snapshot=True, log_every_n_steps=1, output_dir=str(out), snapshot={"capacity_fraction": None, "steps": 2})
     cuda_fit(tmp_path, monitor, Fragmenting(at=3), steps=10, logger=CSVLogger(str(tmp_path), name="csv", version=0))
 
     history = monitor.history
@@ -133,7 +131,7 @@ def test_retries_from_before_the_run_do_not_fire(tmp_path):
     torch.cuda.set_per_process_memory_fraction(1.0)
     assert torch.cuda.memory_stats()["num_alloc_retries"] >= 1
 
-    monitor = MemoryMonitor(auto_snapshot=True, snapshot_capacity_fraction=None, output_dir=str(tmp_path / "mem"))
+    monitor = MemoryMonitor(auto_snapshot=True, output_dir=str(tmp_path / "mem"), snapshot={"capacity_fraction": None})
     cuda_fit(tmp_path, monitor, Model(), steps=6)
     assert monitor.report()["snapshots"] == []
 
@@ -154,7 +152,7 @@ class OomAt(Model):
 @pytest.mark.parametrize("policy", ["armed", "always", "off"])
 def test_real_oom_in_a_fit_is_dumped_recorded_and_reraised(tmp_path, policy):
     out = tmp_path / "mem"
-    monitor = MemoryMonitor(auto_snapshot=True, snapshot_policy=policy, output_dir=str(out))
+    monitor = MemoryMonitor(auto_snapshot=True, output_dir=str(out), snapshot={"policy": policy})
     with pytest.raises(torch.OutOfMemoryError):
         cuda_fit(tmp_path, monitor, OomAt(at=3), steps=10)
 
@@ -175,14 +173,14 @@ def test_real_oom_in_a_fit_is_dumped_recorded_and_reraised(tmp_path, policy):
 
 
 def test_after_an_oom_the_next_fit_starts_clean(tmp_path):
-    first = MemoryMonitor(auto_snapshot=True, snapshot_policy="always", output_dir=str(tmp_path / "a"))
+    first = MemoryMonitor(auto_snapshot=True, output_dir=str(tmp_path / "a"), snapshot={"policy": "always"})
     with pytest.raises(torch.OutOfMemoryError):
         cuda_fit(tmp_path, first, OomAt(at=1), steps=4)
     # the observer and the recording were removed: a second OOM outside any monitor writes nothing
     with pytest.raises(torch.OutOfMemoryError):
         torch.empty(2 * torch.cuda.get_device_properties(0).total_memory, dtype=torch.uint8, device="cuda")
     assert len(list((tmp_path / "a" / "snapshots").glob("*.pickle"))) == 1
-    second = MemoryMonitor(auto_snapshot=True, snapshot_capacity_fraction=None, output_dir=str(tmp_path / "b"))
+    second = MemoryMonitor(auto_snapshot=True, output_dir=str(tmp_path / "b"), snapshot={"capacity_fraction": None})
     trainer = cuda_fit(tmp_path, second, Model(), steps=4)
     assert trainer.global_step == 4 and second.report()["snapshots"] == [] and second.events == []
 
@@ -234,9 +232,7 @@ def test_policies_on_a_threshold_crossing(tmp_path, policy):
     from memcallbacks.snapshot import is_recording
 
     threshold = reserved_peak_of_a_plain_fit(tmp_path) + 64 * MIB
-    monitor = MemoryMonitor(
-        auto_snapshot=True, snapshot_policy=policy, snapshot_peak_bytes=threshold, snapshot_steps=2, output_dir=str(tmp_path / "mem"),
-    )
+    monitor = MemoryMonitor(auto_snapshot=True, output_dir=str(tmp_path / "mem"), snapshot={"policy": policy, "peak_bytes": threshold, "steps": 2})
     cuda_fit(tmp_path, monitor, Rising(), steps=8)
     assert not is_recording(), "recording stopped with the run"
     peaks = list(monitor.history["peak_reserved"])
@@ -264,11 +260,7 @@ def _two_rank_worker(rank: int, world: int, port: int, out: str) -> None:
         model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 1)).cuda()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
         logged: list[tuple[int, dict]] = []
-        monitor = Monitor(
-            model, optimizer, lambda metrics, step: logged.append((step, dict(metrics))),
-            auto_snapshot=True, snapshot_peak_bytes=256 * MIB, snapshot_steps=2, log_every_n_steps=1,
-            output_dir=os.path.join(out, "mem"), plot=False,
-        )
+        monitor = Monitor(model, optimizer, lambda metrics, step: logged.append((step, dict(metrics))), auto_snapshot=True, log_every_n_steps=1, output_dir=os.path.join(out, "mem"), plot=False, snapshot={"peak_bytes": 256 * MIB, "steps": 2})
         for step in range(10):
             with monitor.step():
                 if rank == 1 and step >= 2:

@@ -33,7 +33,7 @@ pytestmark = pytest.mark.usefixtures("one_thread", "collected_heap")
 
 SCRIPTS = Path(__file__).parents[1] / "scripts"
 PHASES = ["memory/peak_forward_GiB", "memory/peak_backward_GiB", "memory/peak_optimizer_GiB", "memory/allocated_GiB"]
-SNAPSHOTS = dict(auto_snapshot=True, snapshot_every_n_steps=2, snapshot_steps=1)
+SNAPSHOTS = dict(auto_snapshot=True, snapshot={"every_n_steps": 2, "steps": 1})
 
 
 class KeepsLoss(BoringModel):
@@ -146,6 +146,8 @@ def test_tensorboard_gets_one_layout_and_each_finding_once(tmp_path: Path) -> No
                 assert len(matched) == 1, (title, regex, matched)
     assert [t for r in layout["memory per phase"] for t in logged if re.search(r, t)] == PHASES
     assert "capacity" not in " ".join(layout["memory per phase"])  # CPU: host RAM is no capacity line
+    # the charts draw what log_keys logs: at defaults allocated and reserved, the findings, host RSS
+    assert [len(layout[t]) for t in ("reserved vs allocated", "leaks", "host")] == [2, 1, 1]
 
     findings = [(tag, step, text) for tag, step, text in events["text"] if tag.startswith("memory/findings/")]
     assert len(findings) == 1, findings  # once, though the loss lingered at every step
@@ -154,6 +156,17 @@ def test_tensorboard_gets_one_layout_and_each_finding_once(tmp_path: Path) -> No
     assert "[lingering]" in text and "KeepsLoss.last_out['loss']" in text
     report = [text for tag, _, text in events["text"] if tag == "memory/report"]
     assert len(report) == 1 and "lingering" in report[0]
+
+
+def test_the_layout_follows_log_keys_and_the_loggers_separator() -> None:
+    from memcallbacks.trackers import Dashboard
+    from memcallbacks.trackers.tensorboard import layout
+
+    every = layout(Dashboard("memory"))["memcallbacks"]  # log_keys="all"
+    assert [len(every[t][1]) for t in ("memory per phase", "reserved vs allocated", "leaks", "host")] == [4, 4, 3, 4]
+    short = layout(Dashboard("memory", keys=frozenset({"memory/findings", "memory/peak_forward_GiB"})), separator=".")["memcallbacks"]
+    assert list(short) == ["memory per phase", "leaks"]  # a chart with no logged key is left out
+    assert short["leaks"] == ["Multiline", [r"^memory\.findings$"]]
 
 
 def test_transformers_tensorboard_layout_matches_train_prefixed_keys(tmp_path: Path, fresh_accelerate_state: Any) -> None:
