@@ -22,14 +22,14 @@ TRAINING_KEYS = (
 """Every key a training step can log."""
 
 EVAL_KEYS = tuple(f"{stage}/{name}" for stage in ("val", "test", "predict")
-                  for name in ("allocated_GiB", "peak_GiB", "peak_reserved_GiB", "peak_rank"))
+                  for name in ("allocated_GiB", "peak_step_GiB", "peak_reserved_GiB", "peak_step_rank"))
 """Every key the end of a validation, test or predict loop can log."""
 
 ALL_KEYS = TRAINING_KEYS + EVAL_KEYS
 
 DEFAULT_KEYS = (
     "peak_forward_GiB", "peak_backward_GiB", "peak_optimizer_GiB", "reserved_GiB", "allocated_GiB", "findings",
-    "host_rss_GiB", "val/peak_GiB", "test/peak_GiB", "predict/peak_GiB",
+    "host_rss_GiB", "val/peak_step_GiB", "test/peak_step_GiB", "predict/peak_step_GiB",
 )
 """What a person reads (``log_keys="default"``): the per-phase peaks, reserved and the step-start floor
 (``allocated``) at step start, the open findings and the host's resident memory; an evaluation
@@ -63,7 +63,7 @@ def check_log_keys(value: Any, owner: str) -> str | tuple[str, ...]:
             close = difflib.get_close_matches(str(name), ALL_KEYS, n=3)
             hint = f"did you mean {' or '.join(map(repr, close))}? " if close else ""
             raise ValueError(f"{owner}.log_keys has {name!r}, which is not a logged key; {hint}Names are written "
-                             "without the prefix, e.g. 'peak_step_GiB' or 'val/peak_GiB'; docs/metrics.md lists every key.")
+                             "without the prefix, e.g. 'peak_step_GiB' or 'val/peak_step_GiB'; docs/metrics.md lists every key.")
     return names
 
 

@@ -662,13 +662,13 @@ def test_at_defaults_a_logger_receives_at_most_eight_memory_keys_per_step(tmp_pa
     fit(tmp_path, monitor, max_steps=12, log_every_n_steps=2, logger=loggers(tmp_path), limit_val_batches=2, val_check_interval=4)
 
     default = {"memory/peak_forward_GiB", "memory/peak_backward_GiB", "memory/peak_optimizer_GiB", "memory/reserved_GiB",
-               "memory/allocated_GiB", "memory/findings", "memory/host_rss_GiB", "memory/val/peak_GiB"}
+               "memory/allocated_GiB", "memory/findings", "memory/host_rss_GiB", "memory/val/peak_step_GiB"}
     for logged in (tensorboard_scalars(tmp_path / "tb"), csv_metrics(tmp_path / "csv" / "version_0" / "metrics.csv")):
         per_step = memory_keys_per_step(logged)
         assert len(per_step) >= 6, per_step  # six logged training steps, and the validation runs
         assert max(len(keys) for keys in per_step.values()) <= 8, per_step
         assert set().union(*per_step.values()) <= default, set().union(*per_step.values()) - default
-        assert "memory/peak_forward_GiB" in per_step[1] and "memory/val/peak_GiB" in set().union(*per_step.values())
+        assert "memory/peak_forward_GiB" in per_step[1] and "memory/val/peak_step_GiB" in set().union(*per_step.values())
     # the files keep everything: the history has every column whatever is logged
     assert {"peak_allocated", "peak_reserved", "monitor_time_s"} <= set(monitor.history.columns)
 
@@ -689,7 +689,7 @@ def test_keys_are_joined_with_the_loggers_group_separator(tmp_path):
 
     dotted = csv_metrics(tmp_path / "dotted" / "version_0" / "metrics.csv")
     plain = csv_metrics(tmp_path / "csv" / "version_0" / "metrics.csv")
-    assert "memory.peak_forward_GiB" in dotted and "memory.val.peak_GiB" in dotted
+    assert "memory.peak_forward_GiB" in dotted and "memory.val.peak_step_GiB" in dotted
     assert not any(key.startswith("memory/") for key in dotted)
     assert {k.replace("/", ".") for k in plain if k.startswith("memory/")} == {k for k in dotted if k.startswith("memory.")}
 

@@ -16,7 +16,7 @@ import torch
 from lightning.pytorch.loggers import CSVLogger
 
 from helpers import BoringModel, RandomDataModule, TemporaryNet, trainer_kwargs
-from memcallbacks import MemoryMonitor, Monitor
+from memcallbacks import AdvancedOptions, MemoryMonitor, Monitor
 from memcallbacks.cli import main
 
 BACKWARD_MIB = 96
@@ -40,7 +40,7 @@ def plain_run(out: Path, backward_mib: int) -> Path:
     model = TemporaryNet(backward_mib=backward_mib)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     monitor = Monitor(model, opt, output_dir=str(out), plot=False, device="cpu", sample_every_n_steps=1,
-                      cpu_mmap_threshold=256 << 10, console_summary=False)
+                      advanced=AdvancedOptions(cpu_mmap_threshold=256 << 10), console_summary=False)
     for _ in monitor.track(range(8)):
         model(torch.randn(4, 32)).pow(2).mean().backward()
         opt.step()

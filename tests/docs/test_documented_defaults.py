@@ -34,8 +34,8 @@ def section(text: str, title: str) -> str:
 
 def documented_defaults() -> dict[str, str]:
     """``{field: default cell}`` from configuration.md's table (dotted names for grouped fields)."""
-    rows = re.findall(r"^\| `([a-z_.]+)` \| `?([^|`]*)`? \|", CONFIGURATION, re.M)
-    return {name: cell.strip() for name, cell in rows}
+    rows = re.findall(r"^\| `([a-z_.]+)` \| (?:`([^|`]*)`|([^|`]*))[^|]*\|", CONFIGURATION, re.M)
+    return {name: (quoted or plain).strip() for name, quoted, plain in rows}  # "`65536` (64 KiB)": the literal
 
 
 def code_fields(config: Any, prefix: str = "") -> dict[str, Any]:
