@@ -63,7 +63,9 @@ class StepChecks:
         self.watch.start()
         if self.host is not None:
             self.host.close()
-        self.host = HostChannel(device_is_host=device_is_host) if self.config.watch_host else None
+        growth = self.watch.growth
+        self.host = HostChannel(device_is_host=device_is_host, device_growth=lambda: growth.last if growth is not None else None) \
+            if self.config.watch_host else None
 
     def set_objects(
         self, model: Any, optimizer: Any, *, precision: str | None = None, strategy: str | None = None, world_size: int | None = None

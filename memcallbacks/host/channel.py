@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, Callable
 
 from memcallbacks._base.findings import Finding
 from memcallbacks.host.census import HostCensus, explain_host_growth, take_host_census
@@ -26,11 +26,14 @@ __all__ = ["HostChannel"]
 
 
 class HostChannel:
-    def __init__(self, *, device_is_host: bool, census_gap: int = 16, census_time_budget_s: float = 2.0) -> None:
+    def __init__(self, *, device_is_host: bool, census_gap: int = 16, census_time_budget_s: float = 2.0,
+                 device_growth: Callable[[], Finding | None] | None = None) -> None:
+        """``device_growth``: the device growth test's latest finding, so that on a CPU run a climb of
+        private memory that the device finding explains is not reported a second time."""
         if census_gap < 1:
             raise ValueError(f"HostChannel(census_gap={census_gap}) must be at least 1 step, e.g. 16.")
         self.reader = HostReader()
-        self.growth = HostGrowth(device_is_host=device_is_host)
+        self.growth = HostGrowth(device_is_host=device_is_host, device_growth=device_growth)
         self.workers = WorkerWatch()
         self.census_gap = census_gap
         self.census_time_budget_s = census_time_budget_s

@@ -24,17 +24,23 @@ import collections
 import copy
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 from memcallbacks._base.findings import Finding
 from memcallbacks._base.units import KiB, MiB, format_bytes
 from memcallbacks.host.readers import BYTES_PER_BLOCK, HostReading
-from memcallbacks.leaks.growth import GrowthDetector
+from memcallbacks.leaks.growth import GrowthDetector, thinned_rate
 
 __all__ = ["HostGrowth"]
 
 _PYTHON_SHARE = 0.5
 """Python objects explain a resident-memory climb when they grew by at least this share of it."""
+
+_SHARE_READS = 4
+"""Python-object reads over a resident-memory climb before their share of it is judged."""
+
+_SHARE_MIN_Z = 1.0
+"""The Python reads over the climb must rise as a trend (4 reads: at most one pair out of order)."""
 
 _KEEP_READS = 640
 """Recent reads kept per series (for the Python share over a climb and the per-rank figures)."""
@@ -59,11 +65,14 @@ class HostGrowth:
         min_rate_bytes: int = 64 * KiB,
         min_growth_bytes: int = 4 * MiB,
         bytes_per_block: int = BYTES_PER_BLOCK,
+        device_growth: Callable[[], Finding | None] | None = None,
     ) -> None:
         if not (isinstance(bytes_per_block, int) and bytes_per_block > 0):
             raise ValueError(f"HostGrowth(bytes_per_block={bytes_per_block!r}) must be a positive integer, e.g. 64.")
         kwargs: dict[str, Any] = dict(warmup_steps=warmup_steps, min_rate_bytes=min_rate_bytes, min_growth_bytes=min_growth_bytes)
         self.device_is_host = device_is_host
+        self.device_growth = device_growth
+        """The device growth test's latest finding (the session's leak watch), asked before a host finding."""
         self.warmup_steps = warmup_steps
         self.bytes_per_block = bytes_per_block
         self.min_rate_bytes = min_rate_bytes
@@ -79,6 +88,7 @@ class HostGrowth:
         """Time spent in the block reads this test took itself (after a resident-memory climb)."""
         self.findings: dict[str, Finding] = {}
         """The latest finding per key (open or settled)."""
+        self._climb_since: int | None = None  # where the private climb under judgement began
         self._owner: dict[str, _Series] = {}  # the series that last confirmed each key: its lifecycle decides
 
     def update(self, reading: HostReading) -> Finding | None:
@@ -105,6 +115,7 @@ class HostGrowth:
             self.private.reads.append((step, private))
             hit = self.private.detector.update(step, private)
             if hit is not None and hit.state == "settled":
+                self._climb_since = None
                 out = self._settle(self.private, step, hit) or out
             elif hit is not None and out is None:
                 out = self._private_growth(step, hit)
@@ -114,31 +125,54 @@ class HostGrowth:
     def open_findings(self) -> list[Finding]:
         return [f for f in self.findings.values() if f.details.get("open")]
 
-    def _python_share(self, step: int, since_step: int) -> float:
-        """Python objects' growth rate over the private series' rate, on the same steps.
+    def _python_share(self, step: int, since_step: int) -> float | None:
+        """Python objects' growth rate over the private series' rate, over the climb since ``since_step``;
+        None until the Python series has ``_SHARE_READS`` reads there.
 
-        The block count is read sparsely (its cost grows with the heap), so the span starts at the
-        last block read at or before ``since_step`` (or the oldest kept), and a fresh read is taken
-        now when the last one is more than 16 steps old: one read per confirmation, after suspicion."""
+        The block count is read sparsely (its cost grows with the heap), so this takes a read of its own
+        when the climb has too few (spaced over the climb) or the last is more than 16 steps old: a few
+        reads per suspicion. Both rates are :func:`~memcallbacks.leaks.growth.thinned_rate`'s median
+        slopes, and the Python one counts only when its reads rise as a trend: one list built between
+        two reads (a sampler's indices at an epoch's start) is not Python objects growing."""
         reads = self.python.reads
-        if not reads or step - reads[-1][0] > 16:
+        span = [r for r in reads if r[0] >= since_step]
+        spacing = max(1, (step - since_step) // (2 * _SHARE_READS))
+        if not span or (len(span) < _SHARE_READS and step - span[-1][0] >= spacing) or step - span[-1][0] > 16:
             t0 = time.perf_counter()
-            reads.append((step, sys.getallocatedblocks() * self.bytes_per_block))
+            fresh = (step, sys.getallocatedblocks() * self.bytes_per_block)
             self.seconds += time.perf_counter() - t0
-        start = next((r for r in reversed(reads) if r[0] <= since_step), reads[0])
-        end = reads[-1]
-        if end[0] <= start[0]:
-            return 0.0
-        priv = self.private.reads
-        p0 = next((r for r in priv if r[0] >= start[0]), priv[0])
-        p1 = priv[-1]
-        private_rate = (p1[1] - p0[1]) / max(1, p1[0] - p0[0])
+            if not reads or reads[-1][0] < step:
+                reads.append(fresh)
+                span.append(fresh)
+        if len(span) < _SHARE_READS:
+            return None
+        private = [r for r in self.private.reads if r[0] >= span[0][0]]
+        private_rate, _ = thinned_rate(private)
         if private_rate <= 0:
             return 1.0
-        return (end[1] - start[1]) / (end[0] - start[0]) / private_rate
+        python_rate, z = thinned_rate(span)
+        return max(0.0, python_rate) / private_rate if z >= _SHARE_MIN_Z else 0.0
+
+    def _device_explains(self, hit: Finding) -> bool:
+        """On a CPU run the device heap is in private memory: an open device growth at half the
+        private climb's rate or more is that climb (the device finding names its tensors)."""
+        if not self.device_is_host or self.device_growth is None:
+            return False
+        device = self.device_growth()
+        if device is None or device.state != "open":
+            return False
+        return float(device.details.get("rate_bytes_per_step", 0)) >= 0.5 * float(hit.details["rate_bytes_per_step"])
 
     def _private_growth(self, step: int, hit: Finding) -> Finding | None:
-        share = self._python_share(step, int(hit.details["since_step"]))
+        if self._device_explains(hit):
+            return None
+        since = int(hit.details["since_step"])
+        # the climb's start, not the detector's latest window (which slides with a fast climb): the
+        # Python reads spread over the whole climb, a few per suspicion
+        self._climb_since = since if self._climb_since is None else min(self._climb_since, since)
+        share = self._python_share(step, self._climb_since)
+        if share is None:
+            return None  # judged at a later read, once the Python series has reads over the climb
         python_open = self.findings.get("host_growth")
         if share >= _PYTHON_SHARE or (python_open is not None and python_open.details.get("open")):
             return self._confirm("host_growth", self.private, step, hit, python_share=share)
