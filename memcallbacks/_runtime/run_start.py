@@ -60,7 +60,7 @@ def _start_parts(session: Any, device: Any, rank: int | None, world_size: int | 
     engine.start(device, rank=rank, world_size=world_size)
     session.plan.arm(engine.backend)
     session.cadence.guard.announce = (session.log, session.owner) if engine.rank == 0 else None  # the budget's back-off, said once
-    session.checks.start(ignore=[session], device_is_host=session.device_kind == "cpu")
+    session.checks.start(ignore=[session], device_is_host=session.device_kind == "cpu", keep_host=engine.seen_steps > 0)
     if session.snap is not None:
         session.snap.stop()
         session.snap = None
