@@ -28,7 +28,8 @@ from typing import Any, Callable
 
 from memcallbacks._base.findings import Finding
 from memcallbacks._base.units import KiB, MiB, format_bytes
-from memcallbacks.host.readers import BYTES_PER_BLOCK, HostReading
+from memcallbacks._base.cpu import heap_in_use_bytes
+from memcallbacks.host.readers import BYTES_PER_BLOCK, HostReading, pymalloc_bytes
 from memcallbacks.leaks.growth import GrowthDetector, thinned_rate
 
 __all__ = ["HostGrowth"]
@@ -36,11 +37,18 @@ __all__ = ["HostGrowth"]
 _PYTHON_SHARE = 0.5
 """Python objects explain a resident-memory climb when they grew by at least this share of it."""
 
+_PYTHON_RATE_DIVISOR = 4
+"""The Python-object series' growth test asks a quarter of ``min_rate_bytes`` per step (16 KiB at defaults)."""
+
 _SHARE_READS = 4
 """Python-object reads over a resident-memory climb before their share of it is judged."""
 
 _SHARE_MIN_Z = 1.0
 """The Python reads over the climb must rise as a trend (4 reads: at most one pair out of order)."""
+
+_HEAP_EVERY = 64
+"""Steps between two measures of the bytes Python objects hold (for the figures; the growth test reads
+the block count)."""
 
 _KEEP_READS = 640
 """Recent reads kept per series (for the Python share over a climb and the per-rank figures)."""
@@ -76,13 +84,18 @@ class HostGrowth:
         self.warmup_steps = warmup_steps
         self.bytes_per_block = bytes_per_block
         self.min_rate_bytes = min_rate_bytes
-        self.python = _Series(GrowthDetector(**kwargs), _KEEP_READS)
+        # Python objects at a quarter of the rate: their series (block counts at step start) is far steadier
+        # than resident memory, and a small-object leak of 32 KiB/step is still a leak (found within 300 steps)
+        self.python = _Series(GrowthDetector(**{**kwargs, "min_rate_bytes": max(1, min_rate_bytes // _PYTHON_RATE_DIVISOR),
+                                               "min_growth_bytes": min_growth_bytes // 2, "warmup_steps": 0}), _KEEP_READS)
         self.private = _Series(GrowthDetector(**kwargs), _KEEP_READS)
         self.first: HostReading | None = None
         self.last: HostReading | None = None
         self.baseline: HostReading | None = None
         """The first read after warm-up (the detectors' ``warmup_steps`` reads): growth figures start here."""
         self._python_baseline: int | None = None  # the first Python-object read at or after it
+        self._heap0: tuple[int, int, int] | None = None  # (step, pymalloc bytes, malloc heap bytes) at the baseline
+        self._heap: tuple[int, int, int] | None = None  # the latest such measure
         self._reads = 0
         self.seconds = 0.0
         """Time spent in the block reads this test took itself (after a resident-memory climb)."""
@@ -105,8 +118,12 @@ class HostGrowth:
             value = reading.python_blocks * self.bytes_per_block
             if self.baseline is not None and self._python_baseline is None:
                 self._python_baseline = value
+            if self.baseline is not None and (self._heap is None or step - self._heap[0] >= _HEAP_EVERY):
+                self.measure_python(step)
             self.python.reads.append((step, value))
-            hit = self.python.detector.update(step, value)
+            # its warm-up is the resident series' (in reads, which are every step at first), not ten of
+            # its own reads: on a stride those can be hundreds of steps
+            hit = self.python.detector.update(step, value) if self.baseline is not None else None
             if hit is not None:
                 out = self._settle(self.python, step, hit) if hit.state == "settled" else self._confirm(
                     "host_growth", self.python, step, hit)
@@ -270,6 +287,32 @@ class HostGrowth:
                 out, latest = settled, finding.step
         return out
 
+    def measure_python(self, step: int) -> None:
+        """Measure the bytes Python objects hold (``pymalloc_bytes()`` and the malloc heap, ~0.5-1.5 ms):
+        at the baseline, every ``_HEAP_EVERY`` steps of Python-object reads, and at the run's end."""
+        t0 = time.perf_counter()
+        small = pymalloc_bytes()
+        if small is not None:
+            self._heap = (step, small, heap_in_use_bytes() or 0)
+            if self._heap0 is None:
+                self._heap0 = self._heap
+        self.seconds += time.perf_counter() - t0
+
+    def _python_bytes(self) -> tuple[float, float] | None:
+        """``(bytes, growth since the baseline)`` of Python objects: the small ones (512 bytes or less,
+        pymalloc's blocks) exactly, the large ones (a dict's table, a long list's items, big strings:
+        one "block" each in the block count, whatever their size) by the malloc heap's growth, less, on
+        a CPU run, the growth the device finding already holds (tensors live in the same heap)."""
+        if self._heap0 is None or self._heap is None:
+            return None
+        large = self._heap[2] - self._heap0[2]
+        if self.device_is_host and self.device_growth is not None:
+            device = self.device_growth()
+            if device is not None:
+                large -= int(device.details.get("growth_bytes") or device.bytes or 0)
+        large = max(0, large)
+        return float(self._heap[1] + large), float(self._heap[1] - self._heap0[1] + large)
+
     def figures(self) -> dict[str, float]:
         """This process's host figures for the per-rank gather (:func:`memcallbacks.host.ranks.find_imbalance`).
 
@@ -287,4 +330,7 @@ class HostGrowth:
             out["host_python_bytes"] = float(self.python.reads[-1][1])
             if self._python_baseline is not None:
                 out["host_python_growth_bytes"] = float(self.python.reads[-1][1] - self._python_baseline)
+        measured = self._python_bytes()
+        if measured is not None:
+            out["host_python_bytes"], out["host_python_growth_bytes"] = measured
         return out
