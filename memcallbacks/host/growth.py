@@ -202,7 +202,10 @@ class HostGrowth:
         rate = int(d["rate_bytes_per_step"])
         private_rate = self.private.detector.last.details["rate_bytes_per_step"] if self.private.detector.last else None
         if key == "host_growth":
-            est = "" if series is self.private else f" (≈{format_bytes(rate)}/step at ~{self.bytes_per_block} B a block)"
+            scale = self._block_scale()
+            est = "" if series is self.private else (
+                f" (≈{format_bytes(rate * scale)}/step, the block count scaled by the bytes Python objects hold)" if scale
+                else f" (≈{format_bytes(rate)}/step at ~{self.bytes_per_block} B a block)")
             return (
                 f"Host memory in Python objects grew steadily since step {d['since_step']}{est}"
                 + (f"; private resident memory by {format_bytes(private_rate)}/step" if private_rate else "")
@@ -312,6 +315,18 @@ class HostGrowth:
                 large -= int(device.details.get("growth_bytes") or device.bytes or 0)
         large = max(0, large)
         return float(self._heap[1] + large), float(self._heap[1] - self._heap0[1] + large)
+
+    def _block_scale(self) -> float | None:
+        """Bytes Python objects gained per nominal block byte since the baseline (the block count calls a
+        32-byte float and a 40 KiB dict table one block each), when both grew enough to say."""
+        measured = self._python_bytes()
+        if measured is None or self._python_baseline is None or not self.python.reads:
+            return None
+        at = self._heap[0] if self._heap is not None else self.python.reads[-1][0]
+        blocks = next((v for st, v in reversed(self.python.reads) if st <= at), self._python_baseline) - self._python_baseline
+        if blocks < self.min_rate_bytes or measured[1] <= 0:
+            return None
+        return min(4.0, max(0.25, measured[1] / blocks))
 
     def figures(self) -> dict[str, float]:
         """This process's host figures for the per-rank gather (:func:`memcallbacks.host.ranks.find_imbalance`).

@@ -16,11 +16,13 @@ from __future__ import annotations
 import gc
 import multiprocessing
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
 from memcallbacks._base.findings import Finding
 from memcallbacks._base.units import MiB, format_bytes
+from memcallbacks.host.holders import deep_size
 from memcallbacks.host.readers import smaps_rollup
 
 __all__ = ["WorkerInfo", "WorkerWatch", "dataloader_workers"]
@@ -47,7 +49,7 @@ def _iterators() -> list[Any]:
     return [obj for obj in gc.get_referrers(_MultiProcessingDataLoaderIter) if isinstance(obj, _MultiProcessingDataLoaderIter)]
 
 
-def dataloader_workers(known: dict[int, WorkerInfo | None] | None = None) -> list[WorkerInfo]:
+def dataloader_workers(known: dict[int, WorkerInfo | None] | None = None, datasets: dict[int, Any] | None = None) -> list[WorkerInfo]:
     """The live DataLoader worker processes this process started (persistent or not).
 
     Candidates are this process's ``multiprocessing`` children (every DataLoader worker is one,
@@ -55,7 +57,7 @@ def dataloader_workers(known: dict[int, WorkerInfo | None] | None = None) -> lis
     DataLoader iterators' ``_workers`` (``multiprocessing`` drops a started process's target, so
     its arguments cannot say). ``known`` caches identities by pid between calls (None: not a
     worker), so the search runs only when new children appear (an epoch of non-persistent
-    workers)."""
+    workers). ``datasets`` (when given) gets a weak reference to each new worker's Dataset, by pid."""
     known = {} if known is None else known
     children = [p.pid for p in multiprocessing.active_children() if p.pid is not None]
     if any(pid not in known for pid in children):
@@ -65,6 +67,8 @@ def dataloader_workers(known: dict[int, WorkerInfo | None] | None = None) -> lis
             for worker_id, proc in enumerate(getattr(it, "_workers", ()) or ()):
                 if proc.pid is not None:
                     found[proc.pid] = WorkerInfo(proc.pid, worker_id, dataset)
+                    if datasets is not None:
+                        datasets[proc.pid] = _weak(getattr(it, "_dataset", None))
         for pid in children:
             if pid not in known:
                 known[pid] = found.get(pid)
@@ -73,6 +77,32 @@ def dataloader_workers(known: dict[int, WorkerInfo | None] | None = None) -> lis
         del known[pid]
     return sorted((w for pid, w in known.items() if w is not None),
                   key=lambda w: (w.worker_id if w.worker_id is not None else 1 << 30, w.pid))
+
+
+def _weak(obj: Any) -> Any:
+    try:
+        return weakref.ref(obj)
+    except TypeError:
+        return None
+
+
+_INSIDE_FACTOR = 2
+"""A worker that grew by more than this many times what its parent's Dataset holds (plus
+``min_growth_bytes``) grows inside itself: copy on access can copy no more than the parent has."""
+
+_DATASET_BUDGET = 200_000
+"""Objects a Dataset's deep size walks at most (once per Dataset, after a worker grew); past it the
+Dataset counts as large (copy on access can explain any growth)."""
+
+_INSIDE_FIX = (
+    "It grows inside the workers: their private memory (USS) grew by more than their parent's Dataset "
+    "({held}) holds, so it is not the parent's pages being copied but objects each worker makes and keeps, "
+    "most often a cache filled in `__getitem__` (each decoded image or tokenized text kept in a dict on the "
+    "Dataset: every worker fills its own copy, for the whole epoch or, with persistent workers, the run). Fix: "
+    "drop the cache, or bound it (`functools.lru_cache(maxsize=...)` on the decode function), or fill it once "
+    "in the parent before the workers start (as NumPy arrays or tensors, shared) or on disk; fewer workers bound "
+    "the cost meanwhile."
+)
 
 
 @dataclass
@@ -114,6 +144,8 @@ class WorkerWatch:
         self.max_reads = max_reads
         self.tracks: dict[int, _Track] = {}
         self._known: dict[int, WorkerInfo | None] = {}
+        self._datasets: dict[int, Any] = {}  # pid -> weak reference to the worker's Dataset (in this process)
+        self._held: dict[int, int | None] = {}  # id(Dataset) -> its deep size (None: past the walk's budget)
         self.generation = 0
         self._pids: frozenset[int] = frozenset()
         self._next = 0.0
@@ -128,7 +160,9 @@ class WorkerWatch:
         if not force and now < self._next:
             return None
         t0 = time.perf_counter()
-        workers = dataloader_workers(self._known)
+        workers = dataloader_workers(self._known, self._datasets)
+        for pid in [p for p in self._datasets if p not in self._known]:
+            del self._datasets[pid]
         pids = frozenset(w.pid for w in workers)
         if pids and pids != self._pids and not pids & self._pids:
             self.generation += 1  # a fresh set of workers: a new epoch of non-persistent workers
@@ -164,6 +198,31 @@ class WorkerWatch:
         live = [t for t in self.live() if t.reads]
         return {"workers": len(live), "uss_bytes": sum(t.reads[-1][1] for t in live), "pss_bytes": sum(t.reads[-1][2] for t in live)}
 
+    def _dataset_bytes(self, pid: int) -> int | None:
+        """Deep size of the parent's Dataset of worker ``pid`` (once per Dataset; its time is the watch's)."""
+        ref = self._datasets.get(pid)
+        dataset = ref() if ref is not None else None
+        if dataset is None:
+            return None
+        key = id(dataset)
+        if key not in self._held:
+            t0 = time.perf_counter()
+            seen: dict[type, list[int]] = {}
+            size = deep_size([dataset], budget=_DATASET_BUDGET, by_type=seen)
+            self._held[key] = None if sum(c for c, _ in seen.values()) >= _DATASET_BUDGET else size
+            self.seconds += time.perf_counter() - t0
+        return self._held[key]
+
+    def _inside(self, grown: list[_Track]) -> int | None:
+        """What the parent's Dataset holds, when every grown worker grew by far more than that (growth
+        inside the workers); None when copy on access can explain it."""
+        held = [self._dataset_bytes(t.info.pid) for t in grown]
+        if any(h is None for h in held):
+            return None
+        if all(t.growth > _INSIDE_FACTOR * h + self.min_growth_bytes for t, h in zip(grown, held)):  # type: ignore[operator]
+            return max(held)  # type: ignore[type-var]
+        return None
+
     def _check(self, step: int) -> Finding | None:
         grown = [t for t in self.tracks.values() if t.growth >= self.min_growth_bytes and t.rising()]
         if not grown:
@@ -174,6 +233,18 @@ class WorkerWatch:
             f"{format_bytes(t.reads[0][1])} -> {format_bytes(t.reads[-1][1])}" for t in grown[:8]
         )
         datasets = sorted({t.info.dataset for t in grown})
+        held = self._inside(grown)
+        if held is not None:
+            cause = _INSIDE_FIX.format(held=format_bytes(held))
+        else:
+            cause = (
+                f"Copy on access: a worker starts sharing its parent's pages, and a Dataset ({', '.join(datasets)}) that "
+                "holds a Python list (or dict) of objects has every page it reads copied into the worker, because reading "
+                "an object writes its reference count (pytorch/pytorch#13246); each worker ends up with its own copy of the "
+                "data. Fix: keep the data in NumPy arrays or tensors (one buffer, no per-item reference counts: "
+                "`np.array(strings, dtype=np.bytes_)`, offsets into one array), or load it per worker in `worker_init_fn` / "
+                "lazily from disk; fewer workers bound the cost meanwhile."
+            )
         return Finding(
             kind="worker_growth",
             step=step,
@@ -182,15 +253,11 @@ class WorkerWatch:
             message=(
                 f"DataLoader workers' private memory (USS) grew step over step: {per}. The {totals['workers']} live "
                 f"workers hold {format_bytes(totals['uss_bytes'])} of private memory in all "
-                f"(PSS {format_bytes(totals['pss_bytes'])}). Copy on access: a worker starts sharing its parent's pages, "
-                f"and a Dataset ({', '.join(datasets)}) that holds a Python list (or dict) of objects has every page it "
-                "reads copied into the worker, because reading an object writes its reference count "
-                "(pytorch/pytorch#13246); each worker ends up with its own copy of the data. Fix: keep the data in "
-                "NumPy arrays or tensors (one buffer, no per-item reference counts: `np.array(strings, dtype=np.bytes_)`, "
-                "offsets into one array), or load it per worker in `worker_init_fn` / lazily from disk; fewer workers "
-                "bound the cost meanwhile."
+                f"(PSS {format_bytes(totals['pss_bytes'])}). {cause}"
             ),
             details={
+                "cause": "inside_workers" if held is not None else "copy_on_access",
+                "dataset_bytes": held,
                 "workers": [
                     {"pid": t.info.pid, "worker_id": t.info.worker_id, "generation": t.generation, "dataset": t.info.dataset,
                      "first_uss_bytes": t.reads[0][1], "uss_bytes": t.reads[-1][1], "pss_bytes": t.reads[-1][2],
