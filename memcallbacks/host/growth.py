@@ -50,6 +50,9 @@ _HEAP_EVERY = 64
 """Steps between two measures of the bytes Python objects hold (for the figures; the growth test reads
 the block count)."""
 
+_FIGURES_STALE = 16
+"""Steps after which the figures measure the Python objects' bytes again when asked."""
+
 _KEEP_READS = 640
 """Recent reads kept per series (for the Python share over a climb and the per-rank figures)."""
 
@@ -113,6 +116,7 @@ class HostGrowth:
         self._reads += 1
         if self.baseline is None and self._reads > self.warmup_steps:
             self.baseline = reading
+            self.measure_python(step)  # the figures' Python-object growth runs from here, as the others
         out: Finding | None = None
         if reading.python_blocks is not None:
             value = reading.python_blocks * self.bytes_per_block
@@ -152,7 +156,11 @@ class HostGrowth:
         slopes, and the Python one counts only when its reads rise as a trend: one list built between
         two reads (a sampler's indices at an epoch's start) is not Python objects growing."""
         reads = self.python.reads
+        # the climb's reads, from the last one before it began (the level it rose from)
+        before = next((i for i in range(len(reads) - 1, -1, -1) if reads[i][0] < since_step), None)
         span = [r for r in reads if r[0] >= since_step]
+        if before is not None:
+            span.insert(0, reads[before])
         spacing = max(1, (step - since_step) // (2 * _SHARE_READS))
         if not span or (len(span) < _SHARE_READS and step - span[-1][0] >= spacing) or step - span[-1][0] > 16:
             t0 = time.perf_counter()
@@ -345,6 +353,8 @@ class HostGrowth:
             out["host_python_bytes"] = float(self.python.reads[-1][1])
             if self._python_baseline is not None:
                 out["host_python_growth_bytes"] = float(self.python.reads[-1][1] - self._python_baseline)
+        if self.baseline is not None and (self._heap is None or self.last.step - self._heap[0] >= _FIGURES_STALE):
+            self.measure_python(self.last.step)  # the figures are read at logged steps and at the end: not stale there
         measured = self._python_bytes()
         if measured is not None:
             out["host_python_bytes"], out["host_python_growth_bytes"] = measured
