@@ -130,11 +130,20 @@ def pymalloc_arena_bytes() -> int | None:
     return int(m.group(1)) * int(m.group(2)) if m else None
 
 
+_CLASS_ROW = re.compile(rb"^ +\d+ +(\d+) +\d+ +(\d+) +\d+$", re.MULTILINE)
+
+
 def pymalloc_bytes() -> int | None:
-    """Bytes in the blocks pymalloc has handed out (every Python object of 512 bytes or less, exactly:
-    their size rounded up to 16), from ``sys._debugmallocstats()``; None where CPython does not print it."""
-    m = _IN_BLOCKS.search(_malloc_stats() or b"")
-    return int(m.group(1).replace(b",", b"")) if m else None
+    """Bytes Python asked pymalloc for (every object of 512 bytes or less), from ``sys._debugmallocstats()``:
+    the bytes in its allocated blocks less 8 a block, since every request is rounded up to a multiple of 16
+    (a 24-byte float takes a 32-byte block; ``tracemalloc`` and ``sys.getsizeof`` count 24). None where
+    CPython does not print them."""
+    stats = _malloc_stats() or b""
+    m = _IN_BLOCKS.search(stats)
+    if not m:
+        return None
+    blocks = sum(int(b) for _, b in _CLASS_ROW.findall(stats))
+    return max(0, int(m.group(1).replace(b",", b"")) - 8 * blocks)
 
 
 @dataclass
