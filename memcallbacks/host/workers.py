@@ -39,14 +39,18 @@ class WorkerInfo:
     """The type name of the worker's Dataset."""
 
 
-def _iterators() -> list[Any]:
-    """The live multi-process DataLoader iterators (each knows its workers by worker id)."""
+def _iterators(young: bool = False) -> list[Any]:
+    """The live multi-process DataLoader iterators (each knows its workers by worker id); ``young``: only
+    those in the collector's two young generations (an epoch's new iterator, made a step or two ago,
+    is most often there: a walk of those lists, not of the whole heap)."""
     try:
-        from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
+        from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter as Iter
     except Exception:
         return []
+    if young:
+        return [obj for g in (0, 1) for obj in gc.get_objects(generation=g) if isinstance(obj, Iter)]
     # an instance refers to its (heap) type, so gc finds every live iterator without a heap list
-    return [obj for obj in gc.get_referrers(_MultiProcessingDataLoaderIter) if isinstance(obj, _MultiProcessingDataLoaderIter)]
+    return [obj for obj in gc.get_referrers(Iter) if isinstance(obj, Iter)]
 
 
 def dataloader_workers(known: dict[int, WorkerInfo | None] | None = None, datasets: dict[int, Any] | None = None) -> list[WorkerInfo]:
@@ -60,15 +64,19 @@ def dataloader_workers(known: dict[int, WorkerInfo | None] | None = None, datase
     workers). ``datasets`` (when given) gets a weak reference to each new worker's Dataset, by pid."""
     known = {} if known is None else known
     children = [p.pid for p in multiprocessing.active_children() if p.pid is not None]
-    if any(pid not in known for pid in children):
+    new = {pid for pid in children if pid not in known}
+    if new:
         found: dict[int, WorkerInfo] = {}
-        for it in _iterators():
-            dataset = type(getattr(it, "_dataset", None)).__name__
-            for worker_id, proc in enumerate(getattr(it, "_workers", ()) or ()):
-                if proc.pid is not None:
-                    found[proc.pid] = WorkerInfo(proc.pid, worker_id, dataset)
-                    if datasets is not None:
-                        datasets[proc.pid] = _weak(getattr(it, "_dataset", None))
+        for young in (True, False):  # the young generations first; the whole heap only if they did not hold it
+            for it in _iterators(young):
+                dataset = type(getattr(it, "_dataset", None)).__name__
+                for worker_id, proc in enumerate(getattr(it, "_workers", ()) or ()):
+                    if proc.pid is not None:
+                        found[proc.pid] = WorkerInfo(proc.pid, worker_id, dataset)
+                        if datasets is not None:
+                            datasets[proc.pid] = _weak(getattr(it, "_dataset", None))
+            if new <= found.keys():
+                break
         for pid in children:
             if pid not in known:
                 known[pid] = found.get(pid)
@@ -90,7 +98,7 @@ _INSIDE_FACTOR = 2
 """A worker that grew by more than this many times what its parent's Dataset holds (plus
 ``min_growth_bytes``) grows inside itself: copy on access can copy no more than the parent has."""
 
-_DATASET_BUDGET = 200_000
+_DATASET_BUDGET = 20_000
 """Objects a Dataset's deep size walks at most (once per Dataset, after a worker grew); past it the
 Dataset counts as large (copy on access can explain any growth)."""
 
@@ -128,8 +136,9 @@ class WorkerWatch:
     workers' private memory grows step over step by ``min_growth_bytes`` or more."""
 
     def __init__(self, *, min_interval_s: float = 0.5, max_overhead: float = 0.01, min_growth_bytes: int = 8 * MiB,
-                 max_reads: int = 512) -> None:
+                 max_reads: int = 512, max_gap_steps: int = 32) -> None:
         checks = (
+            ("max_gap_steps", max_gap_steps, max_gap_steps >= 1, "use 1 or more steps, e.g. 32"),
             ("min_interval_s", min_interval_s, min_interval_s >= 0, "use 0 or more seconds, e.g. 0.5"),
             ("max_overhead", max_overhead, 0 < max_overhead <= 1, "use a fraction of the wall time in (0, 1], e.g. 0.01"),
             ("min_growth_bytes", min_growth_bytes, min_growth_bytes > 0, "use a positive byte count, e.g. 8 * 2**20"),
@@ -142,23 +151,30 @@ class WorkerWatch:
         self.max_overhead = max_overhead
         self.min_growth_bytes = min_growth_bytes
         self.max_reads = max_reads
+        self.max_gap_steps = max_gap_steps
+        self._started: float | None = None
+        self._last_time = -float("inf")
+        self._last_step: int | None = None
         self.tracks: dict[int, _Track] = {}
         self._known: dict[int, WorkerInfo | None] = {}
         self._datasets: dict[int, Any] = {}  # pid -> weak reference to the worker's Dataset (in this process)
         self._held: dict[int, int | None] = {}  # id(Dataset) -> its deep size (None: past the walk's budget)
         self.generation = 0
         self._pids: frozenset[int] = frozenset()
-        self._next = 0.0
         self.reads = 0
         self.seconds = 0.0
         """Time spent finding and reading workers."""
         self.last_read_s = 0.0
+        self.charged = 0.0
+        """What the budget counts: finding the workers and sizing their Datasets (wall time), and each read's
+        CPU time (the kernel's page-table walk; a read preempted on a busy machine is not a slow read)."""
 
     def update(self, step: int, *, force: bool = False) -> Finding | None:
         """Read the workers if the time budget allows (or ``force``); a Finding while they grow."""
         now = time.monotonic()
-        if not force and now < self._next:
+        if not force and not self._due(step, now):
             return None
+        self._last_time, self._last_step = now, step
         t0 = time.perf_counter()
         workers = dataloader_workers(self._known, self._datasets)
         for pid in [p for p in self._datasets if p not in self._known]:
@@ -185,10 +201,20 @@ class WorkerWatch:
         t2 = time.perf_counter()
         self.seconds += t2 - t0
         self.last_read_s = min(t2 - t1, time.thread_time() - c1)
+        self.charged += (t1 - t0) + self.last_read_s
         self.reads += 1
-        # spaced by the reads' cost (identifying a new set of workers happens once per set)
-        self._next = time.monotonic() + max(self.min_interval_s, self.last_read_s / self.max_overhead)
         return self._check(step) if workers else None
+
+    def _due(self, step: int, now: float) -> bool:
+        """A read now keeps the watch's whole cost (discovery, Dataset sizes, reads) within ``max_overhead``
+        of the wall time since its first read, and it is ``min_interval_s`` after the last one or
+        ``max_gap_steps`` steps after it (a fast loop's 200 steps may last a second or two)."""
+        if self._started is None:
+            self._started = now
+            return True
+        if self.charged + self.last_read_s > self.max_overhead * (now - self._started):
+            return False
+        return now - self._last_time >= self.min_interval_s or step - (self._last_step or 0) >= self.max_gap_steps
 
     def live(self) -> list[_Track]:
         return [t for pid, t in self.tracks.items() if pid in self._pids]
@@ -211,6 +237,7 @@ class WorkerWatch:
             size = deep_size([dataset], budget=_DATASET_BUDGET, by_type=seen)
             self._held[key] = None if sum(c for c, _ in seen.values()) >= _DATASET_BUDGET else size
             self.seconds += time.perf_counter() - t0
+            self.charged += time.perf_counter() - t0
         return self._held[key]
 
     def _inside(self, grown: list[_Track]) -> int | None:
