@@ -5,8 +5,10 @@ iterator lists in its ``_workers`` (torch starts every worker as a ``multiproces
 running ``torch.utils.data._utils.worker._worker_loop``, whatever the start method); the worker id
 is its index there. Each read is
 ``/proc/<pid>/smaps_rollup`` per worker (USS = private clean + private dirty; PSS), 1-6 ms a
-worker, so reads are spaced in time: at least ``min_interval_s`` apart and far enough apart that
-they cost at most ``max_overhead`` of the wall time (a 5 ms read of 2 workers every 1 s is 1%).
+worker, so reads are spaced: the watch's whole cost stays within ``max_overhead`` of the wall time,
+and a read is ``min_interval_s`` or ``max_gap_steps`` after the last (a 5 ms read of 2 workers every
+1 s is 1%). A worker that grew past twice its parent's Dataset grows inside itself (a cache in
+``__getitem__``), which copy on access cannot explain.
 Non-persistent workers are started again every epoch: a new set of pids is a new *generation*,
 and each worker's growth is measured over its own life.
 """
