@@ -11,7 +11,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["Finding", "FindingLog", "announce", "finding_counts", "finding_label"]
 
-KINDS = ("growth", "lingering", "cycle", "unexplained", "preflight", "host_growth", "worker_growth", "rank_imbalance")
+KINDS = ("growth", "lingering", "cycle", "unexplained", "preflight", "host_growth", "worker_growth", "rank_imbalance", "oom")
 STATES = ("open", "settled")
 SEVERITIES = ("problem", "advice")
 
@@ -26,7 +26,8 @@ class Finding:
 
     kind: str
     """``"growth"``, ``"lingering"``, ``"cycle"``, ``"unexplained"``, ``"preflight"``, or a host kind:
-    ``"host_growth"``, ``"worker_growth"``, ``"rank_imbalance"`` (docs/findings.md, "Host memory")."""
+    ``"host_growth"``, ``"worker_growth"``, ``"rank_imbalance"`` (docs/findings.md, "Host memory"), or ``"oom"``:
+    an out-of-memory error explained (docs/oom.md)."""
     step: int
     """Optimizer step at which the finding was (last) confirmed."""
     message: str

@@ -10,8 +10,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import torch
-
 from memcallbacks._base import distributed as _distributed
 from memcallbacks._runtime import end_write
 from memcallbacks._runtime.end_write import wait_for_every_rank, write_detached
@@ -19,20 +17,11 @@ from memcallbacks._runtime.guard import safe_str
 from memcallbacks._files.outputs import REPORT_VERSION, write_outputs
 from memcallbacks._runtime.cadence import DENSE_READ_STEPS
 from memcallbacks.host.ranks import find_imbalance
+from memcallbacks.oom import is_oom
 from memcallbacks.trackers import RunOutputs
 from memcallbacks.trackers.ranks import receive_snapshots, snapshot_payload
 
 __all__ = ["RunEnd", "is_oom"]
-
-
-def is_oom(exc: BaseException) -> bool:
-    """True for torch's OutOfMemoryError, host MemoryError, and RuntimeErrors that say "out of memory"."""
-    oom_type = getattr(torch, "OutOfMemoryError", None)
-    if oom_type is not None and isinstance(exc, oom_type):
-        return True
-    if isinstance(exc, MemoryError):
-        return True
-    return isinstance(exc, RuntimeError) and "out of memory" in safe_str(exc).lower()
 
 
 class RunEnd:
@@ -69,12 +58,22 @@ class RunEnd:
             return
         if s.snap is not None:
             s.snap.on_exception(exc, step)
-        s.log.error(
-            "%s: out of memory at step %d on rank %d; writing the memory report before the error propagates.",
-            s.owner,
-            event["step"],
-            engine.rank,
-        )
+        self._explain_oom(exc, event)
+
+    def _explain_oom(self, exc: BaseException, event: dict[str, Any]) -> None:
+        """The OOM explained (memcallbacks/oom): logged, ``oom.json``, and an ``"oom"`` finding for the report and trackers."""
+        from memcallbacks.oom.record import record_oom
+
+        s, checks = self.session, self.session.checks
+        held = checks.watch if checks.watch is not None and checks.watch.model is not None else checks.state  # model, optimizer
+        finding = record_oom(exc, event, engine=s.engine, model=held.model, optimizer=held.optimizer, precision=checks.state.precision,
+                             findings=s.findings, capacity=s.config.capacity_bytes, output_dir=s.output_dir if s.config.write_files else None,
+                             snapshots=s.snap.records if s.snap is not None else [], log=s.log, owner=s.owner)
+        if finding is not None:
+            s.add_finding(finding)
+        else:
+            s.log.error("%s: out of memory at step %d on rank %d; writing the memory report before the error propagates.",
+                        s.owner, event["step"], s.engine.rank)
 
     def report(self) -> dict[str, Any]:
         """What ``report.json`` holds: version, config, summary, findings, events and files."""
