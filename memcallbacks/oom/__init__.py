@@ -1,4 +1,4 @@
-"""Out of memory, explained: where it struck, what filled the memory, and the change that makes the step fit.
+"""Out of memory, explained: where it struck, what filled the memory, the change that makes it fit.
 
 Runs only when an OOM unwinds (or in the pre-flight): nothing here is on a healthy step's path.
 :func:`explain_oom` reads the exception's traceback (the phase, the innermost module, the model
@@ -6,10 +6,10 @@ call), counts the memory by category and asks the pre-flight what each remedy sa
 """
 
 from memcallbacks.oom.accounting import Accounting
-from memcallbacks.oom.explanation import OomExplanation, explain_oom, oom_file_name, write_oom_json
+from memcallbacks.oom.explanation import OomExplanation, explain_oom, explain_prediction, oom_file_name, write_oom_json
 from memcallbacks.oom.recognise import is_oom, oom_source, requested_bytes
-from memcallbacks.oom.remedies import Remedy
+from memcallbacks.oom.remedies import Remedy, StepModel
 from memcallbacks.oom.where import Where
 
-__all__ = ["Accounting", "OomExplanation", "Remedy", "Where", "explain_oom", "is_oom", "oom_file_name", "oom_source",
-           "requested_bytes", "write_oom_json"]
+__all__ = ["Accounting", "OomExplanation", "Remedy", "StepModel", "Where", "explain_oom", "explain_prediction", "is_oom",
+           "oom_file_name", "oom_source", "requested_bytes", "write_oom_json"]

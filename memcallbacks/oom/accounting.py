@@ -1,4 +1,4 @@
-"""What filled the memory at an out-of-memory error: categories, each from its own source, that add up to the device's figure.
+"""What filled the memory at an OOM: categories from their own sources, adding up to the device total.
 
 - parameters, gradients, optimizer state: the model's and the optimizer's tensors, exactly;
 - the batch and this step's activations and temporaries: the tensors the failing call's frames

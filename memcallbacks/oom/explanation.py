@@ -1,4 +1,4 @@
-"""The explanation of one out-of-memory error: where it struck, what filled the memory, and the changes that make it fit."""
+"""One OOM explained: where it struck, what filled the memory, and the changes that make the step fit."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from memcallbacks.oom.where import Where, locate
 
 log = logging.getLogger(__name__)
 
-__all__ = ["OomExplanation", "explain_oom", "oom_file_name", "write_oom_json"]
+__all__ = ["OomExplanation", "explain_oom", "explain_prediction", "oom_file_name", "write_oom_json"]
 
 
 @dataclasses.dataclass
@@ -55,6 +55,11 @@ class OomExplanation:
         }
 
     def headline(self) -> str:
+        if self.source == "pre-flight":
+            acc = self.accounting
+            return (f"the step would run out of memory: predicted peak {format_bytes(acc.figure_bytes)} in {self.where.phase}, "
+                    f"above the {format_bytes(acc.capacity_bytes)} of {acc.capacity_source}"
+                    + (f", batch size {self.batch_size}" if self.batch_size is not None else ""))
         module = self.where.module
         at = f", in {module or '(the model)'} ({self.where.module_type})" if module is not None else ""
         batch = f", batch size {self.batch_size}" if self.batch_size is not None else ""
@@ -64,8 +69,10 @@ class OomExplanation:
         acc = self.accounting
         asked = f"asked for {format_bytes(acc.requested_bytes)}; " if acc.requested_bytes is not None else ""
         cap = f" of {format_bytes(acc.capacity_bytes)} ({acc.capacity_source})" if acc.capacity_bytes else ""
-        lines = [self.headline(), f"  {self.source} allocator {asked}{acc.figure} {format_bytes(acc.figure_bytes)}{cap}",
-                 "  what filled it:"]
+        lines = [self.headline()]
+        if self.source != "pre-flight":
+            lines.append(f"  {self.source} allocator {asked}{acc.figure} {format_bytes(acc.figure_bytes)}{cap}")
+        lines.append("  what fills it at the peak:" if self.source == "pre-flight" else "  what filled it:")
         for name, nbytes in sorted(acc.categories.items(), key=lambda kv: -kv[1]):
             lines.append(f"    {format_bytes(nbytes):>10}  {name}")
         if acc.largest_free_block_bytes is not None:
@@ -74,7 +81,7 @@ class OomExplanation:
         if self.last_good:
             peaks = ", ".join(f"{k} {format_bytes(v)}" for k, v in self.last_good.get("peaks", {}).items())
             lines.append(f"  last measured step ({self.last_good.get('step')}): peaks {peaks}")
-        if self.predicted:
+        if self.predicted and self.source != "pre-flight":
             lines.append(f"  pre-flight of this step: peak {format_bytes(self.predicted['peak_bytes'])} in {self.predicted['peak_phase']}"
                          f"; activations {format_bytes(self.predicted['activation_bytes'])}")
         if self.remedies:
@@ -138,7 +145,7 @@ def explain_oom(
     size = batch_size_of(where.call) if where.call is not None else None
     step_model = None
     if remedies and where.call is not None and where.call_module is not None and where.phase != "evaluation":
-        step_model = StepModel(where.call_module, where.call, optimizer, precision or "fp32", dev)
+        step_model = StepModel(where.call_module, where.call, optimizer, precision or "fp32", dev, where.step_fn)
     ranked, base = rank_remedies(step_model, acc, list(holders or [])) if remedies else ([], None)
     predicted = None
     if base is not None:
@@ -159,3 +166,28 @@ def write_oom_json(explanation: OomExplanation, folder: str | Path, world_size: 
     from memcallbacks._files.outputs import write_json
 
     return write_json(Path(folder) / oom_file_name(explanation.rank, world_size), explanation.to_dict())
+
+
+_PREDICTED_NAMES = {"params": "parameters", "grads": "gradients", "optimizer_state": "optimizer state", "inputs": "batch",
+                    "activations": "activations", "temporaries": "temporaries", "workspace": "cuBLAS workspace"}
+
+
+def explain_prediction(step: StepModel, prediction: Any, capacity: int, capacity_source: str = "capacity") -> OomExplanation | None:
+    """Before the step runs: the same explanation for a pre-flight ``prediction`` whose peak is above ``capacity``
+    (None when it fits). The categories are the prediction's breakdown at its peak; the remedies are predicted alike."""
+    t0 = time.perf_counter()
+    phase = prediction.peak_phase
+    if prediction.peak_bytes <= capacity:
+        return None
+    cats = {_PREDICTED_NAMES.get(k, k): int(v) for k, v in prediction.breakdown[phase].items()}
+    acc = Accounting(device=str(getattr(step.device, "type", step.device)), figure_bytes=int(prediction.peak_bytes),
+                     figure=f"predicted peak in {phase}", categories=cats, capacity_bytes=int(capacity), capacity_source=capacity_source)
+    ranked, _ = rank_remedies(step, acc, [], base=prediction)
+    top = prediction.top_modules[0][0] if prediction.top_modules else None
+    where = Where(phase=phase, module=top, module_type="largest saved activations" if top is not None else None)
+    from memcallbacks._runtime.preflight_steps import batch_size_of
+
+    predicted = {"peak_bytes": prediction.peak_bytes, "peak_phase": phase, "phase_peaks": prediction.phase_peaks(),
+                 "activation_bytes": prediction.activation_bytes, "top_modules": [list(kv) for kv in prediction.top_modules[:5]]}
+    return OomExplanation(step=-1, rank=0, error="", source="pre-flight", where=where, accounting=acc, remedies=ranked,
+                          batch_size=batch_size_of(step.call), predicted=predicted, seconds=time.perf_counter() - t0)

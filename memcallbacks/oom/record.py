@@ -1,4 +1,4 @@
-"""An OOM in a monitored run: explain it once, write ``oom.json``, and hand back the ``"oom"`` finding for the trackers and the report."""
+"""An OOM in a monitored run: explained once, written as ``oom.json``, and an ``"oom"`` finding."""
 
 from __future__ import annotations
 

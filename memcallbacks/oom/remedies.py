@@ -1,4 +1,4 @@
-"""The changes that make a failed step fit, each with the saving the pre-flight predicts for it on fake tensors."""
+"""The changes that make a failed step fit, each with the saving the pre-flight predicts for it."""
 
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ __all__ = ["Remedy", "StepModel", "checkpoint_blocks", "rank_remedies"]
 # sharding is tried over these rank counts, the smallest that fits is advised
 _RANKS = (2, 4, 8, 16)
 # lighter optimizer state: what to switch to from each (torch.optim names), bytes of state per fp32 parameter
-_LIGHTER = {"Adam": ("sgd+momentum", "SGD with momentum", 8, 4), "AdamW": ("sgd+momentum", "SGD with momentum", 8, 4),
-            "RMSprop": ("sgd", "SGD without momentum", 4, 0), "Adagrad": ("sgd", "SGD without momentum", 4, 0),
-            "SGD": ("sgd", "SGD without momentum", 4, 0)}
+_LIGHTER = {"adam": ("sgd+momentum", "SGD with momentum", 8, 4), "adamw": ("sgd+momentum", "SGD with momentum", 8, 4),
+            "rmsprop": ("sgd", "SGD without momentum", 4, 0), "adagrad": ("sgd", "SGD without momentum", 4, 0),
+            "sgd+momentum": ("sgd", "SGD without momentum", 4, 0)}
 
 
 @dataclasses.dataclass
@@ -47,17 +47,31 @@ class StepModel:
     """What the pre-flight needs to replay the failed step: the module called, its call, the optimizer, the settings."""
 
     module: nn.Module
-    call: tuple[tuple[Any, ...], dict[str, Any]]
+    call: Any
+    """``(args, kwargs)`` of the module call, or the loader's batch for ``training_step``."""
     optimizer: Any
     precision: str = "fp32"
-    device: torch.device | None = None
+    device: torch.device | str | None = None
+    step_fn: str = "call"
+    """``"call"``, ``"training_step"`` (Lightning), or ``"default"``: :func:`~memcallbacks.preflight.predict`'s own
+    (``model(**batch).loss``, or ``loss_fn(model(x), y)`` with ``extra["loss_fn"]``)."""
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """More :func:`~memcallbacks.preflight.predict` arguments (``loss_fn``, ``strategy``, ``world_size``, ``hopper``)."""
+
+    @property
+    def forward_fn(self) -> Callable[[nn.Module, Any], Any]:
+        from memcallbacks._runtime.preflight_steps import call_step, training_step
+        from memcallbacks.preflight._step import default_forward_fn
+
+        if self.step_fn == "default":
+            return default_forward_fn(self.extra.get("loss_fn"))
+        return call_step if self.step_fn == "call" else training_step(0)
 
     def predict(self, batch: Any = None, forward_fn: Callable[..., Any] | None = None, **changes: Any) -> Any:
         from memcallbacks.preflight import predict
 
-        from memcallbacks._runtime.preflight_steps import call_step
-
-        kwargs = dict(forward_fn=forward_fn or call_step, precision=self.precision, device=self.device)
+        kwargs = dict(self.extra, forward_fn=forward_fn or self.forward_fn, precision=self.precision, device=self.device)
+        kwargs.pop("loss_fn", None)
         optimizer = changes.pop("optimizer", self.optimizer)
         kwargs.update(changes)
         return predict(self.module, self.call if batch is None else batch, optimizer, **kwargs)
@@ -74,9 +88,8 @@ def checkpoint_blocks(model: nn.Module) -> list[str]:
     return best or [n for n, c in model.named_children() if any(True for _ in c.parameters())]
 
 
-def _checkpointed(names: list[str]) -> Callable[[nn.Module, Any], Any]:
+def _checkpointed(names: list[str], step: Callable[[nn.Module, Any], Any]) -> Callable[[nn.Module, Any], Any]:
     """A ``forward_fn`` that runs the fake copy with ``names`` under ``torch.utils.checkpoint`` (the real model is untouched)."""
-    from memcallbacks._runtime.preflight_steps import call_step
 
     def forward(model: nn.Module, batch: Any) -> Any:
         from torch.utils.checkpoint import checkpoint
@@ -85,7 +98,7 @@ def _checkpointed(names: list[str]) -> Callable[[nn.Module, Any], Any]:
             sub = model.get_submodule(name)
             inner = sub.forward
             object.__setattr__(sub, "forward", lambda *a, _f=inner, **k: checkpoint(_f, *a, use_reentrant=False, **k))
-        return call_step(model, batch)
+        return step(model, batch)
 
     return forward
 
@@ -110,16 +123,34 @@ def _leak(acc: Accounting, holders: list[str]) -> Remedy | None:
                   held, None, {"holders": holders[:3]})
 
 
+def _window(step: StepModel, base: Any, size: int, available: int) -> tuple[int, int]:
+    """Where to search: the peak grows about linearly with the batch, so one more prediction (batch 1)
+    places the answer within a few sizes; the search still proves it on both sides."""
+    from memcallbacks._runtime.preflight_steps import resize_batch
+
+    one = step.predict(resize_batch(step.call, size, 1)).peak_bytes
+    if base.peak_bytes <= one:
+        return 1, size - 1
+    guess = 1 + int((available - one) * (size - 1) / (base.peak_bytes - one))
+    guess = min(max(guess, 1), size - 1)
+    return max(1, guess - 2), min(size - 1, guess + 2)
+
+
 def _batch(step: StepModel, base: Any, available: int) -> Remedy | None:
     from memcallbacks.preflight import max_batch_size
 
-    from memcallbacks._runtime.preflight_steps import batch_size_of, call_step, resize_batch
+    from memcallbacks._runtime.preflight_steps import batch_size_of, resize_batch
 
     size = batch_size_of(step.call)
     if size is None or size <= 1:
         return None
-    fit = max_batch_size(step.module, lambda n: resize_batch(step.call, size, n), available, step.optimizer, low=1, high=size - 1,
-                         forward_fn=call_step, precision=step.precision, device=step.device)
+    kwargs = dict(step.extra, forward_fn=step.forward_fn, precision=step.precision, device=step.device)
+    kwargs.pop("loss_fn", None)
+    low, high = _window(step, base, size, available)
+    fit = max_batch_size(step.module, lambda n: resize_batch(step.call, size, n), available, step.optimizer, low=low, high=high, **kwargs)
+    if (fit.batch_size == 0 and low > 1) or (fit.batch_size == high < size - 1):  # the answer is outside the window: search it all
+        fit = max_batch_size(step.module, lambda n: resize_batch(step.call, size, n), available, step.optimizer, low=1, high=size - 1,
+                             **kwargs)
     if fit.batch_size == 0:
         return Remedy("batch_size", f"no batch size fits: batch size 1 is predicted to peak at {format_bytes(fit.peak_bytes)}, "
                       f"above the {format_bytes(available)} the step may take", base.peak_bytes - fit.peak_bytes, False,
@@ -144,19 +175,22 @@ def _checkpointing(step: StepModel, base: Any, available: int | None) -> Remedy 
     shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
     return _variant("checkpointing", f"activation checkpointing of {shown} (torch.utils.checkpoint; the largest saved activations "
                     f"are in {', '.join(n or '(model)' for n, _ in base.top_modules[:3])})", step, base, available,
-                    {"modules": names}, forward_fn=_checkpointed(names))
+                    {"modules": names}, forward_fn=_checkpointed(names, step.forward_fn))
 
 
 def _optimizer(step: StepModel, base: Any, available: int | None, acc: Accounting) -> Remedy | None:
     opt = step.optimizer
-    lighter = _LIGHTER.get(type(opt).__name__) if opt is not None else None
-    if lighter is None or acc.categories.get("optimizer state", 0) == 0:
+    if opt is None or acc.categories.get("optimizer state", 0) == 0:
+        return None
+    current = opt.lower() if isinstance(opt, str) else type(opt).__name__.lower()
+    if current == "sgd" and not isinstance(opt, str) and any(g.get("momentum") for g in opt.param_groups):
+        current = "sgd+momentum"
+    lighter = _LIGHTER.get(current)
+    if lighter is None:
         return None
     name, words, before, after = lighter
-    if name == "sgd" and type(opt).__name__ == "SGD" and not any(g.get("momentum") for g in opt.param_groups):
-        return None
     return _variant("optimizer", f"a lighter optimizer: {words} keeps {after} bytes of state per fp32 parameter where "
-                    f"{type(opt).__name__} keeps {before}", step, base, available, {"optimizer": name}, optimizer=name)
+                    f"{current} keeps {before}", step, base, available, {"optimizer": name}, optimizer=name)
 
 
 def _attempt(what: str, make: Callable[[], Remedy | None], out: list[Remedy]) -> None:
@@ -195,14 +229,14 @@ def _fragmentation(acc: Accounting) -> Remedy | None:
                   "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before the process starts", free, None)
 
 
-def rank_remedies(step: StepModel | None, acc: Accounting, holders: list[str]) -> tuple[list[Remedy], Any]:
+def rank_remedies(step: StepModel | None, acc: Accounting, holders: list[str], base: Any = None) -> tuple[list[Remedy], Any]:
     """The remedies, largest predicted saving first (the leak, when the floor rose, before everything);
-    and the pre-flight's prediction of the failed step (None when the step cannot be replayed)."""
+    and the pre-flight's prediction of the failed step (``base`` when given; None when the step cannot be replayed)."""
     out: list[Remedy] = []
-    leak, base = _leak(acc, holders), None
+    leak = _leak(acc, holders)
     fragmentation = _fragmentation(acc)
     available = available_bytes(acc)
-    if step is not None:
+    if step is not None and base is None:
         try:
             base = step.predict()
         except Exception as exc:

@@ -1,4 +1,4 @@
-"""Where an out-of-memory error struck, read from its traceback: the phase, the innermost module, the model call."""
+"""Where an OOM struck, from its traceback: the phase, the innermost module, the model call."""
 
 from __future__ import annotations
 
@@ -30,8 +30,11 @@ class Where:
     module: str | None = None
     """The innermost module whose ``forward`` was running, by its qualified name in the model (``""``: the model itself)."""
     module_type: str | None = None
-    call: tuple[tuple[Any, ...], dict[str, Any]] | None = None
-    """The outermost module call's ``(args, kwargs)``: the batch as the model received it (never copied)."""
+    call: Any = None
+    """What replays the step: the outermost module call's ``(args, kwargs)`` (the batch as the model received it,
+    never copied), or with ``step_fn == "training_step"`` the batch as the loader gave it."""
+    step_fn: str = "call"
+    """``"call"``: ``module(*args, **kwargs)``; ``"training_step"``: ``module.training_step(batch, 0)`` (Lightning)."""
     call_module: nn.Module | None = None
     """The module that call went to (the model, or its wrapper's inner module)."""
     frames: list[str] = dataclasses.field(default_factory=list)
@@ -73,13 +76,13 @@ def locate(exc: BaseException, model: nn.Module | None) -> Where:
     names = _module_names(model)
     where = Where()
     innermost: nn.Module | None = None
-    for frame in frames:
+    backward_seen = False
+    for frame in frames:  # outermost first: the innermost frame that names a phase wins
         path, name = frame.f_code.co_filename, frame.f_code.co_name
-        if where.phase == "unknown":
-            if any(part in path and name == fn for part, fn in _BACKWARD):
-                where.phase = "backward"
-            elif _OPTIMIZER in path:
-                where.phase = "optimizer"
+        if any(part in path and name == fn for part, fn in _BACKWARD):
+            where.phase, backward_seen = "backward", True
+        elif _OPTIMIZER in path:
+            where.phase = "optimizer"
         owner = frame.f_locals.get("self")
         if not isinstance(owner, nn.Module):
             continue
@@ -88,7 +91,7 @@ def locate(exc: BaseException, model: nn.Module | None) -> Where:
             where.call, where.call_module = (tuple(args), dict(kwargs or {})), owner
         elif name == "forward":
             innermost = owner
-            if where.phase == "unknown":
+            if not backward_seen:  # a forward inside backward is checkpointing's recomputation
                 where.phase = "forward" if owner.training else "evaluation"
     if innermost is not None:
         where.module_type = type(innermost).__name__
@@ -116,26 +119,45 @@ def _graph_inputs(exc: BaseException) -> dict[Any, Any]:
     return out
 
 
+def _own_forward(model: nn.Module) -> bool:
+    """A ``forward`` of the model's own class (a LightningModule's inherited one only passes to ``nn.Module``'s)."""
+    qualname = getattr(type(model).forward, "__qualname__", "")
+    return qualname not in ("Module._forward_unimplemented", "LightningModule.forward")
+
+
 def find_call(exc: BaseException, where: Where, model: nn.Module | None, frames: list[FrameType]) -> None:
     """Backward and optimizer OOMs have no model call left in the traceback: find the batch among the
-    training loop's locals by a tensor the graph saved (``model(x)``, ``model(**batch)`` for a mapping)."""
+    training loop's locals by a tensor the graph saved (``model(x)``, ``model(**batch)`` for a mapping,
+    a Lightning module's ``training_step(batch)`` when it has no ``forward`` of its own)."""
     from memcallbacks._base.storage import storage_keys
 
     inputs = _graph_inputs(exc)
     if not inputs or model is None:
         return
+
     def ours(t: Any) -> bool:
         return isinstance(t, torch.Tensor) and any(k in inputs for k, _ in storage_keys(t))
+
+    def holds(value: Any) -> Any:
+        if isinstance(value, dict):
+            return next((v for v in value.values() if ours(v)), None)
+        if isinstance(value, (list, tuple)) and not isinstance(value, torch.Size):
+            return next((v for v in value if ours(v)), None)
+        return None
+
+    by_step = not _own_forward(model) and callable(getattr(model, "training_step", None))
     for frame in frames:
         for value in list(frame.f_locals.values()):
-            if ours(value):
-                where.call, where.call_module = ((value,), {}), model
+            nested = [v for v in value.values() if isinstance(v, (list, tuple, dict))] if isinstance(value, dict) else []
+            for candidate in [value, *nested]:
+                hit = candidate if ours(candidate) else holds(candidate)
+                if hit is None:
+                    continue
+                where.call_module = model
+                if by_step:
+                    where.call, where.step_fn = candidate, "training_step"
+                elif isinstance(candidate, dict):
+                    where.call = ((), dict(candidate))
+                else:
+                    where.call = ((hit,), {})
                 return
-            if isinstance(value, dict) and any(ours(v) for v in value.values()):
-                where.call, where.call_module = ((), dict(value)), model
-                return
-            if isinstance(value, (list, tuple)) and not isinstance(value, torch.Size):
-                hit = next((v for v in value if ours(v)), None)
-                if hit is not None:
-                    where.call, where.call_module = ((hit,), {}), model
-                    return

@@ -25,7 +25,7 @@ from torch import nn  # noqa: E402
 torch.set_num_threads(1)
 
 SEQ, DIM, HIDDEN = 512, 256, 1024  # MLP: one sample is 512 tokens, about 17 MiB of activations
-T_SEQ, T_DIM, HEADS = 256, 128, 4  # transformer: attention scores of 256 x 256 per head
+T_SEQ, T_DIM, HEADS = 512, 128, 4  # transformer: attention scores of 512 x 512 per head, about 38 MiB a sample
 LEAK_MIB = 12
 MONITOR = dict(cpu_mmap_threshold=1 << 20, sample_every_n_steps=1, log_every_n_steps=1)
 
@@ -145,7 +145,7 @@ def train_lightning(kind: str, run: str, out: Path) -> int:
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return make_optimizer(self)
 
-    data = [batch(kind, n) for n in sizes(run)] if run != "grow" else _Lazy(kind)
+    data = _Lazy(kind, run)
     trainer = L.Trainer(callbacks=[MemoryMonitor(output_dir=str(out), **MONITOR)], max_epochs=1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         default_root_dir=str(out), accelerator="cpu", devices=1)
@@ -153,15 +153,15 @@ def train_lightning(kind: str, run: str, out: Path) -> int:
     return trainer.global_step
 
 
-class _Lazy(torch.utils.data.Dataset):  # batches made as the loader asks: a doubling batch is not built in advance
-    def __init__(self, kind: str) -> None:
-        self.kind = kind
+class _Lazy(torch.utils.data.Dataset):  # batches made as the loader asks: none is built in advance
+    def __init__(self, kind: str, run: str) -> None:
+        self.kind, self.sizes = kind, sizes(run)
 
     def __len__(self) -> int:
-        return len(sizes("grow"))
+        return len(self.sizes)
 
     def __getitem__(self, i: int) -> Any:
-        return batch(self.kind, sizes("grow")[i])
+        return batch(self.kind, self.sizes[i])
 
 
 def train_accelerate(kind: str, run: str, out: Path) -> int:
