@@ -1,10 +1,12 @@
 """Real out-of-memory runs for tests/oom: a driver process that forks one child per run, each under ``RLIMIT_AS``.
 
-``python oom_runs.py <framework> <model> <budget_mib> <out.json> [run ...]`` imports everything once,
+``python oom_runs.py <framework> <budget_mib> <out.json> <model>/<run> ...`` imports everything once,
 builds nothing, then forks: each child sets its address-space limit to the driver's address space
 plus ``budget_mib`` and trains. Runs: ``grow`` (the batch doubles every step until the allocator
 fails), ``fixed:<n>`` (batch ``n`` for 3 steps), ``leak`` (a constant batch, and the model keeps
-each step's output). Each child writes what happened as one JSON line; the driver collects them.
+16 MiB more every step), ``fits`` (``fixed`` at the batch the first run's explanation says fits, and one
+more), ``savings`` (in the driver, no limit: the failed step measured with each predicted change).
+Each child writes what happened as JSON; the driver collects them into ``out.json``.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ torch.set_num_threads(1)
 
 SEQ, DIM, HIDDEN = 512, 256, 1024  # MLP: one sample is 512 tokens, about 17 MiB of activations
 T_SEQ, T_DIM, HEADS = 512, 128, 4  # transformer: attention scores of 512 x 512 per head, about 38 MiB a sample
-LEAK_MIB = 12
+LEAK_MIB = 16
 MONITOR = dict(cpu_mmap_threshold=1 << 20, sample_every_n_steps=1, log_every_n_steps=1)
 
 
@@ -274,21 +276,53 @@ def preload(framework: str) -> None:
         from transformers import Trainer  # noqa: F401
 
 
+def measured_savings(kind: str, explanation: dict[str, Any]) -> dict[str, Any]:
+    """Re-run the failed step for real, without a limit, with each predicted change: the measured saving at the peak."""
+    from torch.utils.checkpoint import checkpoint
+
+    from memcallbacks.preflight import measure_step
+
+    remedies = {r["kind"]: r for r in explanation["remedies"]}
+    size = explanation["batch_size"]
+
+    def peak(checkpointed: list[str] = (), optimizer: str = "adamw") -> int:
+        torch.manual_seed(0)
+        model = Net(kind)
+        for name in checkpointed:
+            sub = model.get_submodule(name)
+            sub.forward = lambda *a, _f=sub.forward, **k: checkpoint(_f, *a, use_reentrant=False, **k)
+        opt = make_optimizer(model) if optimizer == "adamw" else torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
+        x, _ = batch(kind, size)
+        phases = measure_step(model, x, opt, lambda m, b: m(b).float().sum())
+        return max(phases[p] for p in ("forward", "backward", "optimizer"))
+
+    base = peak()
+    out: dict[str, Any] = {"base_peak": base}
+    if "checkpointing" in remedies:
+        out["checkpointing"] = base - peak(checkpointed=remedies["checkpointing"]["details"]["modules"])
+    if "optimizer" in remedies:
+        out["optimizer"] = base - peak(optimizer=remedies["optimizer"]["details"]["optimizer"])
+    return out
+
+
 def main(argv: list[str]) -> None:
-    framework, kind, budget_mib, out = argv[:4]
+    """``framework budget_mib out.json model/run ...``: runs in order; ``fits`` and ``savings`` read the model's ``grow``."""
+    framework, budget_mib, out = argv[:3]
+    budget = int(budget_mib) << 20
     preload(framework)
-    runs = argv[4:] or ["grow"]
-    results = []
-    for run in runs:
+    results: list[dict[str, Any]] = []
+    for spec in argv[3:]:
+        kind, run = spec.split("/")
+        grown = next((r for r in results if r["model"] == kind and r["run"] == "grow"), {})
         if run == "fits":  # the batch the grow run's explanation says fits, and one more
-            remedy = next((r for r in (results[0].get("oom") or {}).get("remedies", []) if r["kind"] == "batch_size"), None)
-            if remedy is None or not remedy["details"].get("batch_size"):
-                continue
-            n = remedy["details"]["batch_size"]
-            results.append(fork_run(framework, kind, f"fixed:{n}", int(budget_mib) << 20))
-            results.append(fork_run(framework, kind, f"fixed:{n + 1}", int(budget_mib) << 20))
-            continue
-        results.append(fork_run(framework, kind, run, int(budget_mib) << 20))
+            remedy = next((r for r in (grown.get("oom") or {}).get("remedies", []) if r["kind"] == "batch_size"), None)
+            n = (remedy or {}).get("details", {}).get("batch_size")
+            for size in (n, n + 1) if n else ():
+                results.append(dict(fork_run(framework, kind, f"fixed:{size}", budget), model=kind))
+        elif run == "savings":  # in the driver itself, no limit: the measured effect of the predicted changes
+            results.append({"run": "savings", "model": kind, **measured_savings(kind, grown["oom"])})
+        else:
+            results.append(dict(fork_run(framework, kind, run, budget), model=kind))
     Path(out).write_text(json.dumps(results))
 
 
