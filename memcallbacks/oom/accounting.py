@@ -241,17 +241,35 @@ def _host_figure(acc: Accounting) -> None:
 
 
 def _cuda_figure(acc: Accounting, device: torch.device) -> None:
-    """CUDA (torch/cuda/memory.py): ``mem_get_info``'s total - free, split by ``memory_stats``' allocated and reserved."""
+    """CUDA (torch/cuda/memory.py): ``mem_get_info``'s total - free, split by ``memory_stats``' allocated and reserved.
+
+    Under ``set_per_process_memory_fraction`` the allocator fails at the fraction of the total, counted
+    in reserved bytes: then the figure is PyTorch's reserved memory and the capacity the fraction."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     free, total = torch.cuda.mem_get_info(index)
     stats = torch.cuda.memory_stats(index)
     allocated, reserved = int(stats.get("allocated_bytes.all.current", 0)), int(stats.get("reserved_bytes.all.current", 0))
-    acc.figure_bytes, acc.figure = int(total - free), "device memory in use (total - free)"
-    acc.capacity_bytes, acc.capacity_source = int(total), "device total"
+    fraction = _memory_fraction(index)
     counted = sum(acc.categories.values())
     acc.categories["allocated, not reached from the failing step (autograd's buffers in flight, C++-held)"] = max(0, allocated - counted)
     acc.reserved_unallocated_bytes = max(0, reserved - allocated)
     acc.categories["reserved by PyTorch, not allocated (cached blocks)"] = acc.reserved_unallocated_bytes
-    acc.categories["outside PyTorch's allocator (CUDA context, other processes)"] = max(0, int(total - free) - reserved)
+    if fraction < 1.0:
+        acc.figure_bytes, acc.figure = reserved, "reserved by PyTorch"
+        acc.capacity_bytes, acc.capacity_source = int(total * fraction), f"per-process memory fraction {fraction:g}"
+        acc.notes.append(f"outside PyTorch's allocator (CUDA context, other processes): {int(total - free) - reserved} bytes, "
+                         "not under the fraction")
+    else:
+        acc.figure_bytes, acc.figure = int(total - free), "device memory in use (total - free)"
+        acc.capacity_bytes, acc.capacity_source = int(total), "device total"
+        acc.categories["outside PyTorch's allocator (CUDA context, other processes)"] = max(0, int(total - free) - reserved)
     acc.largest_free_block_bytes = _largest_free_block(index)
     acc.expandable_segments = expandable_segments_on()
+
+
+def _memory_fraction(index: int) -> float:
+    getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # torch >= 2.8
+    try:
+        return float(getter(index)) if getter is not None else 1.0
+    except Exception:
+        return 1.0
