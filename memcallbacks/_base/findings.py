@@ -95,12 +95,15 @@ def with_holders_note(message: str, reason: str) -> str:
 
 def announce(logger: logging.Logger, owner: str, finding: Finding, *, changed: bool = False) -> None:
     """Log a new finding, or one whose state changed, once: a problem as a warning, advice at INFO,
-    a settled growth in one line (a warning: it takes back the warning that raised it)."""
+    a settled growth in one line (a warning: it takes back the warning that raised it), an OOM's
+    explanation as an error."""
     if finding.state == "settled":
         d = finding.details
         logger.warning("%s: the growth found at step %s settled at %s (+%s) at step %d: flat for %s steps after growing for %s; "
                        "not a leak unless it grows again.", owner, finding.first_step, _fmt(d.get("floor_bytes")),
                        _fmt(d.get("settled_bytes")), finding.step, d.get("flat_steps"), d.get("grew_steps"))
+    elif finding.kind == "oom":  # the explanation of the error that ends the run: an error, its text whole
+        logger.error("%s: %s", owner, finding.message)
     elif finding.severity == "advice":
         logger.info("%s has advice: %s", owner, finding)
     elif changed:

@@ -4,7 +4,7 @@
 builds nothing, then forks: each child sets its address-space limit to the driver's address space
 plus ``budget_mib`` and trains. Runs: ``grow`` (the batch doubles every step until the allocator
 fails), ``fixed:<n>`` (batch ``n`` for 3 steps), ``leak`` (a constant batch, and the model keeps
-16 MiB more every step), ``fits`` (``fixed`` at the batch the first run's explanation says fits, and one
+11 MiB more every step), ``fits`` (``fixed`` at the batch the first run's explanation says fits, and one
 more), ``savings`` (in the driver, no limit: the failed step measured with each predicted change).
 Each child writes what happened as JSON; the driver collects them into ``out.json``.
 """
@@ -28,7 +28,8 @@ torch.set_num_threads(1)
 
 SEQ, DIM, HIDDEN = 512, 256, 1024  # MLP: one sample is 512 tokens, about 17 MiB of activations
 T_SEQ, T_DIM, HEADS = 512, 128, 4  # transformer: attention scores of 512 x 512 per head, about 38 MiB a sample
-LEAK_MIB = 16
+LEAK_MIB = 11
+FIRST_FORWARD: dict[str, int] = {}  # the process before its first step: VmSize, and the tensors then alive
 MONITOR = dict(cpu_mmap_threshold=1 << 20, sample_every_n_steps=1, log_every_n_steps=1)
 
 
@@ -82,6 +83,9 @@ class Net(nn.Module):
         self.kept: list[torch.Tensor] = []
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> Any:
+        if not FIRST_FORWARD and self.training:  # every framework object, thread and import exists by now
+            tensors = sum(p.numel() * p.element_size() for p in self.parameters()) + x.numel() * x.element_size()
+            FIRST_FORWARD.update(vm=vm_size(), tensors=tensors + (labels.numel() * labels.element_size() if labels is not None else 0))
         out = self.head(self.blocks(x))
         if self.leak and self.training:  # each step's output kept: LEAK_MIB more every step
             self.kept.append(torch.ones(LEAK_MIB << 20, dtype=torch.uint8))
@@ -236,6 +240,7 @@ def child(framework: str, kind: str, run: str, limit: int, out: Path, result: Pa
     resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
     oom = out / "oom.json"
     record["oom"] = json.loads(oom.read_text()) if oom.is_file() else None
+    record["first_forward"] = dict(FIRST_FORWARD)
     report = out / "report.json"
     record["findings"] = json.loads(report.read_text()).get("findings") if report.is_file() else None
     result.write_text(json.dumps(record))
