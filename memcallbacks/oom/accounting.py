@@ -183,7 +183,8 @@ def account(
     floor: tuple[int, int, int, int] | None = None, capacity: int | None = None, capacity_source: str = "",
     requested: int | None = None, step_start: int | None = None, device_capacity: int | None = None,
 ) -> Accounting:
-    """The categories at the failure. ``step_start``: the allocator's count when this step started (when measured); ``floor``: ``(step, bytes)`` at the first steps' start and at the
+    """The categories at the failure. ``step_start``: the allocator's count when this step (or the one before) started, when
+    measured; ``floor``: ``(step, bytes)`` at the first steps' start and at the
     latest step's start, from the monitor's history; ``capacity``: what the device holds (or the user says)."""
     device = device or torch.device("cpu")
     counter = _Counter(device.type)
@@ -193,6 +194,7 @@ def account(
     acc = Accounting(device=device.type, figure_bytes=0, figure="", categories=cats, requested_bytes=requested)
     # the allocator's own count since this step started (a measured step) also sees what no frame
     # reaches: gradients in flight in the autograd engine, a kernel's workspace
+    # (a temporary of an expression, ``a.softmax(-1) @ v``, is on no frame and in no graph yet)
     rise = _allocated_now(device) - step_start - cats["batch"] if step_start is not None else None
     if rise is not None and rise > walked:
         acc.notes.append(f"this step's activations and temporaries are the allocator's rise since the step started "

@@ -120,6 +120,17 @@ def floor_of(rows: list[list[Any]], baseline_now: int | None, step_now: int) -> 
     return (then[0], then[1], now[0], now[1])
 
 
+def recent_start(rows: list[list[Any]], baseline_now: int | None, step_now: int) -> int | None:
+    """The allocator's count when this step started; else when the previous one did (the monitor reads it
+    on the steps it measures): a floor that leaves out this step's own memory, batch aside."""
+    from memcallbacks._base.columns import ALLOCATED, STEP
+
+    if baseline_now is not None:
+        return baseline_now
+    known = [r for r in rows[-2:] if r[ALLOCATED] == r[ALLOCATED] and 0 < step_now - r[STEP] <= 1]
+    return int(known[-1][ALLOCATED]) if known else None
+
+
 def explain_oom(
     exc: BaseException, *, model: nn.Module | None, optimizer: Any, step: int, rank: int = 0, device: torch.device | None = None,
     rows: list[list[Any]] | None = None, baseline_now: int | None = None, holders: list[str] | None = None,
@@ -139,7 +150,7 @@ def explain_oom(
     dev = torch.device("cpu") if source in ("cpu", "host") else (device or torch.device("cpu"))
     acc = account(exc, where, model=model, optimizer=optimizer, device=dev, floor=floor_of(rows, baseline_now, step),
                   capacity=capacity, capacity_source=capacity_source, requested=requested_bytes(exc),
-                  step_start=baseline_now, device_capacity=device_capacity)
+                  step_start=recent_start(rows, baseline_now, step), device_capacity=device_capacity)
     from memcallbacks._runtime.preflight_steps import batch_size_of
 
     size = batch_size_of(where.call) if where.call is not None else None
