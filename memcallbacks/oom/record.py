@@ -42,12 +42,19 @@ def record_oom(
             event["oom_file"] = str(write_oom_json(explanation, output_dir, engine.world_size))
         except OSError as err:
             log.error("%s: could not write oom.json to %s (%s).", owner, output_dir, err.strerror or err)
+    for record in _oom_snapshots(snapshots):  # the snapshot's entry in report.json names its explanation
+        record["explanation"] = event.get("oom_file")
     if engine.rank != 0:  # rank zero logs it as its finding
         log.error("%s: %s", owner, text)
     acc = explanation.accounting
     return Finding(kind="oom", step=explanation.step, message=text, bytes=acc.figure_bytes, holders=list(explanation.holders[:5]),
                    key=f"oom:{explanation.rank}", details={"phase": explanation.where.phase, "module": explanation.where.module,
                                                           "file": event.get("oom_file"), "snapshot": explanation.snapshot})
+
+
+def _oom_snapshots(snapshots: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The snapshot records written for the OOM (the allocator observer's, or the one dumped while unwinding)."""
+    return [r for r in snapshots if "oom" in str(r.get("trigger", "")) or "out of memory" in str(r.get("trigger", ""))]
 
 
 def _explain(exc: BaseException, event: dict[str, Any], engine: Any, model: Any, optimizer: Any, precision: str | None,
@@ -57,8 +64,7 @@ def _explain(exc: BaseException, event: dict[str, Any], engine: Any, model: Any,
         device=engine.device, rows=engine.rows, baseline_now=engine.step_baseline, holders=_holders(findings),
         capacity=capacity, capacity_source="capacity_bytes" if capacity else "", device_capacity=engine.capacity, precision=precision,
     )
-    oom_snapshots = [r for r in snapshots if "oom" in str(r.get("trigger", "")) or "out of memory" in str(r.get("reason", ""))]
-    for record in oom_snapshots[-1:]:
+    for record in _oom_snapshots(snapshots)[-1:]:
         files = record.get("files") or {}
         explanation.snapshot = files.get("snapshot") or next(iter(files.values()), None)
     return explanation

@@ -53,8 +53,9 @@ class Attention(nn.Module):
         b, t, d = x.shape
         q, k, v = self.qkv(x).view(b, t, 3, HEADS, d // HEADS).permute(2, 0, 3, 1, 4)
         scores = (q @ k.transpose(-1, -2)) * (d // HEADS) ** -0.5
-        out = scores.softmax(-1) @ v
-        return self.proj(out.transpose(1, 2).reshape(b, t, d))
+        probs = scores.softmax(-1)
+        out = (probs @ v).transpose(1, 2).reshape(b, t, d)
+        return self.proj(out)
 
 
 class Layer(nn.Module):
@@ -229,7 +230,7 @@ def vm_size() -> int:
 
 
 def child(framework: str, kind: str, run: str, limit: int, out: Path, result: Path) -> None:
-    record: dict[str, Any] = {"run": run, "limit": limit, "base_vm": vm_size()}
+    record: dict[str, Any] = {"run": run, "limit": limit, "base_vm": vm_size(), "output_dir": str(out)}
     resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
     try:
         record["steps"] = TRAIN[framework](kind, run, out)
