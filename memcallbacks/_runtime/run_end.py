@@ -62,13 +62,16 @@ class RunEnd:
 
     def _explain_oom(self, exc: BaseException, event: dict[str, Any]) -> None:
         """The OOM explained (memcallbacks/oom): logged, ``oom.json``, and an ``"oom"`` finding for the report and trackers."""
+        from memcallbacks._runtime.preflight_check import fake_steps
         from memcallbacks.oom.record import record_oom
 
         s, checks = self.session, self.session.checks
         held = checks.watch if checks.watch is not None and checks.watch.model is not None else checks.state  # model, optimizer
-        finding = record_oom(exc, event, engine=s.engine, model=held.model, optimizer=held.optimizer, precision=checks.state.precision,
-                             findings=s.findings, capacity=s.config.capacity_bytes, output_dir=s.output_dir if s.config.write_files else None,
-                             snapshots=s.snap.records if s.snap is not None else [], log=s.log, owner=s.owner)
+        with fake_steps():  # the remedies' fake optimizer steps are not this run's
+            finding = record_oom(exc, event, engine=s.engine, model=held.model, optimizer=held.optimizer, precision=checks.state.precision,
+                                 findings=s.findings, capacity=s.config.capacity_bytes,
+                                 output_dir=s.output_dir if s.config.write_files else None,
+                                 snapshots=s.snap.records if s.snap is not None else [], log=s.log, owner=s.owner)
         if finding is not None:
             s.add_finding(finding)
         else:

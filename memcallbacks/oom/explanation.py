@@ -122,12 +122,12 @@ def floor_of(rows: list[list[Any]], baseline_now: int | None, step_now: int) -> 
 
 def recent_start(rows: list[list[Any]], baseline_now: int | None, step_now: int) -> int | None:
     """The allocator's count when this step started; else when the previous one did (the monitor reads it
-    on the steps it measures): a floor that leaves out this step's own memory, batch aside."""
+    on the steps it measures, up to two steps back): a floor that leaves out this step's own memory, batch aside."""
     from memcallbacks._base.columns import ALLOCATED, STEP
 
     if baseline_now is not None:
         return baseline_now
-    known = [r for r in rows[-2:] if r[ALLOCATED] == r[ALLOCATED] and 0 < step_now - r[STEP] <= 1]
+    known = [r for r in rows[-3:] if r[ALLOCATED] == r[ALLOCATED] and 0 <= step_now - r[STEP] <= 2]
     return int(known[-1][ALLOCATED]) if known else None
 
 

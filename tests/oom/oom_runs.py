@@ -52,7 +52,8 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
         q, k, v = self.qkv(x).view(b, t, 3, HEADS, d // HEADS).permute(2, 0, 3, 1, 4)
-        scores = (q @ k.transpose(-1, -2)) * (d // HEADS) ** -0.5
+        att = q @ k.transpose(-1, -2)
+        scores = att * (d // HEADS) ** -0.5
         probs = scores.softmax(-1)
         out = (probs @ v).transpose(1, 2).reshape(b, t, d)
         return self.proj(out)
