@@ -236,10 +236,13 @@ def rank_remedies(step: StepModel | None, acc: Accounting, holders: list[str], b
     leak = _leak(acc, holders)
     fragmentation = _fragmentation(acc)
     available = available_bytes(acc)
-    if step is not None and base is None:
+    if step is None:
+        out.append(Remedy("preflight", "the failed step's model call was not found (an OOM in the optimizer step or in "
+                          "evaluation, or a model called outside its modules): no saving is predicted", None))
+    elif base is None:
         try:
             base = step.predict()
-        except Exception as exc:
+        except Exception as exc:  # said so, with the reason
             out.append(Remedy("preflight", f"the failed step cannot be replayed on fake tensors ({type(exc).__name__}: {exc}); "
                               "no saving is predicted", None))
     if base is not None and step is not None:

@@ -14,7 +14,7 @@ from torch import nn
 __all__ = ["Where", "locate"]
 
 _SEP = os.sep
-# the outermost of these frames names the phase (the C++ autograd engine and the optimizers' kernels
+# the innermost of these frames names the phase (the C++ autograd engine and the optimizers' kernels
 # leave no module frame behind; a module's forward run again by checkpointing in backward is backward)
 _BACKWARD = ((f"{_SEP}torch{_SEP}_tensor.py", "backward"), (f"{_SEP}torch{_SEP}autograd{_SEP}", "backward"),
              (f"{_SEP}torch{_SEP}autograd{_SEP}", "_engine_run_backward"))
@@ -38,7 +38,7 @@ class Where:
     call_module: nn.Module | None = None
     """The module that call went to (the model, or its wrapper's inner module)."""
     frames: list[str] = dataclasses.field(default_factory=list)
-    """``file:line in function`` of the frames below the model call, innermost last (at most 8)."""
+    """``file:line in function`` of the traceback's last frames, innermost last (at most 8)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"phase": self.phase, "module": self.module, "module_type": self.module_type, "frames": list(self.frames)}
