@@ -3,26 +3,28 @@
 # coreutils' timeout and python3 with torch):
 #   bash scripts/gpu_check.sh [OUT_DIR]
 # Stages, each under its own timeout, all logged to OUT_DIR/gpu_check.log (the stage budget, the
-# seconds after each stage name below, adds up to 385 s; each stage is sent SIGINT at its timeout,
+# seconds after each stage name below, adds up to 390 s; each stage is sent SIGINT at its timeout,
 # so pytest prints its summary and the benchmarks stop cleanly, and SIGKILL KILL_AFTER s later):
 #   1. env (15 s): python, torch, CUDA and the device's name
-#   2. pytest_cuda (145 s): the cuda-marked tests, files named explicitly;
+#   2. oom (30 s): out of memory, explained, on CUDA (tests/oom/test_oom_cuda.py: OutOfMemoryError under a
+#      per-process fraction, the OOM observer's snapshot linked, reserved and the largest free block, fragmentation)
+#   3. pytest_cuda (120 s): the other cuda-marked tests, files named explicitly;
 #      --continue-on-collection-errors: an import error in one file does not stop the others
 #      (without it pytest runs nothing after a collection error); -rfEs: every failure, error and skip reason
 #      is summarized at the end; --durations=20: the slowest tests; -o faulthandler_timeout=60:
 #      a test running past 60 s gets every thread's stack dumped into the log (pytest-timeout is
 #      not installed: nothing kills a single test, the stage timeout ends the run)
-#   3. record_snapshot (30 s): a small real CUDA snapshot for tests/data (copy
+#   4. record_snapshot (30 s): a small real CUDA snapshot for tests/data (copy
 #      OUT_DIR/cuda_recorded_snapshot.* there; the script checks its own recording and fails the stage if wrong)
-#   4. boundary_cost (20 s): the cost of one phase boundary's stats read (benchmarks/cuda_boundary.py)
-#   5. overhead (50 s): the monitor's per-step overhead on a CUDA step (benchmarks/overhead.py
+#   5. boundary_cost (20 s): the cost of one phase boundary's stats read (benchmarks/cuda_boundary.py)
+#   6. overhead (50 s): the monitor's per-step overhead on a CUDA step (benchmarks/overhead.py
 #      --quick: on CUDA about 2,750 synchronized steps in 17 fits); the JSON is rewritten after
 #      every fit, so a timeout keeps what was measured ("complete": false)
-#   6. snapshot_policies (35 s): the step-time cost of each auto_snapshot policy
+#   7. snapshot_policies (35 s): the step-time cost of each auto_snapshot policy
 #      (benchmarks/snapshot_policies.py --quick)
-#   7. preflight (60 s, imports transformers): pre-flight predictions against
+#   8. preflight (60 s, imports transformers): pre-flight predictions against
 #      torch.cuda.max_memory_allocated (benchmarks/preflight.py --quick), a row written per model
-#   8. host_channel (30 s): a host-only Python-object leak on a CUDA run is found as host_growth
+#   9. host_channel (30 s): a host-only Python-object leak on a CUDA run is found as host_growth
 #      (type and holder named) while device memory is flat and no device growth is raised
 #      (scripts/host_channel_check.py; tests/host/test_host_channel_check.py runs it on CPU)
 # At most 7 files come back: gpu_check.log, three JSON results, the snapshot pair, preflight JSON.
@@ -56,9 +58,10 @@ stage() {  # stage NAME SECONDS COMMAND...
   [ $rc -eq 0 ] || status=1
 }
 stage env 15 python3 -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda); print('device', torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'NO CUDA')"
-cuda_tests=$(grep -rl --include="test_*.py" "pytest.mark.cuda\|mark.cuda" tests | tr '\n' ' ')
+stage oom 30 python3 -m pytest -q -m cuda -p no:cacheprovider -rfEs tests/oom/test_oom_cuda.py
+cuda_tests=$(grep -rl --include="test_*.py" "pytest.mark.cuda\|mark.cuda" tests | grep -v "tests/oom/test_oom_cuda.py" | tr '\n' ' ')
 # shellcheck disable=SC2086  # one argument per file
-stage pytest_cuda 145 python3 -m pytest -q -m cuda -p no:cacheprovider --continue-on-collection-errors -rfEs --durations=20 -o faulthandler_timeout=60 $cuda_tests
+stage pytest_cuda 120 python3 -m pytest -q -m cuda -p no:cacheprovider --continue-on-collection-errors -rfEs --durations=20 -o faulthandler_timeout=60 $cuda_tests
 stage record_snapshot 30 python3 scripts/record_cuda_snapshot.py "$out"
 stage boundary_cost 20 python3 benchmarks/cuda_boundary.py --json "$out/cuda_boundary.json"
 stage overhead 50 python3 benchmarks/overhead.py --device cuda --quick --json "$out/overhead_cuda.json"

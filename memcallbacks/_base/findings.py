@@ -11,7 +11,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["Finding", "FindingLog", "announce", "finding_counts", "finding_label", "step_text"]
 
-KINDS = ("growth", "lingering", "cycle", "unexplained", "preflight", "host_growth", "worker_growth", "rank_imbalance")
+KINDS = ("growth", "lingering", "cycle", "unexplained", "preflight", "host_growth", "worker_growth", "rank_imbalance", "oom")
 STATES = ("open", "settled")
 SEVERITIES = ("problem", "advice")
 
@@ -26,7 +26,8 @@ class Finding:
 
     kind: str
     """``"growth"``, ``"lingering"``, ``"cycle"``, ``"unexplained"``, ``"preflight"``, or a host kind:
-    ``"host_growth"``, ``"worker_growth"``, ``"rank_imbalance"`` (docs/findings.md, "Host memory")."""
+    ``"host_growth"``, ``"worker_growth"``, ``"rank_imbalance"`` (docs/findings.md, "Host memory"), or ``"oom"``:
+    an out-of-memory error explained (docs/oom.md)."""
     step: int
     """Optimizer step at which the finding was (last) confirmed."""
     message: str
@@ -107,12 +108,15 @@ def with_holders_note(message: str, reason: str) -> str:
 
 def announce(logger: logging.Logger, owner: str, finding: Finding, *, changed: bool = False) -> None:
     """Log a new finding, or one whose state changed, once: a problem as a warning, advice at INFO,
-    a settled growth in one line (a warning: it takes back the warning that raised it)."""
+    a settled growth in one line (a warning: it takes back the warning that raised it), an OOM's
+    explanation as an error."""
     if finding.state == "settled":
         d = finding.details
         logger.warning("%s: the growth found at step %s settled at %s (+%s) at step %d: flat for %s steps after growing for %s; "
                        "not a leak unless it grows again.", owner, finding.first_step, _fmt(d.get("floor_bytes")),
                        _fmt(d.get("settled_bytes")), finding.step, d.get("flat_steps"), d.get("grew_steps"))
+    elif finding.kind == "oom":  # the explanation of the error that ends the run: an error, its text whole
+        logger.error("%s: %s", owner, finding.message)
     elif finding.severity == "advice":
         logger.info("%s has advice: %s", owner, finding)
     elif changed:

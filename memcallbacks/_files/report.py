@@ -269,11 +269,19 @@ def _closing_lines(report: dict[str, Any], s: dict[str, Any]) -> list[str]:
     findings = report.get("findings") or []
     lines = [f"  findings                   {finding_counts(findings)}"]
     for f in findings:
-        lines.append(f"    [{finding_label(f)}] {step_text(f)}: {f.get('message')}")
+        message = str(f.get("message"))
+        if f.get("kind") == "oom":  # the whole explanation is its own section below
+            message = message.splitlines()[0] + " (below)"
+        lines.append(f"    [{finding_label(f)}] {step_text(f)}: {message}")
         for holder in f.get("holders", [])[:5]:
             lines.append(f"        held by {holder}")
     for event in report.get("events") or []:
         lines.append(f"  event: {event.get('kind')} at step {event.get('step')}: {event.get('error', '')[:200]}")
+        explanation = event.get("explanation") or {}
+        if explanation.get("text"):  # docs/oom.md
+            where = f" ({event['oom_file']})" if event.get("oom_file") else ""
+            lines.append(f"  out of memory, explained{where}:")
+            lines.extend(f"    {line}" for line in str(explanation["text"]).splitlines())
     if s.get("disabled_after_error"):
         lines.append("  note: the monitor hit an internal error and disabled itself (see the log for the traceback)")
     files = report.get("files") or {}

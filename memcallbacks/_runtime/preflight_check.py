@@ -16,9 +16,11 @@ Measured and predicted peaks are compared in one frame per device:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterator
+
 import torch
 from memcallbacks._base.findings import Finding
 from memcallbacks._base.columns import MICRO_BATCHES, OPTIMIZER_STEPS, PEAK_ALLOCATED, PEAK_BACKWARD, PEAK_FORWARD, PEAK_OPTIMIZER, RESERVED, STEP
@@ -35,7 +37,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PreflightCheck", "MIN_GAP_BYTES", "PHASES", "fake_step_running"]
+__all__ = ["PreflightCheck", "MIN_GAP_BYTES", "PHASES", "fake_step_running", "fake_steps"]
 
 from memcallbacks._base.columns import TRAINING_PHASES as PHASES
 from memcallbacks._base.own_clock import own_time
@@ -50,6 +52,17 @@ _running = 0  # fake steps in progress in this process: their optimizer steps fi
 def fake_step_running() -> bool:
     """True while a pre-flight runs fake steps: global optimizer hooks must ignore what they see."""
     return _running > 0
+
+
+@contextlib.contextmanager
+def fake_steps() -> Iterator[None]:
+    """Around fake steps run outside :class:`PreflightCheck` (an OOM's remedies): the hooks ignore them too."""
+    global _running
+    _running += 1
+    try:
+        yield
+    finally:
+        _running -= 1
 
 
 def _hopper(device: torch.device) -> bool:

@@ -11,8 +11,6 @@ import logging
 from pathlib import Path
 from typing import Any, Protocol
 
-import torch
-
 from memcallbacks._base import distributed as _distributed
 from memcallbacks._base.config import MonitorConfig
 from memcallbacks._base.findings import Finding
@@ -29,20 +27,11 @@ from memcallbacks._runtime.schedule import DENSE_READ_STEPS
 from memcallbacks._files.report_shape import shape_report
 from memcallbacks._files.verdict import console_channel, console_lines
 from memcallbacks.host.ranks import find_imbalance
+from memcallbacks.oom import is_oom
 from memcallbacks.trackers import RunOutputs
 from memcallbacks.trackers.ranks import receive_snapshots, snapshot_payload
 
 __all__ = ["RunEnd", "EndingSession", "is_oom"]
-
-
-def is_oom(exc: BaseException) -> bool:
-    """True for torch's OutOfMemoryError, host MemoryError, and RuntimeErrors that say "out of memory"."""
-    oom_type = getattr(torch, "OutOfMemoryError", None)
-    if oom_type is not None and isinstance(exc, oom_type):
-        return True
-    if isinstance(exc, MemoryError):
-        return True
-    return isinstance(exc, RuntimeError) and "out of memory" in safe_str(exc).lower()
 
 
 class EndingSession(Protocol):
@@ -110,12 +99,25 @@ class RunEnd:
             return
         if s.snap is not None:
             s.snap.on_exception(exc, step)
-        s.log.error(
-            "%s: out of memory at step %d on rank %d; writing the memory report before the error propagates.",
-            s.owner,
-            event["step"],
-            engine.rank,
-        )
+        self._explain_oom(exc, event)
+
+    def _explain_oom(self, exc: BaseException, event: dict[str, Any]) -> None:
+        """The OOM explained (memcallbacks/oom): logged, ``oom.json``, and an ``"oom"`` finding for the report and trackers."""
+        from memcallbacks._runtime.preflight_check import fake_steps
+        from memcallbacks.oom.record import record_oom
+
+        s, checks = self.session, self.session.checks
+        held = checks.watch if checks.watch is not None and checks.watch.model is not None else checks.state  # model, optimizer
+        with fake_steps():  # the remedies' fake optimizer steps are not this run's
+            finding = record_oom(exc, event, engine=s.engine, model=held.model, optimizer=held.optimizer, precision=checks.state.precision,
+                                 findings=s.findings, capacity=s.config.capacity_bytes,
+                                 output_dir=s.output_dir if s.config.write_files else None,
+                                 snapshots=s.snap.records if s.snap is not None else [], log=s.log, owner=s.owner)
+        if finding is not None:
+            s.add_finding(finding)
+        else:
+            s.log.error("%s: out of memory at step %d on rank %d; writing the memory report before the error propagates.",
+                        s.owner, event["step"], s.engine.rank)
 
     def report(self) -> dict[str, Any]:
         """What ``report.json`` holds: version, config, summary, findings, events and files."""

@@ -149,9 +149,11 @@ def _run(args: argparse.Namespace) -> int:
     except PreflightError as exc:
         print(f"{_PROG}: {exc}", file=sys.stderr)
         return 1
+    explanation = _explain(model, make(size), optimizer, prediction, capacity, args, loss_fn) if capacity is not None else None
     if args.json:
         out = {"batch_size": size, "prediction": prediction.to_dict(), "capacity_bytes": capacity,
-               "max_batch_size": fit.batch_size if fit else None, "max_batch_peak_bytes": fit.peak_bytes if fit else None}
+               "max_batch_size": fit.batch_size if fit else None, "max_batch_peak_bytes": fit.peak_bytes if fit else None,
+               "explanation": explanation.to_dict() if explanation is not None else None}
         print(json.dumps(out, indent=2))
         return 1 if fit is not None and fit.batch_size == 0 else 0
     print(f"batch size {size}")
@@ -162,6 +164,17 @@ def _run(args: argparse.Namespace) -> int:
               f"(peak {format_bytes(prediction.peak_bytes)} in {prediction.peak_phase})")
     if fit is not None:
         print(fit)
-        if fit.batch_size == 0:  # no batch fits: a failure a script or CI can act on
-            return 1
+    if explanation is not None:
+        print(explanation.text())
+    if fit is not None and fit.batch_size == 0:  # no batch fits: a failure a script or CI can act on
+        return 1
     return 0
+
+
+def _explain(model: Any, batch: Any, optimizer: Any, prediction: Any, capacity: int, args: argparse.Namespace, loss_fn: Any) -> Any:
+    """Above ``--capacity``: the explanation an out-of-memory error would get, with each remedy's predicted saving."""
+    from memcallbacks.oom import StepModel, explain_prediction
+
+    step = StepModel(model, batch, optimizer, args.precision, args.device, "default",
+                     dict(loss_fn=loss_fn, strategy=args.strategy, world_size=int(args.world_size), hopper=args.hopper))
+    return explain_prediction(step, prediction, capacity, "--capacity")

@@ -123,7 +123,11 @@ def _train_memory_marker(request: pytest.FixtureRequest) -> None:
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
-    result = yield
+    try:
+        result = yield
+    except BaseException as exc:
+        _fail_on_oom(item, exc)
+        raise
     session = item.stash.get(_SESSION, None)
     if session is None or not session.probes:
         if session is not None and item.get_closest_marker("train_memory") is not None:
@@ -144,6 +148,22 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
         pytest.fail(text, pytrace=False)
     _store(item, session)
     return result
+
+
+def _fail_on_oom(item: pytest.Item, exc: BaseException) -> None:
+    """A watched test that ran out of memory fails with the explanation (where, what filled it, what makes it fit) as its message."""
+    from memcallbacks.oom import explain_oom, is_oom
+
+    session = item.stash.get(_SESSION, None)
+    if session is None or not session.probes or not is_oom(exc):
+        return
+    texts = [f.message for probe in session.probes for f in probe.core.findings if f.kind == "oom"]
+    if not texts:  # no monitor saw it unwind (``train_memory.track()``'s loop body): explain it here
+        try:
+            texts = [explain_oom(exc, model=None, optimizer=None, step=session.probes[-1].steps).text()]
+        except Exception:
+            return
+    pytest.fail(f"train_memory: {item.nodeid} ran out of memory ({type(exc).__name__})\n" + "\n".join(texts), pytrace=False)
 
 
 def _warn_short(item: pytest.Item, session: TrainMemory) -> None:

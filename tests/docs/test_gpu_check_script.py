@@ -27,7 +27,7 @@ def _stages(text: str) -> dict[str, int]:
 def test_stage_budget_adds_up_and_matches_the_header() -> None:
     text = SCRIPT.read_text()
     stages = _stages(text)
-    assert list(stages) == ["env", "pytest_cuda", "record_snapshot", "boundary_cost", "overhead", "snapshot_policies", "preflight", "host_channel"]
+    assert list(stages) == ["env", "oom", "pytest_cuda", "record_snapshot", "boundary_cost", "overhead", "snapshot_policies", "preflight", "host_channel"]
     kill_after = int(re.search(r"^KILL_AFTER=(\d+)$", text, re.M).group(1))
     total = sum(stages.values())
     assert total + kill_after * len(stages) <= BUDGET_S, (stages, kill_after)

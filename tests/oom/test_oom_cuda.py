@@ -1,0 +1,73 @@
+"""Out of memory, explained, on CUDA: ``torch.OutOfMemoryError`` under a per-process memory fraction, the allocator's
+figures (allocated, reserved, the largest free block), the OOM snapshot linked, and fragmentation's remedy."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from memcallbacks import Monitor
+from memcallbacks.oom import explain_oom, is_oom
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+LIMIT = 2 << 30  # what the per-process fraction leaves this process
+
+
+@pytest.fixture
+def limited() -> None:
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(LIMIT / total, 0)
+    yield
+    torch.cuda.set_per_process_memory_fraction(1.0, 0)
+    torch.cuda.empty_cache()
+
+
+def test_growing_batch_on_cuda(limited: None, tmp_path: Path) -> None:
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(1024, 4096), nn.GELU(), nn.Linear(4096, 1024)) for _ in range(3)]).cuda()
+    optimizer = torch.optim.AdamW(model.parameters())
+    with pytest.raises(torch.OutOfMemoryError) as raised:
+        with Monitor(model, optimizer, output_dir=str(tmp_path), auto_snapshot=True, sample_every_n_steps=1) as monitor:
+            for n in monitor.track(64 << i for i in range(12)):
+                x = torch.randn(n, 256, 1024, device="cuda")
+                model(x).float().pow(2).mean().backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+    assert is_oom(raised.value)  # propagated unchanged
+    oom = json.loads((tmp_path / "oom.json").read_text())
+    memory = oom["memory"]
+    assert oom["source"] == "cuda" and memory["requested_bytes"] > 0
+    assert oom["where"]["phase"] in ("forward", "backward")
+    assert memory["capacity_bytes"] == pytest.approx(LIMIT, rel=1e-6) and memory["capacity_source"].startswith("per-process")
+    assert sum(memory["categories"].values()) == memory["figure_bytes"]
+    assert memory["largest_free_block_bytes"] is not None and memory["reserved_unallocated_bytes"] is not None
+    # the categories add up to the allocator's reserved bytes at the failure, within 5% of the limit it ran into
+    assert abs(memory["figure_bytes"] + memory["requested_bytes"] - LIMIT) <= 0.05 * LIMIT + memory["requested_bytes"]
+    assert oom["snapshot"] and Path(oom["snapshot"]).is_file()  # the OOM snapshot, linked
+    kinds = [r["kind"] for r in oom["remedies"]]
+    assert "batch_size" in kinds and "expandable_segments" not in kinds[:1]
+
+
+def test_fragmentation_is_named_with_expandable_segments(limited: None) -> None:
+    # one 1.5 GiB segment carved into 16 blocks of 96 MiB, every other one freed: 768 MiB cached in
+    # blocks of 96 MiB the allocator cannot merge, and a segment it cannot release (half of it is in use)
+    whole = torch.empty(1536 << 20, dtype=torch.uint8, device="cuda")
+    del whole
+    parts = [torch.empty(96 << 20, dtype=torch.uint8, device="cuda") for _ in range(16)]
+    del parts[::2]
+    try:
+        torch.empty(640 << 20, dtype=torch.uint8, device="cuda")  # 1.5 GiB reserved + 640 MiB is above the 2 GiB fraction
+    except torch.OutOfMemoryError as exc:
+        explanation = explain_oom(exc, model=None, optimizer=None, step=0, device=torch.device("cuda", 0))
+    else:
+        pytest.fail("the allocator found room for the request")
+    del parts
+    acc = explanation.accounting
+    assert acc.requested_bytes == 640 << 20
+    assert acc.reserved_unallocated_bytes >= 640 << 20 > acc.largest_free_block_bytes >= 96 << 20
+    assert explanation.remedies and explanation.remedies[0].kind == "expandable_segments"
+    assert "expandable_segments:True" in explanation.text()

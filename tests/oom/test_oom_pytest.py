@@ -1,0 +1,44 @@
+"""The pytest plugin: a ``train_memory`` test that runs out of memory fails with the explanation as its message."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+pytest_plugins = ["pytester"]
+
+INNER = '''
+import resource, torch
+from torch import nn
+
+def vm_size():
+    with open("/proc/self/status") as fh:
+        return next(int(line.split()[1]) * 1024 for line in fh if line.startswith("VmSize:"))
+
+@pytest.mark.train_memory(max_leak="1 GiB")
+def test_growing_batch(train_memory):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256))
+    optimizer = torch.optim.AdamW(model.parameters())
+    limit = vm_size() + (400 << 20)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
+    try:
+        for x in train_memory.track(model, optimizer, (torch.randn(n, 256, 256) for n in (4, 8, 16, 32, 64, 128, 256))):
+            model(x).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    finally:  # the frames stay alive with the error; the report needs room to be written
+        resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+'''
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS and /proc are Linux's")
+def test_oom_fails_with_the_explanation(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_oom="import pytest\n" + INNER)
+    result = pytester.runpytest_subprocess("-p", "no:randomly", "-W", "ignore")
+    result.assert_outcomes(failed=1)
+    text = result.stdout.str()
+    assert "test_growing_batch ran out of memory (RuntimeError)" in text
+    assert "out of memory at step 5 on rank 0, in backward" in text  # batch 128, in backward
+    assert "what filled it:" in text and "activations and temporaries" in text
