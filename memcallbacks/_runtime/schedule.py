@@ -582,7 +582,8 @@ class Schedule:
         if part == "gc":
             self.parts[part] += seconds  # no split: a collection may run in the middle of a step
             return
-        self.parts[part] += self._split(seconds)
+        rest = self._split(seconds)  # first: _split adds to parts["findings"], which part may be
+        self.parts[part] += rest
 
     def charge_hooks(self, seconds: float) -> None:
         """A hook call's time its inner timers did not see (:class:`HookMeter`)."""
