@@ -108,11 +108,13 @@ class RunEnd:
 
         s, checks = self.session, self.session.checks
         held = checks.watch if checks.watch is not None and checks.watch.model is not None else checks.state  # model, optimizer
+        peaks = s.engine.max_allocated, s.engine.max_reserved  # the explanation's own memory is not the run's
         with fake_steps():  # the remedies' fake optimizer steps are not this run's
             finding = record_oom(exc, event, engine=s.engine, model=held.model, optimizer=held.optimizer, precision=checks.state.precision,
                                  findings=s.findings, capacity=s.config.capacity_bytes,
                                  output_dir=s.output_dir if s.config.write_files else None,
                                  snapshots=s.snap.records if s.snap is not None else [], log=s.log, owner=s.owner)
+        s.engine.max_allocated, s.engine.max_reserved = peaks
         if finding is not None:
             s.add_finding(finding)
         else:

@@ -60,7 +60,7 @@ class StepModel:
 
     @property
     def forward_fn(self) -> Callable[[nn.Module, Any], Any]:
-        from memcallbacks._runtime.preflight_steps import call_step, training_step
+        from memcallbacks._runtime.preflight_check import call_step, training_step
         from memcallbacks.preflight._step import default_forward_fn
 
         if self.step_fn == "default":
@@ -126,7 +126,7 @@ def _leak(acc: Accounting, holders: list[str]) -> Remedy | None:
 def _window(step: StepModel, base: Any, size: int, available: int) -> tuple[int, int]:
     """Where to search: the peak grows about linearly with the batch, so one more prediction (batch 1)
     places the answer within a few sizes; the search still proves it on both sides."""
-    from memcallbacks._runtime.preflight_steps import resize_batch
+    from memcallbacks._runtime.preflight_check import resize_batch
 
     one = step.predict(resize_batch(step.call, size, 1)).peak_bytes
     if base.peak_bytes <= one:
@@ -139,7 +139,7 @@ def _window(step: StepModel, base: Any, size: int, available: int) -> tuple[int,
 def _batch(step: StepModel, base: Any, available: int) -> Remedy | None:
     from memcallbacks.preflight import max_batch_size
 
-    from memcallbacks._runtime.preflight_steps import batch_size_of, resize_batch
+    from memcallbacks._runtime.preflight_check import batch_size_of, resize_batch
 
     size = batch_size_of(step.call)
     if size is None or size <= 1:

@@ -31,7 +31,6 @@ EXEMPT = {
     "memcallbacks estimate": "the name of a command in prose, not a command line",
     "memcallbacks render": "the name of a command in prose, not a command line",
     "memcallbacks render: no such file: PATH": "an error message quoted in prose",
-    "python ../shared/tools/step_walk.py --detail": "a maintainer's tool beside the checkout (architecture.md), not shipped",
 }
 
 

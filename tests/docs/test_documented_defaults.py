@@ -35,7 +35,9 @@ def section(text: str, title: str) -> str:
 def documented_defaults() -> dict[str, str]:
     """``{field: default cell}`` from configuration.md's table (dotted names for grouped fields)."""
     rows = re.findall(r"^\| `([a-z_.]+)` \| (?:`([^|`]*)`|([^|`]*))[^|]*\|", CONFIGURATION, re.M)
-    return {name: (quoted or plain).strip() for name, quoted, plain in rows}  # "`65536` (64 KiB)": the literal
+    groups = {f.name for f in dataclasses.fields(MonitorConfig) if "." not in f.name and dataclasses.is_dataclass(f.default)}
+    # "`65536` (64 KiB)": the literal; a group's own row (`leaks`: its fields follow, dotted) is no field
+    return {name: (quoted or plain).strip() for name, quoted, plain in rows if name not in groups}
 
 
 def code_fields(config: Any, prefix: str = "") -> dict[str, Any]:
