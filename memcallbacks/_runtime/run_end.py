@@ -71,6 +71,7 @@ class RunEnd:
 
     def __init__(self, session: EndingSession) -> None:
         self.session = session
+        self.oom: tuple[BaseException, dict[str, Any]] | None = None  # explained when the run's last row is closed
 
     def record_exception(self, exc: BaseException, step: int) -> None:
         """Note an exception that is ending the run as an event (``"oom"`` or ``"exception"``); never raises."""
@@ -99,7 +100,7 @@ class RunEnd:
             return
         if s.snap is not None:
             s.snap.on_exception(exc, step)
-        self._explain_oom(exc, event)
+        self.oom = (exc, event)
 
     def _explain_oom(self, exc: BaseException, event: dict[str, Any]) -> None:
         """The OOM explained (memcallbacks/oom): logged, ``oom.json``, and an ``"oom"`` finding for the report and trackers."""
@@ -185,6 +186,9 @@ class RunEnd:
         try:
             if engine.in_step and engine.enabled:
                 engine.end_step()
+            if self.oom is not None:  # after the last row: the explanation's own memory is no step's
+                oom, self.oom = self.oom, None
+                self._explain_oom(*oom)
             self._finish_watch()
             if s.snap is not None:
                 s.snap.stop()  # writes a capture cut short by the end of training

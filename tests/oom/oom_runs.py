@@ -30,7 +30,7 @@ SEQ, DIM, HIDDEN = 512, 256, 1024  # MLP: one sample is 512 tokens, about 17 MiB
 T_SEQ, T_DIM, HEADS = 512, 128, 4  # transformer: attention scores of 512 x 512 per head, about 38 MiB a sample
 LEAK_MIB = 11
 FIRST_FORWARD: dict[str, int] = {}  # the process before its first step: VmSize, and the tensors then alive
-MONITOR = dict(cpu_mmap_threshold=1 << 20, sample_every_n_steps=1, log_every_n_steps=1)
+MONITOR = dict(advanced={"cpu_mmap_threshold": 1 << 20}, sample_every_n_steps=1, log_every_n_steps=1)
 
 
 class Block(nn.Module):
