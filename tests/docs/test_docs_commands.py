@@ -57,6 +57,12 @@ def scratch(tmp_path_factory: pytest.TempPathFactory) -> Path:
         shutil.copy(ROOT / "tests" / "data" / "cuda_like_snapshot.pickle", folder / name)
     for name in ("examples", "benchmarks", "tests", "scripts"):
         (folder / name).symlink_to(ROOT / name)
+    # what a later command reads (a saved model config) is made here too: under pytest-xdist the
+    # command that writes it may run on another worker, in another scratch folder
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    for command in documented_commands():
+        if "save_pretrained(" in command:
+            subprocess.run(command, shell=True, cwd=folder, env=env, capture_output=True, timeout=300, check=True)
     return folder
 
 
