@@ -157,10 +157,13 @@ class RunEnd:
                 s.add_finding(finding)
         except Exception:
             s.log.debug("the leak watch's last census failed", exc_info=True)
+        figures_s = 0.0
         if host is not None:
+            before = host.seconds
             for finding in host.finish():  # a host growth still waiting for its second census
                 s.add_finding(finding)
-        s.schedule.charge_other(own_time() - t0, "findings")
+            figures_s = host.seconds - before  # the report's last Python-object figure: no finding work
+        s.schedule.charge_other(max(0.0, own_time() - t0 - figures_s), "findings")
 
     def finish(self, gather: bool) -> dict[str, str]:
         """``Session.finish`` after its observers heard of it: the files, with the gc watch off."""

@@ -163,7 +163,7 @@ class HostReader:
     max_blocks_every: int = 256
     """The block count is read at least every this many calls (at ~2 ms a cold read on a 0.5 M-block
     heap that is ~8 µs a step; on a small heap it is read every step)."""
-    max_blocks_gap_steps: int = 16
+    max_blocks_gap_steps: int = 256
     """...and at least every this many steps: the calls follow the watch's cadence (every step for the
     first 48, then its read steps), so a stride in calls alone can leave hundreds of steps between
     two block counts. The calls themselves are on the budget's cadence, so this bounds steps, not time."""
