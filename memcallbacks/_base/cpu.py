@@ -326,6 +326,7 @@ class StatmReader:
 
     def close(self) -> None:
         fd, self._fd = getattr(self, "_fd", None), None
+        self._generation = -1  # a read after close opens the file again
         if fd is not None:
             try:
                 os.close(fd)

@@ -9,7 +9,7 @@ from typing import Any, Iterator
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Finding", "FindingLog", "announce", "finding_counts", "finding_label"]
+__all__ = ["Finding", "FindingLog", "announce", "finding_counts", "finding_label", "step_text"]
 
 KINDS = ("growth", "lingering", "cycle", "unexplained", "preflight", "host_growth", "worker_growth", "rank_imbalance", "oom")
 STATES = ("open", "settled")
@@ -70,6 +70,9 @@ class Finding:
         out["details"] = _jsonable(self.details)
         return out
 
+    def to_steps(self) -> dict[str, Any]:
+        return {"step": self.step, "first_step": self.first_step, "state": self.state}
+
     @property
     def is_problem(self) -> bool:
         """An open problem: not settled, not advice (what ``memory/findings`` counts and the pytest plugin fails on)."""
@@ -82,9 +85,19 @@ class Finding:
         return ", ".join([self.kind, *extra])
 
     def __str__(self) -> str:
-        lines = [f"[{self.label}] step {self.step}: {self.message}"]
+        lines = [f"[{self.label}] {step_text(self.to_steps())}: {self.message}"]
         lines += [f"    held by: {h}" for h in self.holders]
         return "\n".join(lines)
+
+
+def step_text(item: dict[str, Any]) -> str:
+    """``step 49`` or ``step 49 (confirmed again at step 284)``: the step a finding was first raised at,
+    then its latest update (a settled one's: ``settled at step N``), from a finding or its report.json dict."""
+    first, last = item.get("first_step"), item.get("step")
+    if first is None or first == last:
+        return f"step {last}"
+    again = "settled at" if item.get("state") == "settled" else "confirmed again at"
+    return f"step {first} ({again} step {last})"
 
 
 def with_holders_note(message: str, reason: str) -> str:

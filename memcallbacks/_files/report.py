@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from memcallbacks._base.columns import frame_column
-from memcallbacks._base.findings import finding_counts, finding_label
+from memcallbacks._base.findings import finding_counts, finding_label, step_text
 from memcallbacks._base.units import format_bytes, format_delta
 from memcallbacks._files.verdict import measure_names, verdict_lines
 
@@ -272,7 +272,7 @@ def _closing_lines(report: dict[str, Any], s: dict[str, Any]) -> list[str]:
         message = str(f.get("message"))
         if f.get("kind") == "oom":  # the whole explanation is its own section below
             message = message.splitlines()[0] + " (below)"
-        lines.append(f"    [{finding_label(f)}] step {f.get('step')}: {message}")
+        lines.append(f"    [{finding_label(f)}] {step_text(f)}: {message}")
         for holder in f.get("holders", [])[:5]:
             lines.append(f"        held by {holder}")
     for event in report.get("events") or []:
@@ -337,7 +337,7 @@ def _host_lines(report: dict[str, Any]) -> list[str]:
     for f in found:
         holders = f.get("holders") or []
         what = f"held by {holders[0]}" if holders else str(f.get("message") or "")[:160]
-        lines.append(f"      [{finding_label(f)}] {f.get('key') or f.get('kind')} step {f.get('step')}: {what}")
+        lines.append(f"      [{finding_label(f)}] {f.get('key') or f.get('kind')} {step_text(f)}: {what}")
     reads, seconds = host.get("reads") or 0, host.get("seconds") or 0.0
     cost = f"{reads} reads, {1e6 * seconds / reads:.0f} µs each" if reads else "no reads"
     census = host.get("census_seconds") or 0.0

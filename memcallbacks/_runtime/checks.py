@@ -55,17 +55,23 @@ class StepChecks:
         self.state = StateCheck(self.config)
         self.preflight.reset()
 
-    def start(self, ignore: list[Any], device_is_host: bool) -> None:
-        """A new leak watch (``ignore``: the monitor's own objects, never holders) and host channel."""
+    def start(self, ignore: list[Any], device_is_host: bool, keep_host: bool = False) -> None:
+        """A new leak watch (``ignore``: the monitor's own objects, never holders) and host channel;
+        ``keep_host``: a later stage of the same run (fit, then test) keeps the fit's host channel."""
         if self.watch is not None:
             self.watch.stop()
         schedule = self.schedule
         self.watch = LeakWatch(self.config, self.allocated_now, ignore=ignore, charge=schedule.charge_other, wake=schedule.wake,
                                schedule=schedule)
         self.watch.start()
+        growth = self.watch.growth
+        device_growth = lambda: growth.last if growth is not None else None  # noqa: E731
+        if keep_host and self.host is not None:
+            self.host.growth.device_growth = device_growth
+            return
         if self.host is not None:
             self.host.close()
-        self.host = HostChannel(device_is_host=device_is_host) if self.config.watch_host else None
+        self.host = HostChannel(device_is_host=device_is_host, device_growth=device_growth) if self.config.watch_host else None
 
     def set_objects(
         self, model: Any, optimizer: Any, *, precision: str | None = None, strategy: str | None = None, world_size: int | None = None

@@ -224,7 +224,7 @@ class Session:
         engine.enabled = not self.failed  # a monitor that failed stays off for every later stage
         self.schedule.arm(engine.backend)
         self.schedule.guard.announce = (self.log, self.owner) if engine.rank == 0 else None  # the budget's back-off, said once
-        self.checks.start(ignore=[self], device_is_host=self.device_kind == "cpu")
+        self.checks.start(ignore=[self], device_is_host=self.device_kind == "cpu", keep_host=engine.seen_steps > 0)
         if self.snap is not None:
             self.snap.stop()
             self.snap = None

@@ -11,6 +11,7 @@ from memcallbacks.host.readers import (
     StatmReader,
     measure_costs,
     pymalloc_arena_bytes,
+    pymalloc_bytes,
     python_object_blocks,
     smaps_rollup,
 )
@@ -34,6 +35,7 @@ __all__ = [
     "gather_figures",
     "measure_costs",
     "pymalloc_arena_bytes",
+    "pymalloc_bytes",
     "python_object_blocks",
     "smaps_rollup",
     "take_host_census",

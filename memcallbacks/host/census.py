@@ -172,6 +172,9 @@ class HolderGrowth:
     was_small: bool = False
     """The first census did not list the container (it had fewer entries than ``min_container_len``,
     or did not exist): ``grown_by`` counts all its entries now."""
+    contents: list[tuple[str, int, int]] = field(default_factory=list)
+    """``[(type name, count, bytes)]`` of the objects the added entries hold (themselves included),
+    largest first, scaled from the sample: ``[("dict", 16, 430000), ("float", 12000, 288000)]``."""
 
     def __str__(self) -> str:
         text = (f"{self.path} ({_short(self.container)}) grew by {self.value_count:,} {_short(self.value_type)} objects / "
@@ -198,7 +201,11 @@ class HostExplanation:
         """One ``host_growth`` finding naming the types and holders (merged into the growth finding of the same key)."""
         between = f"between step {self.before.step} and step {self.after.step}" if self.before.step is not None else "between the two censuses"
         grew = "; ".join(str(h) for h in self.holders[:3]) or "no container that grew could be named (the objects may be held outside Python, or in many small containers)"
-        types = ", ".join(f"{_short(n)} +{c:,}" for n, c, _ in self.types[:5])
+        held = self.holders[0].contents if self.holders and self.holders[0].contents else None
+        # what the named container's new entries hold (floats, strings: objects gc.get_objects() does not list),
+        # else the census's per-type change
+        types = ", ".join(f"{_short(n)} +{c:,} ({format_bytes(b)})" for n, c, b in held) if held else \
+            ", ".join(f"{_short(n)} +{c:,}" for n, c, _ in self.types[:5])
         message = (f"Host census {between}: {grew}. Python objects that grew: {types or 'none counted'}. "
                    "Keep summaries instead of objects, bound the container (`deque(maxlen=...)`, `lru_cache(maxsize=...)`) "
                    "or clear it every epoch.")
@@ -215,6 +222,7 @@ class HostExplanation:
                 "census_cost_s": round(self.before.seconds + self.seconds, 4),
                 "census_truncated": self.truncated,
                 "types": [{"type": n, "count": c, "bytes": b} for n, c, b in self.types],
+                "held_types": [{"type": n, "count": c, "bytes": b} for n, c, b in (held or [])],
                 "tracemalloc_lines": list(self.lines),
             },
         )
@@ -241,9 +249,13 @@ def _holder_growth(obj: Any, n: int, known: bool, path: str | None) -> HolderGro
     kinds = collections.Counter(map(type, new))
     tp, count = kinds.most_common(1)[0] if kinds else (object, 0)
     sample = new[-256:]
-    per_entry = deep_size(sample) / max(1, len(sample))
+    by_type: dict[type, list[int]] = {}
+    per_entry = deep_size(sample, by_type=by_type) / max(1, len(sample))
     own_bytes = sys.getsizeof(obj, 0) * n / max(1, len(obj))
+    scale = n / max(1, len(sample))
+    contents = sorted(((_type_name(t), int(c * scale), int(b * scale)) for t, (c, b) in by_type.items()), key=lambda x: -x[2])
     return HolderGrowth(
+        contents=contents[:5],
         path=path or f"(no root: a {type(obj).__name__} held outside Python's roots)",
         container=_type_name(type(obj)),
         grown_by=n,

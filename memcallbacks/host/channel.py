@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, Callable
 
 from memcallbacks._base.findings import Finding
 from memcallbacks.host.census import HostCensus, explain_host_growth, take_host_census
@@ -24,13 +24,20 @@ log = logging.getLogger(__name__)
 
 __all__ = ["HostChannel"]
 
+_MIN_ENTRIES = 8
+"""A container that gained this many entries between the two censuses (16 steps apart) is a candidate:
+a per-step record of one large dict gains 16."""
+
 
 class HostChannel:
-    def __init__(self, *, device_is_host: bool, census_gap: int = 16, census_time_budget_s: float = 2.0) -> None:
+    def __init__(self, *, device_is_host: bool, census_gap: int = 16, census_time_budget_s: float = 2.0,
+                 device_growth: Callable[[], Finding | None] | None = None) -> None:
+        """``device_growth``: the device growth test's latest finding, so that on a CPU run a climb of
+        private memory that the device finding explains is not reported a second time."""
         if census_gap < 1:
             raise ValueError(f"HostChannel(census_gap={census_gap}) must be at least 1 step, e.g. 16.")
         self.reader = HostReader()
-        self.growth = HostGrowth(device_is_host=device_is_host)
+        self.growth = HostGrowth(device_is_host=device_is_host, device_growth=device_growth)
         self.workers = WorkerWatch()
         self.census_gap = census_gap
         self.census_time_budget_s = census_time_budget_s
@@ -65,7 +72,7 @@ class HostChannel:
             out.append(finding)
             if finding.key == "host_growth" and finding.details.get("open") and self._before is None and not self._named:
                 t1 = time.perf_counter()
-                self._before = take_host_census(step=step, time_budget_s=self.census_time_budget_s)
+                self._before = take_host_census(step=step, time_budget_s=self.census_time_budget_s, min_container_len=_MIN_ENTRIES)
                 self.census_seconds += time.perf_counter() - t1
                 self._due = step + self.census_gap
         if self._due is not None and step >= self._due:
@@ -80,7 +87,7 @@ class HostChannel:
             return []
         self._named = True
         t0 = time.perf_counter()
-        result = explain_host_growth(before, step=step, time_budget_s=self.census_time_budget_s)
+        result = explain_host_growth(before, step=step, time_budget_s=self.census_time_budget_s, min_entries=_MIN_ENTRIES)
         self.census_seconds += time.perf_counter() - t0
         finding = result.finding(step)
         growth = self.growth.findings.get(finding.key)
@@ -89,10 +96,16 @@ class HostChannel:
         return [finding]
 
     def finish(self) -> list[Finding]:
-        if not self.enabled or self._before is None:
+        """At the run's end: the Python-object figures measured once more, and a growth still waiting
+        for its second census named."""
+        if not self.enabled:
             return []
         try:
-            return self._name(self._last_step)
+            t0 = time.perf_counter()
+            if self.growth.baseline is not None:
+                self.growth.measure_python(self._last_step)
+            self.seconds += time.perf_counter() - t0
+            return self._name(self._last_step) if self._before is not None else []
         except Exception:
             log.debug("the host channel's last census failed", exc_info=True)
             return []

@@ -24,17 +24,34 @@ import collections
 import copy
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 from memcallbacks._base.findings import Finding
 from memcallbacks._base.units import KiB, MiB, format_bytes
-from memcallbacks.host.readers import BYTES_PER_BLOCK, HostReading
-from memcallbacks.leaks.growth import GrowthDetector
+from memcallbacks._base.cpu import heap_in_use_bytes
+from memcallbacks.host.readers import BYTES_PER_BLOCK, HostReading, pymalloc_bytes
+from memcallbacks.leaks.growth import GrowthDetector, thinned_rate
 
 __all__ = ["HostGrowth"]
 
 _PYTHON_SHARE = 0.5
 """Python objects explain a resident-memory climb when they grew by at least this share of it."""
+
+_PYTHON_RATE_DIVISOR = 4
+"""The Python-object series' growth test asks a quarter of ``min_rate_bytes`` per step (16 KiB at defaults)."""
+
+_SHARE_READS = 4
+"""Python-object reads over a resident-memory climb before their share of it is judged."""
+
+_SHARE_MIN_Z = 1.0
+"""The Python reads over the climb must rise as a trend (4 reads: at most one pair out of order)."""
+
+_HEAP_EVERY = 64
+"""Steps between two measures of the bytes Python objects hold (for the figures; the growth test reads
+the block count)."""
+
+_FIGURES_STALE = 16
+"""Steps after which the figures measure the Python objects' bytes again when asked."""
 
 _KEEP_READS = 640
 """Recent reads kept per series (for the Python share over a climb and the per-rank figures)."""
@@ -59,26 +76,35 @@ class HostGrowth:
         min_rate_bytes: int = 64 * KiB,
         min_growth_bytes: int = 4 * MiB,
         bytes_per_block: int = BYTES_PER_BLOCK,
+        device_growth: Callable[[], Finding | None] | None = None,
     ) -> None:
         if not (isinstance(bytes_per_block, int) and bytes_per_block > 0):
             raise ValueError(f"HostGrowth(bytes_per_block={bytes_per_block!r}) must be a positive integer, e.g. 64.")
         kwargs: dict[str, Any] = dict(warmup_steps=warmup_steps, min_rate_bytes=min_rate_bytes, min_growth_bytes=min_growth_bytes)
         self.device_is_host = device_is_host
+        self.device_growth = device_growth
+        """The device growth test's latest finding (the session's leak watch), asked before a host finding."""
         self.warmup_steps = warmup_steps
         self.bytes_per_block = bytes_per_block
         self.min_rate_bytes = min_rate_bytes
-        self.python = _Series(GrowthDetector(**kwargs), _KEEP_READS)
+        # Python objects at a quarter of the rate: their series (block counts at step start) is far steadier
+        # than resident memory, and a small-object leak of 32 KiB/step is still a leak (found within 300 steps)
+        self.python = _Series(GrowthDetector(**{**kwargs, "min_rate_bytes": max(1, min_rate_bytes // _PYTHON_RATE_DIVISOR),
+                                               "min_growth_bytes": min_growth_bytes // 2, "warmup_steps": 0}), _KEEP_READS)
         self.private = _Series(GrowthDetector(**kwargs), _KEEP_READS)
         self.first: HostReading | None = None
         self.last: HostReading | None = None
         self.baseline: HostReading | None = None
         """The first read after warm-up (the detectors' ``warmup_steps`` reads): growth figures start here."""
         self._python_baseline: int | None = None  # the first Python-object read at or after it
+        self._heap0: tuple[int, int, int] | None = None  # (step, pymalloc bytes, malloc heap bytes) at the baseline
+        self._heap: tuple[int, int, int] | None = None  # the latest such measure
         self._reads = 0
         self.seconds = 0.0
         """Time spent in the block reads this test took itself (after a resident-memory climb)."""
         self.findings: dict[str, Finding] = {}
         """The latest finding per key (open or settled)."""
+        self._climb_since: int | None = None  # where the private climb under judgement began
         self._owner: dict[str, _Series] = {}  # the series that last confirmed each key: its lifecycle decides
 
     def update(self, reading: HostReading) -> Finding | None:
@@ -90,13 +116,18 @@ class HostGrowth:
         self._reads += 1
         if self.baseline is None and self._reads > self.warmup_steps:
             self.baseline = reading
+            self.measure_python(step)  # the figures' Python-object growth runs from here, as the others
         out: Finding | None = None
         if reading.python_blocks is not None:
             value = reading.python_blocks * self.bytes_per_block
             if self.baseline is not None and self._python_baseline is None:
                 self._python_baseline = value
+            if self.baseline is not None and (self._heap is None or step - self._heap[0] >= _HEAP_EVERY):
+                self.measure_python(step)
             self.python.reads.append((step, value))
-            hit = self.python.detector.update(step, value)
+            # its warm-up is the resident series' (in reads, which are every step at first), not ten of
+            # its own reads: on a stride those can be hundreds of steps
+            hit = self.python.detector.update(step, value) if self.baseline is not None else None
             if hit is not None:
                 out = self._settle(self.python, step, hit) if hit.state == "settled" else self._confirm(
                     "host_growth", self.python, step, hit)
@@ -105,6 +136,7 @@ class HostGrowth:
             self.private.reads.append((step, private))
             hit = self.private.detector.update(step, private)
             if hit is not None and hit.state == "settled":
+                self._climb_since = None
                 out = self._settle(self.private, step, hit) or out
             elif hit is not None and out is None:
                 out = self._private_growth(step, hit)
@@ -114,31 +146,58 @@ class HostGrowth:
     def open_findings(self) -> list[Finding]:
         return [f for f in self.findings.values() if f.details.get("open")]
 
-    def _python_share(self, step: int, since_step: int) -> float:
-        """Python objects' growth rate over the private series' rate, on the same steps.
+    def _python_share(self, step: int, since_step: int) -> float | None:
+        """Python objects' growth rate over the private series' rate, over the climb since ``since_step``;
+        None until the Python series has ``_SHARE_READS`` reads there.
 
-        The block count is read sparsely (its cost grows with the heap), so the span starts at the
-        last block read at or before ``since_step`` (or the oldest kept), and a fresh read is taken
-        now when the last one is more than 16 steps old: one read per confirmation, after suspicion."""
+        The block count is read sparsely (its cost grows with the heap), so this takes a read of its own
+        when the climb has too few (spaced over the climb) or the last is more than 16 steps old: a few
+        reads per suspicion. Both rates are :func:`~memcallbacks.leaks.growth.thinned_rate`'s median
+        slopes, and the Python one counts only when its reads rise as a trend: one list built between
+        two reads (a sampler's indices at an epoch's start) is not Python objects growing."""
         reads = self.python.reads
-        if not reads or step - reads[-1][0] > 16:
+        # the climb's reads, from the last one before it began (the level it rose from)
+        before = next((i for i in range(len(reads) - 1, -1, -1) if reads[i][0] < since_step), None)
+        span = [r for r in reads if r[0] >= since_step]
+        if before is not None:
+            span.insert(0, reads[before])
+        spacing = max(1, (step - since_step) // (2 * _SHARE_READS))
+        if not span or (len(span) < _SHARE_READS and step - span[-1][0] >= spacing) or step - span[-1][0] > 16:
             t0 = time.perf_counter()
-            reads.append((step, sys.getallocatedblocks() * self.bytes_per_block))
+            fresh = (step, sys.getallocatedblocks() * self.bytes_per_block)
             self.seconds += time.perf_counter() - t0
-        start = next((r for r in reversed(reads) if r[0] <= since_step), reads[0])
-        end = reads[-1]
-        if end[0] <= start[0]:
-            return 0.0
-        priv = self.private.reads
-        p0 = next((r for r in priv if r[0] >= start[0]), priv[0])
-        p1 = priv[-1]
-        private_rate = (p1[1] - p0[1]) / max(1, p1[0] - p0[0])
+            if not reads or reads[-1][0] < step:
+                reads.append(fresh)
+                span.append(fresh)
+        if len(span) < _SHARE_READS:
+            return None
+        private = [r for r in self.private.reads if r[0] >= span[0][0]]
+        private_rate, _ = thinned_rate(private)
         if private_rate <= 0:
             return 1.0
-        return (end[1] - start[1]) / (end[0] - start[0]) / private_rate
+        python_rate, z = thinned_rate(span)
+        return max(0.0, python_rate) / private_rate if z >= _SHARE_MIN_Z else 0.0
+
+    def _device_explains(self, hit: Finding) -> bool:
+        """On a CPU run the device heap is in private memory: an open device growth at half the
+        private climb's rate or more is that climb (the device finding names its tensors)."""
+        if not self.device_is_host or self.device_growth is None:
+            return False
+        device = self.device_growth()
+        if device is None or device.state != "open":
+            return False
+        return float(device.details.get("rate_bytes_per_step", 0)) >= 0.5 * float(hit.details["rate_bytes_per_step"])
 
     def _private_growth(self, step: int, hit: Finding) -> Finding | None:
-        share = self._python_share(step, int(hit.details["since_step"]))
+        if self._device_explains(hit):
+            return None
+        since = int(hit.details["since_step"])
+        # the climb's start, not the detector's latest window (which slides with a fast climb): the
+        # Python reads spread over the whole climb, a few per suspicion
+        self._climb_since = since if self._climb_since is None else min(self._climb_since, since)
+        share = self._python_share(step, self._climb_since)
+        if share is None:
+            return None  # judged at a later read, once the Python series has reads over the climb
         python_open = self.findings.get("host_growth")
         if share >= _PYTHON_SHARE or (python_open is not None and python_open.details.get("open")):
             return self._confirm("host_growth", self.private, step, hit, python_share=share)
@@ -151,7 +210,10 @@ class HostGrowth:
         rate = int(d["rate_bytes_per_step"])
         private_rate = self.private.detector.last.details["rate_bytes_per_step"] if self.private.detector.last else None
         if key == "host_growth":
-            est = "" if series is self.private else f" (≈{format_bytes(rate)}/step at ~{self.bytes_per_block} B a block)"
+            scale = self._block_scale()
+            est = "" if series is self.private else (
+                f" (≈{format_bytes(rate * scale)}/step, the block count scaled by the bytes Python objects hold)" if scale
+                else f" (≈{format_bytes(rate)}/step at ~{self.bytes_per_block} B a block)")
             return (
                 f"Host memory in Python objects grew steadily since step {d['since_step']}{est}"
                 + (f"; private resident memory by {format_bytes(private_rate)}/step" if private_rate else "")
@@ -236,6 +298,44 @@ class HostGrowth:
                 out, latest = settled, finding.step
         return out
 
+    def measure_python(self, step: int) -> None:
+        """Measure the bytes Python objects hold (``pymalloc_bytes()`` and the malloc heap, ~0.5-1.5 ms):
+        at the baseline, every ``_HEAP_EVERY`` steps of Python-object reads, and at the run's end."""
+        t0 = time.perf_counter()
+        small = pymalloc_bytes()
+        if small is not None:
+            self._heap = (step, small, heap_in_use_bytes() or 0)
+            if self._heap0 is None:
+                self._heap0 = self._heap
+        self.seconds += time.perf_counter() - t0
+
+    def _python_bytes(self) -> tuple[float, float] | None:
+        """``(bytes, growth since the baseline)`` of Python objects: the small ones (512 bytes or less,
+        pymalloc's blocks) exactly, the large ones (a dict's table, a long list's items, big strings:
+        one "block" each in the block count, whatever their size) by the malloc heap's growth, less, on
+        a CPU run, the growth the device finding already holds (tensors live in the same heap)."""
+        if self._heap0 is None or self._heap is None:
+            return None
+        large = self._heap[2] - self._heap0[2]
+        if self.device_is_host and self.device_growth is not None:
+            device = self.device_growth()
+            if device is not None:
+                large -= int(device.details.get("growth_bytes") or device.bytes or 0)
+        large = max(0, large)
+        return float(self._heap[1] + large), float(self._heap[1] - self._heap0[1] + large)
+
+    def _block_scale(self) -> float | None:
+        """Bytes Python objects gained per nominal block byte since the baseline (the block count calls a
+        32-byte float and a 40 KiB dict table one block each), when both grew enough to say."""
+        measured = self._python_bytes()
+        if measured is None or self._python_baseline is None or not self.python.reads:
+            return None
+        at = self._heap[0] if self._heap is not None else self.python.reads[-1][0]
+        blocks = next((v for st, v in reversed(self.python.reads) if st <= at), self._python_baseline) - self._python_baseline
+        if blocks < self.min_rate_bytes or measured[1] <= 0:
+            return None
+        return min(4.0, max(0.25, measured[1] / blocks))
+
     def figures(self) -> dict[str, float]:
         """This process's host figures for the per-rank gather (:func:`memcallbacks.host.ranks.find_imbalance`).
 
@@ -253,4 +353,9 @@ class HostGrowth:
             out["host_python_bytes"] = float(self.python.reads[-1][1])
             if self._python_baseline is not None:
                 out["host_python_growth_bytes"] = float(self.python.reads[-1][1] - self._python_baseline)
+        if self.baseline is not None and (self._heap is None or self.last.step - self._heap[0] >= _FIGURES_STALE):
+            self.measure_python(self.last.step)  # the figures are read at logged steps and at the end: not stale there
+        measured = self._python_bytes()
+        if measured is not None:
+            out["host_python_bytes"], out["host_python_growth_bytes"] = measured
         return out

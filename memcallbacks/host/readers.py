@@ -34,6 +34,7 @@ __all__ = [
     "StatmReader",
     "measure_costs",
     "pymalloc_arena_bytes",
+    "pymalloc_bytes",
     "python_object_blocks",
     "smaps_rollup",
 ]
@@ -93,11 +94,11 @@ def smaps_rollup(pid: int | str = "self") -> dict[str, int] | None:
 
 
 _ARENAS = re.compile(rb"(\d+) arenas \* (\d+) bytes/arena")
+_IN_BLOCKS = re.compile(rb"# bytes in allocated blocks += +([\d,]+)")
 
 
-def pymalloc_arena_bytes() -> int | None:
-    """Bytes of pymalloc arenas now allocated, parsed from ``sys._debugmallocstats()`` (~1 ms: for
-    a census, never per step). None where CPython does not print it."""
+def _malloc_stats() -> bytes | None:
+    """What ``sys._debugmallocstats()`` prints to fd 2 (~0.5-1.5 ms: it walks every pool), captured."""
     r, w = os.pipe()
     saved = os.dup(2)
     try:
@@ -119,8 +120,30 @@ def pymalloc_arena_bytes() -> int | None:
     finally:
         os.close(saved)
         os.close(r)
-    m = _ARENAS.search(b"".join(chunks))
+    return b"".join(chunks)
+
+
+def pymalloc_arena_bytes() -> int | None:
+    """Bytes of pymalloc arenas now allocated, parsed from ``sys._debugmallocstats()`` (~1 ms: for
+    a census, never per step). None where CPython does not print it."""
+    m = _ARENAS.search(_malloc_stats() or b"")
     return int(m.group(1)) * int(m.group(2)) if m else None
+
+
+_CLASS_ROW = re.compile(rb"^ +\d+ +(\d+) +\d+ +(\d+) +\d+$", re.MULTILINE)
+
+
+def pymalloc_bytes() -> int | None:
+    """Bytes Python asked pymalloc for (every object of 512 bytes or less), from ``sys._debugmallocstats()``:
+    the bytes in its allocated blocks less 8 a block, since every request is rounded up to a multiple of 16
+    (a 24-byte float takes a 32-byte block; ``tracemalloc`` and ``sys.getsizeof`` count 24). None where
+    CPython does not print them."""
+    stats = _malloc_stats() or b""
+    m = _IN_BLOCKS.search(stats)
+    if not m:
+        return None
+    blocks = sum(int(b) for _, b in _CLASS_ROW.findall(stats))
+    return max(0, int(m.group(1).replace(b",", b"")) - 8 * blocks)
 
 
 @dataclass
@@ -140,6 +163,10 @@ class HostReader:
     max_blocks_every: int = 256
     """The block count is read at least every this many calls (at ~2 ms a cold read on a 0.5 M-block
     heap that is ~8 µs a step; on a small heap it is read every step)."""
+    max_blocks_gap_steps: int = 256
+    """...and at least every this many steps: the calls follow the watch's cadence (every step for the
+    first 48, then its read steps), so a stride in calls alone can leave hundreds of steps between
+    two block counts. The calls themselves are on the budget's cadence, so this bounds steps, not time."""
 
     def __post_init__(self) -> None:
         if not (self.blocks_budget_us > 0 and math.isfinite(self.blocks_budget_us)):
@@ -147,7 +174,10 @@ class HostReader:
                              "microseconds, e.g. 5.0.")
         if not (isinstance(self.max_blocks_every, int) and self.max_blocks_every >= 1):
             raise ValueError(f"HostReader(max_blocks_every={self.max_blocks_every!r}) must be an integer >= 1, e.g. 256.")
+        if not (isinstance(self.max_blocks_gap_steps, int) and self.max_blocks_gap_steps >= 1):
+            raise ValueError(f"HostReader(max_blocks_gap_steps={self.max_blocks_gap_steps!r}) must be an integer >= 1, e.g. 16.")
         self._statm = StatmReader()
+        self._blocks_step: int | None = None
         self.blocks_every = 1
         self.blocks_cost_us = 0.0
         self.calls = 0
@@ -157,7 +187,9 @@ class HostReader:
         t0 = time.perf_counter()
         rss, private = self._statm.read()
         blocks: int | None = None
-        if self.calls % self.blocks_every == 0:
+        last = self._blocks_step
+        if self.calls % self.blocks_every == 0 or last is None or step - last >= self.max_blocks_gap_steps:
+            self._blocks_step = step
             t1 = time.thread_time()  # CPU time: a read preempted on a shared machine is not a slow read
             blocks = sys.getallocatedblocks()
             cost = (time.thread_time() - t1) * 1e6

@@ -5,8 +5,10 @@ iterator lists in its ``_workers`` (torch starts every worker as a ``multiproces
 running ``torch.utils.data._utils.worker._worker_loop``, whatever the start method); the worker id
 is its index there. Each read is
 ``/proc/<pid>/smaps_rollup`` per worker (USS = private clean + private dirty; PSS), 1-6 ms a
-worker, so reads are spaced in time: at least ``min_interval_s`` apart and far enough apart that
-they cost at most ``max_overhead`` of the wall time (a 5 ms read of 2 workers every 1 s is 1%).
+worker, so reads are spaced: the watch's whole cost stays within ``max_overhead`` of the wall time,
+and a read is ``min_interval_s`` or ``max_gap_steps`` after the last (a 5 ms read of 2 workers every
+1 s is 1%). A worker that grew past twice its parent's Dataset grows inside itself (a cache in
+``__getitem__``), which copy on access cannot explain.
 Non-persistent workers are started again every epoch: a new set of pids is a new *generation*,
 and each worker's growth is measured over its own life.
 """
@@ -16,11 +18,13 @@ from __future__ import annotations
 import gc
 import multiprocessing
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
 from memcallbacks._base.findings import Finding
 from memcallbacks._base.units import MiB, format_bytes
+from memcallbacks.host.holders import deep_size
 from memcallbacks.host.readers import smaps_rollup
 
 __all__ = ["WorkerInfo", "WorkerWatch", "dataloader_workers"]
@@ -37,17 +41,21 @@ class WorkerInfo:
     """The type name of the worker's Dataset."""
 
 
-def _iterators() -> list[Any]:
-    """The live multi-process DataLoader iterators (each knows its workers by worker id)."""
+def _iterators(young: bool = False) -> list[Any]:
+    """The live multi-process DataLoader iterators (each knows its workers by worker id); ``young``: only
+    those in the collector's two young generations (an epoch's new iterator, made a step or two ago,
+    is most often there: a walk of those lists, not of the whole heap)."""
     try:
-        from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
+        from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter as Iter
     except Exception:
         return []
+    if young:
+        return [obj for g in (0, 1) for obj in gc.get_objects(generation=g) if isinstance(obj, Iter)]
     # an instance refers to its (heap) type, so gc finds every live iterator without a heap list
-    return [obj for obj in gc.get_referrers(_MultiProcessingDataLoaderIter) if isinstance(obj, _MultiProcessingDataLoaderIter)]
+    return [obj for obj in gc.get_referrers(Iter) if isinstance(obj, Iter)]
 
 
-def dataloader_workers(known: dict[int, WorkerInfo | None] | None = None) -> list[WorkerInfo]:
+def dataloader_workers(known: dict[int, WorkerInfo | None] | None = None, datasets: dict[int, Any] | None = None) -> list[WorkerInfo]:
     """The live DataLoader worker processes this process started (persistent or not).
 
     Candidates are this process's ``multiprocessing`` children (every DataLoader worker is one,
@@ -55,16 +63,22 @@ def dataloader_workers(known: dict[int, WorkerInfo | None] | None = None) -> lis
     DataLoader iterators' ``_workers`` (``multiprocessing`` drops a started process's target, so
     its arguments cannot say). ``known`` caches identities by pid between calls (None: not a
     worker), so the search runs only when new children appear (an epoch of non-persistent
-    workers)."""
+    workers). ``datasets`` (when given) gets a weak reference to each new worker's Dataset, by pid."""
     known = {} if known is None else known
     children = [p.pid for p in multiprocessing.active_children() if p.pid is not None]
-    if any(pid not in known for pid in children):
+    new = {pid for pid in children if pid not in known}
+    if new:
         found: dict[int, WorkerInfo] = {}
-        for it in _iterators():
-            dataset = type(getattr(it, "_dataset", None)).__name__
-            for worker_id, proc in enumerate(getattr(it, "_workers", ()) or ()):
-                if proc.pid is not None:
-                    found[proc.pid] = WorkerInfo(proc.pid, worker_id, dataset)
+        for young in (True, False):  # the young generations first; the whole heap only if they did not hold it
+            for it in _iterators(young):
+                dataset = type(getattr(it, "_dataset", None)).__name__
+                for worker_id, proc in enumerate(getattr(it, "_workers", ()) or ()):
+                    if proc.pid is not None:
+                        found[proc.pid] = WorkerInfo(proc.pid, worker_id, dataset)
+                        if datasets is not None:
+                            datasets[proc.pid] = _weak(getattr(it, "_dataset", None))
+            if new <= found.keys():
+                break
         for pid in children:
             if pid not in known:
                 known[pid] = found.get(pid)
@@ -73,6 +87,32 @@ def dataloader_workers(known: dict[int, WorkerInfo | None] | None = None) -> lis
         del known[pid]
     return sorted((w for pid, w in known.items() if w is not None),
                   key=lambda w: (w.worker_id if w.worker_id is not None else 1 << 30, w.pid))
+
+
+def _weak(obj: Any) -> Any:
+    try:
+        return weakref.ref(obj)
+    except TypeError:
+        return None
+
+
+_INSIDE_FACTOR = 2
+"""A worker that grew by more than this many times what its parent's Dataset holds (plus
+``min_growth_bytes``) grows inside itself: copy on access can copy no more than the parent has."""
+
+_DATASET_BUDGET = 20_000
+"""Objects a Dataset's deep size walks at most (once per Dataset, after a worker grew); past it the
+Dataset counts as large (copy on access can explain any growth)."""
+
+_INSIDE_FIX = (
+    "It grows inside the workers: their private memory (USS) grew by more than their parent's Dataset "
+    "({held}) holds, so it is not the parent's pages being copied but objects each worker makes and keeps, "
+    "most often a cache filled in `__getitem__` (each decoded image or tokenized text kept in a dict on the "
+    "Dataset: every worker fills its own copy, for the whole epoch or, with persistent workers, the run). Fix: "
+    "drop the cache, or bound it (`functools.lru_cache(maxsize=...)` on the decode function), or fill it once "
+    "in the parent before the workers start (as NumPy arrays or tensors, shared) or on disk; fewer workers bound "
+    "the cost meanwhile."
+)
 
 
 @dataclass
@@ -98,8 +138,9 @@ class WorkerWatch:
     workers' private memory grows step over step by ``min_growth_bytes`` or more."""
 
     def __init__(self, *, min_interval_s: float = 0.5, max_overhead: float = 0.01, min_growth_bytes: int = 8 * MiB,
-                 max_reads: int = 512) -> None:
+                 max_reads: int = 512, max_gap_steps: int = 32) -> None:
         checks = (
+            ("max_gap_steps", max_gap_steps, max_gap_steps >= 1, "use 1 or more steps, e.g. 32"),
             ("min_interval_s", min_interval_s, min_interval_s >= 0, "use 0 or more seconds, e.g. 0.5"),
             ("max_overhead", max_overhead, 0 < max_overhead <= 1, "use a fraction of the wall time in (0, 1], e.g. 0.01"),
             ("min_growth_bytes", min_growth_bytes, min_growth_bytes > 0, "use a positive byte count, e.g. 8 * 2**20"),
@@ -112,23 +153,34 @@ class WorkerWatch:
         self.max_overhead = max_overhead
         self.min_growth_bytes = min_growth_bytes
         self.max_reads = max_reads
+        self.max_gap_steps = max_gap_steps
+        self._started: float | None = None
+        self._last_time = -float("inf")
+        self._last_step: int | None = None
         self.tracks: dict[int, _Track] = {}
         self._known: dict[int, WorkerInfo | None] = {}
+        self._datasets: dict[int, Any] = {}  # pid -> weak reference to the worker's Dataset (in this process)
+        self._held: dict[int, int | None] = {}  # id(Dataset) -> its deep size (None: past the walk's budget)
         self.generation = 0
         self._pids: frozenset[int] = frozenset()
-        self._next = 0.0
         self.reads = 0
         self.seconds = 0.0
         """Time spent finding and reading workers."""
         self.last_read_s = 0.0
+        self.charged = 0.0
+        """What the budget counts: finding the workers and sizing their Datasets (wall time), and each read's
+        CPU time (the kernel's page-table walk; a read preempted on a busy machine is not a slow read)."""
 
     def update(self, step: int, *, force: bool = False) -> Finding | None:
         """Read the workers if the time budget allows (or ``force``); a Finding while they grow."""
         now = time.monotonic()
-        if not force and now < self._next:
+        if not force and not self._due(step, now):
             return None
+        self._last_time, self._last_step = now, step
         t0 = time.perf_counter()
-        workers = dataloader_workers(self._known)
+        workers = dataloader_workers(self._known, self._datasets)
+        for pid in [p for p in self._datasets if p not in self._known]:
+            del self._datasets[pid]
         pids = frozenset(w.pid for w in workers)
         if pids and pids != self._pids and not pids & self._pids:
             self.generation += 1  # a fresh set of workers: a new epoch of non-persistent workers
@@ -151,10 +203,20 @@ class WorkerWatch:
         t2 = time.perf_counter()
         self.seconds += t2 - t0
         self.last_read_s = min(t2 - t1, time.thread_time() - c1)
+        self.charged += (t1 - t0) + self.last_read_s
         self.reads += 1
-        # spaced by the reads' cost (identifying a new set of workers happens once per set)
-        self._next = time.monotonic() + max(self.min_interval_s, self.last_read_s / self.max_overhead)
         return self._check(step) if workers else None
+
+    def _due(self, step: int, now: float) -> bool:
+        """A read now keeps the watch's whole cost (discovery, Dataset sizes, reads) within ``max_overhead``
+        of the wall time since its first read, and it is ``min_interval_s`` after the last one or
+        ``max_gap_steps`` steps after it (a fast loop's 200 steps may last a second or two)."""
+        if self._started is None:
+            self._started = now
+            return True
+        if self.charged + self.last_read_s > self.max_overhead * (now - self._started):
+            return False
+        return now - self._last_time >= self.min_interval_s or step - (self._last_step or 0) >= self.max_gap_steps
 
     def live(self) -> list[_Track]:
         return [t for pid, t in self.tracks.items() if pid in self._pids]
@@ -163,6 +225,32 @@ class WorkerWatch:
         """Private (USS) and proportional (PSS) memory of the live workers, summed: their host cost."""
         live = [t for t in self.live() if t.reads]
         return {"workers": len(live), "uss_bytes": sum(t.reads[-1][1] for t in live), "pss_bytes": sum(t.reads[-1][2] for t in live)}
+
+    def _dataset_bytes(self, pid: int) -> int | None:
+        """Deep size of the parent's Dataset of worker ``pid`` (once per Dataset; its time is the watch's)."""
+        ref = self._datasets.get(pid)
+        dataset = ref() if ref is not None else None
+        if dataset is None:
+            return None
+        key = id(dataset)
+        if key not in self._held:
+            t0 = time.perf_counter()
+            seen: dict[type, list[int]] = {}
+            size = deep_size([dataset], budget=_DATASET_BUDGET, by_type=seen)
+            self._held[key] = None if sum(c for c, _ in seen.values()) >= _DATASET_BUDGET else size
+            self.seconds += time.perf_counter() - t0
+            self.charged += time.perf_counter() - t0
+        return self._held[key]
+
+    def _inside(self, grown: list[_Track]) -> int | None:
+        """What the parent's Dataset holds, when every grown worker grew by far more than that (growth
+        inside the workers); None when copy on access can explain it."""
+        held = [self._dataset_bytes(t.info.pid) for t in grown]
+        if any(h is None for h in held):
+            return None
+        if all(t.growth > _INSIDE_FACTOR * h + self.min_growth_bytes for t, h in zip(grown, held)):  # type: ignore[operator]
+            return max(held)  # type: ignore[type-var]
+        return None
 
     def _check(self, step: int) -> Finding | None:
         grown = [t for t in self.tracks.values() if t.growth >= self.min_growth_bytes and t.rising()]
@@ -174,6 +262,18 @@ class WorkerWatch:
             f"{format_bytes(t.reads[0][1])} -> {format_bytes(t.reads[-1][1])}" for t in grown[:8]
         )
         datasets = sorted({t.info.dataset for t in grown})
+        held = self._inside(grown)
+        if held is not None:
+            cause = _INSIDE_FIX.format(held=format_bytes(held))
+        else:
+            cause = (
+                f"Copy on access: a worker starts sharing its parent's pages, and a Dataset ({', '.join(datasets)}) that "
+                "holds a Python list (or dict) of objects has every page it reads copied into the worker, because reading "
+                "an object writes its reference count (pytorch/pytorch#13246); each worker ends up with its own copy of the "
+                "data. Fix: keep the data in NumPy arrays or tensors (one buffer, no per-item reference counts: "
+                "`np.array(strings, dtype=np.bytes_)`, offsets into one array), or load it per worker in `worker_init_fn` / "
+                "lazily from disk; fewer workers bound the cost meanwhile."
+            )
         return Finding(
             kind="worker_growth",
             step=step,
@@ -182,15 +282,11 @@ class WorkerWatch:
             message=(
                 f"DataLoader workers' private memory (USS) grew step over step: {per}. The {totals['workers']} live "
                 f"workers hold {format_bytes(totals['uss_bytes'])} of private memory in all "
-                f"(PSS {format_bytes(totals['pss_bytes'])}). Copy on access: a worker starts sharing its parent's pages, "
-                f"and a Dataset ({', '.join(datasets)}) that holds a Python list (or dict) of objects has every page it "
-                "reads copied into the worker, because reading an object writes its reference count "
-                "(pytorch/pytorch#13246); each worker ends up with its own copy of the data. Fix: keep the data in "
-                "NumPy arrays or tensors (one buffer, no per-item reference counts: `np.array(strings, dtype=np.bytes_)`, "
-                "offsets into one array), or load it per worker in `worker_init_fn` / lazily from disk; fewer workers "
-                "bound the cost meanwhile."
+                f"(PSS {format_bytes(totals['pss_bytes'])}). {cause}"
             ),
             details={
+                "cause": "inside_workers" if held is not None else "copy_on_access",
+                "dataset_bytes": held,
                 "workers": [
                     {"pid": t.info.pid, "worker_id": t.info.worker_id, "generation": t.generation, "dataset": t.info.dataset,
                      "first_uss_bytes": t.reads[0][1], "uss_bytes": t.reads[-1][1], "pss_bytes": t.reads[-1][2],

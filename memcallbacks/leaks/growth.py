@@ -10,7 +10,35 @@ from memcallbacks._base.findings import Finding
 from memcallbacks._base.units import KiB, MiB, format_bytes
 from memcallbacks.leaks.lifecycle import RAISE_MAX_GAPS, SETTLE_MIN_GAPS, RiseTracker, settled_finding
 
-__all__ = ["GrowthDetector", "RiseTracker", "RAISE_MAX_GAPS", "SETTLE_MIN_GAPS"]
+__all__ = ["GrowthDetector", "RiseTracker", "RAISE_MAX_GAPS", "SETTLE_MIN_GAPS", "thinned_rate"]
+
+def thinned_rate(reads: list[tuple[int, int]], max_points: int = 24) -> tuple[float, float]:
+    """``(rate, z)`` of ``(step, bytes)`` reads that may be thinned (uneven steps apart): the Theil–Sen
+    slope per step and the Mann–Kendall z of the trend, on at most ``max_points`` reads spread evenly.
+
+    The one rule both channels use to say how fast a sparse series grew over a span: a single jump
+    between two reads (a list built at an epoch's start) moves the median slope little and the trend
+    z not at all, where a two-point difference would take it for the whole span's growth."""
+    if len(reads) > max_points:
+        stride = (len(reads) - 1) / (max_points - 1)
+        reads = [reads[round(i * stride)] for i in range(max_points)]
+    n = len(reads)
+    if n < 2:
+        return 0.0, 0.0
+    s = 0
+    slopes = []
+    for i in range(n - 1):
+        xi, yi = reads[i]
+        for j in range(i + 1, n):
+            d = reads[j][1] - yi
+            s += (d > 0) - (d < 0)
+            slopes.append(d / ((reads[j][0] - xi) or 1))
+    slopes.sort()
+    m = len(slopes)
+    rate = slopes[m // 2] if m % 2 else (slopes[m // 2 - 1] + slopes[m // 2]) / 2
+    z = (s - (s > 0) + (s < 0)) / math.sqrt(n * (n - 1) * (2 * n + 5) / 18)
+    return rate, z
+
 
 class _Level:
     """Step-start baselines summarised as blocks of ``size`` steps: (first step, min, max)."""

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from memcallbacks._base.findings import Finding
+from memcallbacks._base.findings import Finding, step_text
 
 __all__ = ["Dashboard", "RunOutputs", "Tracker", "finding_text", "flat_summary"]
 
@@ -56,7 +56,7 @@ class RunOutputs:
 
 def finding_text(finding: Finding, limit: int = 4000) -> str:
     """``[kind] step N: message`` (``[growth, settled]``, ``[lingering, advice]``) plus the holders, cut to ``limit`` characters."""
-    text = f"[{finding.label}] step {finding.step}: {finding.message}"
+    text = f"[{finding.label}] {step_text(finding.to_steps())}: {finding.message}"
     if finding.holders:
         text += "\n" + "\n".join(f"held by: {h}" for h in finding.holders[:5])
     return text if len(text) <= limit else text[: limit - 1] + "…"

@@ -32,3 +32,21 @@ def test_fit_then_test_keeps_the_cadence_section(tmp_path):
     assert "own time ?" not in text and "monitor's own time " in text, text
     assert text.splitlines()[0].startswith("memcallbacks: no problem found in 70 steps"), text
     assert "test" in set(monitor.eval_history["stage"]), monitor.eval_history
+
+
+def test_fit_then_validate_and_test_keep_the_host_reads_and_the_per_rank_figures(tmp_path):
+    monitor = MemoryMonitor(output_dir=str(tmp_path / "mem"), plot=False)
+    model, data = BoringModel(), RandomDataModule()
+    trainer = L.Trainer(callbacks=[monitor], **trainer_kwargs(tmp_path, max_steps=70))
+    trainer.fit(model, datamodule=data)
+    after_fit = json.loads((tmp_path / "mem" / "report.json").read_text())
+    assert after_fit["host"]["reads"] > 0 and after_fit["summary"]["rank_figures"].get("host_private_bytes"), after_fit["host"]
+    trainer.validate(model, datamodule=data)
+    trainer.test(model, datamodule=data)
+    report = json.loads((tmp_path / "mem" / "report.json").read_text())
+    # before the fix: reads 0 and rank_figures {} (the test stage's setup made a new host channel)
+    assert report["host"]["reads"] >= after_fit["host"]["reads"], (report["host"], after_fit["host"])
+    figures = report["summary"]["rank_figures"]
+    assert figures.get("host_private_bytes") and figures.get("host_python_bytes"), figures
+    text = monitor.format_report()
+    assert "no reading" not in text and "    private memory           " in text, text

@@ -76,6 +76,7 @@ def test_persistent_workers_copy_on_access_is_found_with_its_fix():
     assert {w["worker_id"] for w in f.details["workers"]} == {0, 1}
     assert f.details["total_uss_bytes"] >= 2 * 20 * MiB
     assert "pytorch/pytorch#13246" in f.message and "NumPy arrays or tensors" in f.message and "Records" in f.message
+    assert f.details["cause"] == "copy_on_access"
     assert f.details["read_cost_s"] > 0 and watch.seconds > 0
     assert watch.figures()["host_worker_uss_bytes"] == f.details["total_uss_bytes"]
     del loader
@@ -95,6 +96,35 @@ def test_arrays_do_not_grow():
     watch = WorkerWatch(min_interval_s=0.0, max_overhead=0.5)
     findings = fit(loader, watch, 300)
     assert watch.reads >= 4 and findings == [], [f.message for f in findings]
+
+
+class DecodedCache(Dataset):
+    """1,600 path strings in the parent (~0.1 MiB); each worker decodes an item to 64 KiB and keeps it in a dict
+    filled in ``__getitem__``: growth inside the workers, far more than the parent's Dataset holds."""
+
+    def __init__(self, n: int = 1600) -> None:
+        self.paths = [f"images/{i:05d}.jpg" for i in range(n)]
+        self.cache: dict[int, torch.Tensor] = {}
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i not in self.cache:
+            self.cache[i] = torch.full((16384,), float(len(self.paths[i])))  # the "decoded image": 64 KiB
+        return self.cache[i][:2].clone()
+
+
+def test_a_cache_filled_in_getitem_grows_inside_the_workers_not_by_copy_on_access():
+    loader = DataLoader(DecodedCache(), batch_size=16, num_workers=2, persistent_workers=True, shuffle=True)
+    watch = WorkerWatch(min_interval_s=0.0, max_overhead=0.5)
+    findings = fit(loader, watch, 100)  # 1,600 items: each worker caches ~800 x 64 KiB = ~50 MiB
+    assert findings, watch.summary()
+    f = findings[-1]
+    assert f.details["cause"] == "inside_workers" and f.details["dataset_bytes"] < 1 * MiB, f.details
+    assert "grows inside the workers" in f.message and "__getitem__" in f.message and "lru_cache(maxsize=...)" in f.message
+    assert "pytorch/pytorch#13246" not in f.message  # not copy on access
+    del loader
 
 
 def test_bad_parameters_name_the_parameter_and_the_fix():

@@ -130,3 +130,16 @@ def test_labels_counts_and_tracker_keys_follow_the_state():
 def test_a_bad_state_or_severity_is_refused_naming_it(field, value):
     with pytest.raises(ValueError, match=f"Finding.{field}='{value}' is not one of"):
         Finding(kind="growth", step=1, message="m", **{field: value})
+
+
+def test_a_finding_shows_the_step_it_was_first_raised_at_and_its_latest_update_apart():
+    log = FindingLog()
+    log.add(Finding(kind="growth", step=49, message="m"))
+    log.add(Finding(kind="growth", step=284, message="m"))
+    stored = log.get("growth")
+    assert (stored.first_step, stored.step) == (49, 284)
+    assert str(stored).startswith("[growth] step 49 (confirmed again at step 284): m")
+    text = format_report({"summary": {}, "findings": [stored.to_dict()], "files": {}, "events": [], "model_states": {}, "snapshots": []})
+    assert "[growth] step 49 (confirmed again at step 284): m" in text
+    settled = Finding(kind="growth", step=300, first_step=49, message="m", state="settled")
+    assert str(settled).startswith("[growth, settled] step 49 (settled at step 300): m")
