@@ -163,7 +163,7 @@ class HostReader:
     max_blocks_every: int = 256
     """The block count is read at least every this many calls (at ~2 ms a cold read on a 0.5 M-block
     heap that is ~8 µs a step; on a small heap it is read every step)."""
-    max_blocks_gap_steps: int = 256
+    max_blocks_gap_steps: int = 16
     """...and at least every this many steps: the calls follow the watch's cadence (every step for the
     first 48, then its read steps), so a stride in calls alone can leave hundreds of steps between
     two block counts. The calls themselves are on the budget's cadence, so this bounds steps, not time."""
@@ -188,7 +188,10 @@ class HostReader:
         rss, private = self._statm.read()
         blocks: int | None = None
         last = self._blocks_step
-        if self.calls % self.blocks_every == 0 or last is None or step - last >= self.max_blocks_gap_steps:
+        # at least every max_blocks_gap_steps steps, unless the count is so dear (1-3 ms on a large heap
+        # after a step) that it would cost more than twice its budget per step: then as rarely as that allows
+        gap = max(self.max_blocks_gap_steps, math.ceil(self.blocks_cost_us / (2 * self.blocks_budget_us)))
+        if self.calls % self.blocks_every == 0 or last is None or step - last >= gap:
             self._blocks_step = step
             t1 = time.thread_time()  # CPU time: a read preempted on a shared machine is not a slow read
             blocks = sys.getallocatedblocks()

@@ -44,8 +44,6 @@ CATEGORIES = (
 MODEL_STATES = ("parameters", "gradients", "optimizer state", "buffers")
 """The model's own states: a storage that is one of them now and existed before is never growth."""
 
-BATCHES = ("current batch", "previous batches")
-
 SUSPICIOUS = ("previous batches", "graph-held", "other")
 """Categories whose tensors get a holder path in a census."""
 
@@ -127,15 +125,15 @@ class Census:
         :data:`NOT_SEARCHED` group (storages whose holder a truncated census did not search) after
         every named holder that grew; then what shrank.
 
-        A storage that was there at ``before`` is not growth, whoever holds it now: the path search
-        may reach it another way the second time (a dataset through a frame's local mid-run, through
-        ``Trainer.train_dataset`` at the end; a holder ``before``'s search ran out of time for; a
-        model ``before`` did not see on a frozen heap), and "grew by 1 tensor" would then name a
-        holder that holds nothing new. Two exceptions make a kept batch its keeper's growth: a
-        storage that was the step's batch, or a frame's variable itself (``train() local batch``),
-        at ``before`` and that a container keeps now. A storage bound to a frame's variable now
-        (``for x in list(data)``) or that is a model state now was there all along."""
-        held = {(r.device, r.data_ptr, r.nbytes) for r in before.records if r.category not in BATCHES and not _bare_local(r)}
+        A storage that an object (not a frame's local) held at both censuses is neither: the path
+        search may reach it through another holder the second time (a dataset found through
+        ``Trainer.fit_loop._data_source``, then ``Trainer.fit_loop._combined_loader``), and "grew by
+        1 tensor" would then name a holder that holds nothing new. Nor is a storage that was there
+        before and is now bound to a frame's variable itself (``local x``, no subscript or
+        attribute), or that is a model state now (a model the first census missed). A storage that
+        a frame held the first time (the step's batch) and a container keeps now counts as that
+        container's growth."""
+        held = {(r.device, r.data_ptr, r.nbytes) for r in before.records if r.holder and " local " not in r.holder and r.holder not in (NOT_SEARCHED, NO_ROOT)}
         existed = {(r.device, r.data_ptr, r.nbytes) for r in before.records}
         now_keys = {(r.device, r.data_ptr, r.nbytes) for r in self.records}
         settled = {(r.device, r.data_ptr, r.nbytes) for r in self.records if _bare_local(r) or r.category in MODEL_STATES}

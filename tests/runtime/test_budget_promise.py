@@ -44,16 +44,9 @@ def test_nanogpt_style_loop_stays_within_its_budget_at_defaults(tmp_path):
     situation is measured a few times and backed off."""
     r = nanogpt.train(110, monitored=True, output_dir=str(tmp_path / "mem"), **STEADY)
     c = r["cadence"]
-    # the budget holds from step 48 on; the first 48 steps watch every step whatever it costs (by design).
-    # Its own time is wall time, every hook call timed whole: on a shared, oversubscribed machine a
-    # preemption inside the monitor's code lands in it (a 0.1 ms read measured 4 ms here). The budget
-    # itself is measured in benchmarks/nanogpt_budget.py, side by side with a bare loop (300 steps of
-    # ~30 ms: 0.68-0.81% from step 48, 0.87-0.99% in all, the wall-time excess agreeing); this run is
-    # too short for the guard's windows (62 steps after the first 48) and its steps are ~10 ms:
-    # 1.30-1.38% from step 48 (hooks 0.5%), 2.0% in all. A unit test guards against the regression's
-    # size (7-20%), with room for a loaded machine's preemptions.
-    assert c["overhead_after_start"] is not None and c["overhead_after_start"] <= 3 * c["overhead_budget"], c
-    assert c["overhead"] < 4 * c["overhead_budget"], c  # was 7-20% before the fix
+    # The share of the step is a timing a second busy process moves, so it is measured in
+    # benchmarks/nanogpt_budget.py, side by side with a bare loop (docs/benchmarks.md), not asserted here.
+    # What made it 7-20% before the fix is behaviour, and is asserted: a heap scan at every lingering check.
     assert c["own_time_by_part_s"]["hooks"] > 0, c
     assert c["lingering_heap_scans"] == 0, c  # `loss` is a local of train(): found without the heap
     # the situation (last step's logits and divided loss alive) is measured, found harmless, backed off:
@@ -99,11 +92,9 @@ def test_a_root_only_the_heap_scan_finds_is_scanned_once_the_budget_pays_for_it(
     assert c["lingering_heap_scans"] == 1, c  # before: one at every check after step 20 (every 4th sampled step)
     assert c["lingering_checks"] >= 20, c  # the checks went on, without the scan
     assert c["own_time_by_part_s"]["lingering"] > 0
-    # own time is wall time: on a loaded 2-core machine a preemption inside the monitor's code lands in it
-    # (the first test leaves a quarter of the budget for that; a full-suite run under load measured 2.2%)
-    # the hooks' part (each call timed whole) has no interval to back off: on ~1.4 ms steps of a small
-    # MLP it is ~28 µs a step (2.0% of the step), a floor the guard cannot lower; what it controls is the rest
-    assert c["overhead_after_start"] - c["hooks_after_start"] <= 2.5 * c["overhead_budget"], c
+    # the share of the step is a timing a busy machine moves (benchmarks/, docs/benchmarks.md); the
+    # behaviour is that the heap scan's cost is in the lingering part, not repeated at every check
+    assert c["own_time_by_part_s"]["lingering"] >= c["own_time_by_part_s"]["findings"], c
     _parts_add_up(c)
 
 
