@@ -15,7 +15,7 @@ import threading
 import time
 from typing import Any, Iterator
 
-__all__ = ["own_time", "counted_collection", "watch_collections", "unwatch_collections", "automatic_collections_s"]
+__all__ = ["own_time", "counted_collection", "watch_collections", "unwatch_collections"]
 
 _thread_time = time.thread_time
 _ident = threading.get_ident
@@ -41,11 +41,6 @@ def _on_collection(phase: str, info: dict[str, Any]) -> None:
 def own_time() -> float:
     """Seconds on the monitor's clock; the difference of two reads on one thread is what the code between cost."""
     return _thread_time() - _gc_s.get(_ident(), 0.0)
-
-
-def automatic_collections_s() -> float:
-    """CPU seconds this thread spent in Python's automatic collections while watched (not own time)."""
-    return _gc_s.get(_ident(), 0.0)
 
 
 def watch_collections() -> bool:
