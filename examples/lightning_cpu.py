@@ -75,7 +75,7 @@ def main() -> None:
 
     # CPU only: return tensors of 256 KiB or more to the OS when freed, so RSS peaks follow tensor
     # lifetimes (see AdvancedOptions.cpu_mmap_threshold); on a GPU the allocator's own peaks are used.
-    monitor = MemoryMonitor(log_every_n_steps=10, sample_every_n_steps=1, advanced=AdvancedOptions(cpu_mmap_threshold="256 KiB"))
+    monitor = MemoryMonitor(advanced=AdvancedOptions(cpu_mmap_threshold="256 KiB"))  # logs with the Trainer (every 10 steps)
     trainer = L.Trainer(
         accelerator="cpu",
         max_steps=args.steps,

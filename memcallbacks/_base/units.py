@@ -6,7 +6,7 @@ import math
 import re
 from typing import Any
 
-__all__ = ["KiB", "MiB", "GiB", "TiB", "KB", "MB", "GB", "UNITS", "format_bytes", "format_delta", "parse_size"]
+__all__ = ["KiB", "MiB", "GiB", "TiB", "KB", "MB", "GB", "UNITS", "format_bytes", "format_delta", "parse_size", "ordinal"]
 
 KiB = 2**10
 MiB = 2**20
@@ -74,3 +74,9 @@ def parse_size(value: Any, name: str) -> int:
         f"{_named(name, value)} is not a size; pass bytes as an int or a string such as '4 MiB', '2 GiB' or '0 B' "
         "(units: B, KiB, MiB, GiB, TiB, or KB, MB, GB, TB in powers of ten)."
     )
+
+
+def ordinal(n: int) -> str:
+    """``2`` -> ``"2nd"``, ``11`` -> ``"11th"``, ``23`` -> ``"23rd"``: "every 2nd step"."""
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"

@@ -8,7 +8,7 @@ from typing import Any
 
 from memcallbacks._base.columns import frame_column
 from memcallbacks._base.findings import finding_counts, finding_label, step_text
-from memcallbacks._base.units import format_bytes, format_delta
+from memcallbacks._base.units import format_bytes, format_delta, ordinal
 from memcallbacks._files.verdict import measure_names, verdict_lines
 
 __all__ = ["format_report", "load_output_dir", "find_output_dir", "read_eval_history"]
@@ -180,7 +180,7 @@ def _peak_lines(s: dict[str, Any], names: dict[str, str], history: Any) -> list[
 
 
 def step_segments(steps: list[int]) -> list[str]:
-    """``[0..9, 19, 29, 39]`` -> ``["0-9", "every 10th from 19 to 39"]``: which steps have rows, in words."""
+    """``[0..9, 19, 29, 39]`` -> ``["0-9", "every 10th from 19 to 39"]`` (``"every 2nd ..."``): which steps have rows, in words."""
     out: list[str] = []
     i = 0
     while i < len(steps):
@@ -195,7 +195,7 @@ def step_segments(steps: list[int]) -> list[str]:
         elif j - i == 1:
             out += [str(steps[i]), str(steps[j])]
         else:
-            out.append(f"every {gap}th from {steps[i]} to {steps[j]}")
+            out.append(f"every {ordinal(gap)} from {steps[i]} to {steps[j]}")
         i = j + 1
     return out
 
@@ -215,7 +215,7 @@ def _rows_lines(s: dict[str, Any], history: Any) -> list[str]:
            if cadence.get("sample_interval_source") == "overhead_budget" else "sample_every_n_steps")
     if cadence.get("sample_every_n_steps"):
         n = cadence["sample_every_n_steps"]
-        why += f": {'every step' if n == 1 else f'every {n}th step'} after the first ones, and the logged ones"
+        why += f": {'every step' if n == 1 else f'every {ordinal(n)} step'} after the first ones, and the logged ones"
     return [f"  rows in history.csv        {len(steps)} of {seen} steps ({shown})",
             f"                             the other steps were only watched for leaks ({why})"]
 
@@ -247,9 +247,18 @@ def _cost_lines(s: dict[str, Any], config: dict[str, Any]) -> list[str]:
         if cadence.get("sample_interval_source") == "config" or config.get("sample_every_n_steps"):
             lines.append(f"    over budget: sample_every_n_steps={cadence.get('sample_every_n_steps')} is set; "
                          "leave it unset to let the monitor measure fewer steps")
-        else:
+        elif cadence.get("backoffs"):
             lines.append(f"    over budget: the monitor measured fewer steps to come back under it "
-                         f"({len(cadence.get('backoffs') or [])} back-off(s))")
+                         f"({len(cadence['backoffs'])} back-off(s))")
+        elif after is not None and after > budget and cadence.get("over_budget_windows"):
+            lines.append("    over budget: nothing it can measure less often is left; the rest is the logged steps "
+                         "(a larger log_every_n_steps lowers it) and its hooks' calls")
+        elif after is not None and after > budget:  # no window long enough for the guard yet
+            lines.append(f"    over budget after the first {cadence.get('dense_read_steps')} steps: too few steps since "
+                         "for the monitor to measure fewer (it checks every 32 steps)")
+        elif after is not None:
+            lines.append(f"    the first {cadence.get('dense_read_steps')} steps are read every step by design "
+                         "(a leak in the training code leaks from step 0); after them it is within its budget")
     return lines
 
 

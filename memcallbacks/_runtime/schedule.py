@@ -99,6 +99,18 @@ def aligned_samples(every: int, log_every: int) -> int:
     return every if divisor == log_every and 2 * every <= log_every else divisor
 
 
+def _ceil(x: float) -> int:
+    """``math.ceil``, blind to a last-digit rounding of the measurements (300.0000000001 is 300)."""
+    return math.ceil(x * (1 - 1e-9))
+
+
+def lower_quartile(values: Any) -> float:
+    """The value a quarter of the way up ``values`` (NaN for none). Noise only makes a step slower:
+    the lower quartile of recent steps is the step the training runs when nothing else is running."""
+    ordered = sorted(values)
+    return ordered[(len(ordered) - 1) // 4] if ordered else math.nan
+
+
 def median(values: Any) -> float:
     ordered = sorted(values)
     return float(ordered[len(ordered) // 2]) if ordered else math.nan
@@ -260,7 +272,7 @@ class Schedule:
 
     Own time, one record: :attr:`own_s` (every second the monitor spent), :attr:`parts` (the same
     seconds by part), :attr:`timed_s` (the wall time of the :attr:`steps` steps timed start to
-    start), :attr:`step_median_s` (the median step time the intervals are chosen from). The leak
+    start), :attr:`step_s` (the step time the intervals are chosen from). The leak
     watch books its lingering checks and finding work (:meth:`book_lingering`, :meth:`book_finding`)
     and the step's charge is split by them. The object lives as long as its session."""
 
@@ -309,7 +321,7 @@ class Schedule:
         self.parts: dict[str, float] = dict.fromkeys(PARTS, 0.0)
         self.timed_s = 0.0
         self.steps = 0
-        self.step_median_s = 0.0  # 0 until measured
+        self.step_s = 0.0  # the lower quartile of the recent step times (0 until measured)
         self.booked_lingering_s = 0.0  # booked by the leak watch, split off the charges that include it
         self.booked_finding_s = 0.0
         self._booked_seen = (0.0, 0.0)  # (lingering, finding) already split off a charge
@@ -434,7 +446,7 @@ class Schedule:
         cost = self.backend.heap_cost_s if self.backend is not None else 0.0
         if cost <= CHEAP_HEAP_S:
             return True
-        if not (wanted or self.wants_read(count)) and cost > (count - self.heap_at) * self.budget * self.step_median_s:
+        if not (wanted or self.wants_read(count)) and cost > (count - self.heap_at) * self.budget * self.step_s:
             return False
         self.heap_at = count
         self._read_costs.append(cost)  # what choose() spaces the watch's reads by
@@ -542,7 +554,7 @@ class Schedule:
 
     def affords(self, seconds: float, steps: int) -> bool:
         """Whether ``seconds`` spread over ``steps`` steps fits the lingering check's share of the budget."""
-        return self.step_median_s > 0 and seconds <= steps * self.step_median_s * self.budget * LINGERING_SHARE
+        return self.step_s > 0 and seconds <= steps * self.step_s * self.budget * LINGERING_SHARE
 
     @property
     def finding_s(self) -> float:
@@ -594,23 +606,23 @@ class Schedule:
     def choose(self) -> None:
         """Pick the read and sample intervals that keep the monitor within the budget: the reads may
         take :data:`READ_SHARE` of it, the logged steps what they cost, sampling what is left."""
-        step = median(self._step_times)
+        step = lower_quartile(self._step_times)  # steps a busy machine slowed do not buy more reads
         if not step > 0:
             return
-        self.step_median_s = step
+        self.step_s = step
         if self._started is not None:
             self.guard.check(self)
         allowed = self.budget * step
         costs = self._check_costs
         if costs:  # a lingering check every mark_every sampled steps, at its mean cost, within its share
             check = COLD_FACTOR * sum(costs) / len(costs)
-            every = max(MARK_EVERY_SAMPLES, math.ceil(check / (allowed * LINGERING_SHARE) / max(1, self.sample_every)))
+            every = max(MARK_EVERY_SAMPLES, _ceil(check / (allowed * LINGERING_SHARE) / max(1, self.sample_every)))
             self.mark_every = min(MAX_INTERVAL, every * self.guard.backoff["lingering"])
             allowed -= check / (self.mark_every * max(1, self.sample_every))
         watch = median(self._watch_costs) if self._watch_costs else 0.0
         if self._read_costs:
             read = COLD_FACTOR * (median(self._read_costs) + watch)
-            every = max(1, min(MAX_READ_INTERVAL, math.ceil(read / (allowed * READ_SHARE))))
+            every = max(1, min(MAX_READ_INTERVAL, _ceil(read / (allowed * READ_SHARE))))
             every = min(MAX_INTERVAL, every * self.guard.backoff["read"])
             if self.logs:  # reads in phase with the logged steps, whose baseline is a read
                 every = aligned_reads(every, self.log_every)
@@ -623,7 +635,7 @@ class Schedule:
         sample = COLD_FACTOR * median(self._sample_costs)
         if self.logs:
             allowed -= sample / self.log_every
-        every = max(1, min(MAX_INTERVAL, MAX_INTERVAL if allowed <= 0 else math.ceil(sample / allowed)))
+        every = max(1, min(MAX_INTERVAL, MAX_INTERVAL if allowed <= 0 else _ceil(sample / allowed)))
         every = min(MAX_INTERVAL, every * self.guard.backoff["sample"])
         if self.logs:  # samples in phase with the logged steps, as the reads
             every = aligned_samples(every, self.log_every)
@@ -669,6 +681,7 @@ class Schedule:
             "sample_interval_source": "config" if self.explicit else "overhead_budget",
             "log_every_n_steps": self.log_every if self.logs else None,
             "step_time_median_s": None if math.isnan(step) else step,
+            "step_time_budgeted_s": self.step_s or None,  # the lower quartile the intervals were chosen from
             "watch_cost_median_us": us(self._watch_costs),
             "read_cost_median_us": us(self._read_costs),
             "sample_cost_median_us": us(self._sample_costs),

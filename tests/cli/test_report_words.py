@@ -1,0 +1,35 @@
+"""The text report's words about steps and budget: ordinals as people write them, and an over-budget
+line that says why (set by the user, backed off, too few steps yet, or the first steps read by design)."""
+
+from __future__ import annotations
+
+from memcallbacks._base.units import ordinal
+from memcallbacks._files.report import _cost_lines, step_segments
+
+
+def test_ordinals_and_step_segments_read_as_english():
+    assert [ordinal(n) for n in (1, 2, 3, 4, 11, 12, 13, 21, 22, 23, 101, 111, 112)] == [
+        "1st", "2nd", "3rd", "4th", "11th", "12th", "13th", "21st", "22nd", "23rd", "101st", "111th", "112th"]
+    assert step_segments([0, 1, 2, 3, 5, 7, 9, 11, 21, 31, 41, 43, 46, 49]) == [
+        "0-3", "every 2nd from 5 to 11", "every 10th from 21 to 41", "every 3rd from 43 to 49"]
+
+
+def cost(overhead, after, **cadence):
+    lines = _cost_lines({"cadence": {"overhead": overhead, "overhead_after_start": after, "overhead_budget": 0.01,
+                                     "dense_read_steps": 48, **cadence}}, {})
+    return "\n".join(lines)
+
+
+def test_over_budget_says_why_and_never_claims_a_back_off_that_did_not_happen():
+    assert "over budget" not in cost(0.005, 0.004)
+    early = cost(0.02, 0.005)
+    assert "first 48 steps are read every step by design" in early and "back-off" not in early
+    short = cost(0.005, 0.02)
+    assert "too few steps since" in short and "back-off" not in short
+    floor = cost(0.02, 0.02, over_budget_windows=2)
+    assert "nothing it can measure less often is left" in floor and "log_every_n_steps" in floor
+    backed = cost(0.02, 0.02, backoffs=[{"part": "read"}, {"part": "sample"}], over_budget_windows=2)
+    assert "2 back-off(s) to keep the budget (read, sample)" in backed and "come back under it (2 back-off(s))" in backed
+    chosen = _cost_lines({"cadence": {"overhead": 0.03, "overhead_after_start": 0.03, "overhead_budget": 0.01,
+                                      "sample_interval_source": "config", "sample_every_n_steps": 1}}, {})
+    assert "sample_every_n_steps=1 is set" in "\n".join(chosen)
