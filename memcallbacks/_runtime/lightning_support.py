@@ -17,7 +17,6 @@ from memcallbacks._runtime.adapter_support import (
     OptimizerHooks, lightning_strategy, precision_name, rank_zero_trackers, refuse_shared_folder, saved_state_of,
 )
 from memcallbacks._runtime.guard import Guarded, entry_point
-from memcallbacks._runtime.preflight_check import training_step
 from memcallbacks._runtime.lifecycle import output_folder
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -80,6 +79,8 @@ def predict_step(session: Session, batch: Any, pl_module: Any, batch_idx: int, a
     """``preflight=True``: this batch's step predicted on fake tensors, before it starts (``training_step`` as
     the forward; a manual-optimization module is skipped: it runs its own backward and optimizer steps)."""
     manual = None if automatic else "manual optimization (training_step runs its own backward and optimizer steps)"
+    from memcallbacks.preflight._step import training_step
+
     session.run_preflight(batch, model=pl_module, forward_fn=training_step(batch_idx), skip=manual, grads_through_forward=True)
 
 

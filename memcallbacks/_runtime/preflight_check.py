@@ -26,18 +26,13 @@ from memcallbacks._base.findings import Finding
 from memcallbacks._base.columns import MICRO_BATCHES, OPTIMIZER_STEPS, PEAK_ALLOCATED, PEAK_BACKWARD, PEAK_FORWARD, PEAK_OPTIMIZER, RESERVED, STEP
 from memcallbacks._base.units import GiB, format_bytes
 from memcallbacks._runtime.lifecycle import weak_method
-from collections.abc import Mapping
-from typing import Any, Callable
-from torch import nn
-
-__all__ = ["call_step", "training_step", "loss_of", "batch_size_of", "resize_batch", "autocast_precision"]
 
 if TYPE_CHECKING:  # pragma: no cover
     from memcallbacks.preflight import BatchFit, Prediction
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PreflightCheck", "MIN_GAP_BYTES", "PHASES", "fake_step_running", "fake_steps"]
+__all__ = ["PreflightCheck", "MIN_GAP_BYTES", "PHASES", "autocast_precision", "fake_step_running", "fake_steps"]
 
 from memcallbacks._base.columns import TRAINING_PHASES as PHASES
 from memcallbacks._base.own_clock import own_time
@@ -141,6 +136,8 @@ class PreflightCheck:
             return
         device = self.engine.device
         precision = self.precision or autocast_precision(device.type if device is not None else "cpu")
+        from memcallbacks.preflight._step import call_step
+
         self.run((tuple(args), dict(kwargs)), model=module, forward_fn=call_step, precision=precision)
 
     def run(
@@ -203,6 +200,7 @@ class PreflightCheck:
 
     def _predict_and_check(self, model: Any, batch: Any, forward_fn: Callable[..., Any] | None, precision: str | None, grads_kept: bool) -> None:
         from memcallbacks.preflight import max_batch_size, predict
+        from memcallbacks.preflight.batch_size import batch_size_of, resize_batch
 
         if model is None:
             raise ValueError("no model to predict; give the monitor the model (Monitor(model, optimizer))")
@@ -242,7 +240,27 @@ class PreflightCheck:
         at_peak = dict((p.first_step if first else p).breakdown.get(phase, {}))
         if phase == "forward" and not first:
             at_peak["grads"] = at_peak.get("grads", 0) + grads  # the previous step's, kept through forward
-        self.report_finding(self._over_capacity(p, phase, peak, at_peak, first, capacity, source, size, fit, grads))
+        finding = self._over_capacity(p, phase, peak, at_peak, first, capacity, source, size, fit, grads)
+        remedies = self._remedies(model, batch, p, kwargs, capacity, source)
+        if remedies:
+            self.info["explanation"] = remedies.to_dict()
+            finding.details["remedies"] = self.info["explanation"]["remedies"]
+            finding.message += " What makes it fit, largest predicted saving first: " + "; ".join(
+                f"{i}. {r}" for i, r in enumerate(remedies.remedies[:3], 1))
+        self.report_finding(finding)
+
+    def _remedies(self, model: Any, batch: Any, p: "Prediction", kwargs: dict[str, Any], capacity: int, source: str) -> Any:
+        """The explanation an out-of-memory error at this step would get (``memcallbacks.oom``), with each
+        change's predicted saving; None when it cannot be made (it is said in the log)."""
+        from memcallbacks.oom import StepModel, explain_prediction
+
+        extra = {k: kwargs[k] for k in ("strategy", "world_size", "hopper")}
+        step = StepModel(model, batch, self.optimizer, kwargs["precision"], kwargs["device"], kwargs["forward_fn"] or "default", extra)
+        try:
+            return explain_prediction(step, p, capacity, source)
+        except Exception as exc:  # the finding stands without its ranked changes
+            self._warn("%s: pre-flight could not rank the changes that make the step fit: %s", self.owner, exc)
+            return None
 
     def _over_capacity(
         self, p: "Prediction", phase: str, peak: int, at_peak: dict[str, int], first: bool, capacity: int, source: str, size: int | None,
@@ -374,80 +392,6 @@ class PreflightCheck:
                 }
             out["comparison"] = {"steps_compared": self.steps_compared, "phases": phases}
         return out
-
-
-# ---------------------------------------------------------------------- each adapter's step as a forward_fn, the batch size, and batches of another size
-ForwardFn = Callable[[nn.Module, Any], Any]
-
-
-def _ignore(*args: Any, **kwargs: Any) -> None:
-    return None
-
-
-def loss_of(out: Any) -> Any:
-    """The loss a model call stands for: ``out.loss`` (Transformers), ``out["loss"]``, a tensor, or the
-    sum of the output's floating tensors (a loss computed outside the model takes about as little)."""
-    loss = getattr(out, "loss", None)
-    if isinstance(loss, torch.Tensor):
-        return loss
-    if isinstance(out, Mapping) and isinstance(out.get("loss"), torch.Tensor):
-        return out["loss"]
-    if isinstance(out, torch.Tensor):
-        return out
-    tensors = [t for t in _tensors(out) if t.is_floating_point() and t.requires_grad]
-    if not tensors:
-        return out  # predict() names what it got instead of a loss
-    return torch.stack([t.float().sum() for t in tensors]).sum()
-
-
-def call_step(model: nn.Module, batch: tuple[tuple[Any, ...], dict[str, Any]]) -> Any:
-    """The plain-loop step: the model called as the loop called it (``batch`` is ``(args, kwargs)``)."""
-    args, kwargs = batch
-    return loss_of(model(*args, **kwargs))
-
-
-def training_step(batch_idx: int) -> ForwardFn:
-    """A LightningModule's step: ``training_step(batch, batch_idx)`` on the fake copy, whose ``self.log``
-    goes nowhere (the copy shares the real trainer, whose logged results must not see fake tensors)."""
-
-    def forward(model: nn.Module, batch: Any) -> Any:
-        object.__setattr__(model, "log", _ignore)
-        object.__setattr__(model, "log_dict", _ignore)
-        return model.training_step(batch, batch_idx)
-
-    return forward
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, Mapping):
-        return [t for v in value.values() for t in _tensors(v)]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _tensors(v)]
-    return []
-
-
-def batch_size_of(batch: Any) -> int | None:
-    """Dimension 0 of the batch's first tensor (None when it has no tensor with a dimension)."""
-    for t in _tensors(batch):
-        return int(t.shape[0]) if t.dim() > 0 else None
-    return None
-
-
-def resize_batch(batch: Any, old: int, new: int) -> Any:
-    """``batch`` with every tensor whose dimension 0 is ``old`` replaced by a meta tensor with ``new`` rows."""
-    if isinstance(batch, torch.Tensor):
-        if batch.dim() > 0 and batch.shape[0] == old:
-            return torch.empty((new, *batch.shape[1:]), dtype=batch.dtype, device="meta")
-        return batch
-    if isinstance(batch, Mapping):
-        return {k: resize_batch(v, old, new) for k, v in batch.items()}
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
-        return type(batch)(*(resize_batch(v, old, new) for v in batch))
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(resize_batch(v, old, new) for v in batch)
-    return batch
 
 
 def autocast_precision(device_type: str) -> str | None:

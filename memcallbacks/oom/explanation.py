@@ -151,7 +151,7 @@ def explain_oom(
     acc = account(exc, where, model=model, optimizer=optimizer, device=dev, floor=floor_of(rows, baseline_now, step),
                   capacity=capacity, capacity_source=capacity_source, requested=requested_bytes(exc),
                   step_start=recent_start(rows, baseline_now, step), device_capacity=device_capacity)
-    from memcallbacks._runtime.preflight_check import batch_size_of
+    from memcallbacks.preflight.batch_size import batch_size_of
 
     size = batch_size_of(where.call) if where.call is not None else None
     step_model = None
@@ -196,7 +196,7 @@ def explain_prediction(step: StepModel, prediction: Any, capacity: int, capacity
     ranked, _ = rank_remedies(step, acc, [], base=prediction)
     top = prediction.top_modules[0][0] if prediction.top_modules else None
     where = Where(phase=phase, module=top, module_type="largest saved activations" if top is not None else None)
-    from memcallbacks._runtime.preflight_check import batch_size_of
+    from memcallbacks.preflight.batch_size import batch_size_of
 
     predicted = {"peak_bytes": prediction.peak_bytes, "peak_phase": phase, "phase_peaks": prediction.phase_peaks(),
                  "activation_bytes": prediction.activation_bytes, "top_modules": [list(kv) for kv in prediction.top_modules[:5]]}

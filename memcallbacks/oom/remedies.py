@@ -52,17 +52,19 @@ class StepModel:
     optimizer: Any
     precision: str = "fp32"
     device: torch.device | str | None = None
-    step_fn: str = "call"
-    """``"call"``, ``"training_step"`` (Lightning), or ``"default"``: :func:`~memcallbacks.preflight.predict`'s own
-    (``model(**batch).loss``, or ``loss_fn(model(x), y)`` with ``extra["loss_fn"]``)."""
+    step_fn: str | Callable[[nn.Module, Any], Any] = "call"
+    """``"call"``, ``"training_step"`` (Lightning), ``"default"``: :func:`~memcallbacks.preflight.predict`'s own
+    (``model(**batch).loss``, or ``loss_fn(model(x), y)`` with ``extra["loss_fn"]``), or the forward function itself."""
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
     """More :func:`~memcallbacks.preflight.predict` arguments (``loss_fn``, ``strategy``, ``world_size``, ``hopper``)."""
 
     @property
     def forward_fn(self) -> Callable[[nn.Module, Any], Any]:
-        from memcallbacks._runtime.preflight_check import call_step, training_step
+        from memcallbacks.preflight._step import call_step, training_step
         from memcallbacks.preflight._step import default_forward_fn
 
+        if callable(self.step_fn):
+            return self.step_fn
         if self.step_fn == "default":
             return default_forward_fn(self.extra.get("loss_fn"))
         return call_step if self.step_fn == "call" else training_step(0)
@@ -126,7 +128,7 @@ def _leak(acc: Accounting, holders: list[str]) -> Remedy | None:
 def _window(step: StepModel, base: Any, size: int, available: int) -> tuple[int, int]:
     """Where to search: the peak grows about linearly with the batch, so one more prediction (batch 1)
     places the answer within a few sizes; the search still proves it on both sides."""
-    from memcallbacks._runtime.preflight_check import resize_batch
+    from memcallbacks.preflight.batch_size import resize_batch
 
     one = step.predict(resize_batch(step.call, size, 1)).peak_bytes
     if base.peak_bytes <= one:
@@ -139,7 +141,7 @@ def _window(step: StepModel, base: Any, size: int, available: int) -> tuple[int,
 def _batch(step: StepModel, base: Any, available: int) -> Remedy | None:
     from memcallbacks.preflight import max_batch_size
 
-    from memcallbacks._runtime.preflight_check import batch_size_of, resize_batch
+    from memcallbacks.preflight.batch_size import batch_size_of, resize_batch
 
     size = batch_size_of(step.call)
     if size is None or size <= 1:

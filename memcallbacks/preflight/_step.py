@@ -12,7 +12,7 @@ from torch import nn
 from memcallbacks.preflight._fake import batch_tensors
 from memcallbacks.preflight._tracking import GRADS, INPUTS, OPTIMIZER, PARAMS, StorageTracker
 
-__all__ = ["PreflightError", "default_forward_fn", "run_step"]
+__all__ = ["PreflightError", "call_step", "default_forward_fn", "loss_of", "run_step", "training_step"]
 
 ForwardFn = Callable[[nn.Module, Any], Any]
 
@@ -23,6 +23,44 @@ class PreflightError(RuntimeError):
     def __init__(self, message: str, op: str | None = None) -> None:
         super().__init__(message)
         self.op = op
+
+
+def _ignore(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def loss_of(out: Any) -> Any:
+    """The loss a model call stands for: ``out.loss`` (Transformers), ``out["loss"]``, a tensor, or the
+    sum of the output's floating tensors (a loss computed outside the model takes about as little)."""
+    loss = getattr(out, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    if isinstance(out, Mapping) and isinstance(out.get("loss"), torch.Tensor):
+        return out["loss"]
+    if isinstance(out, torch.Tensor):
+        return out
+    tensors = [t for t in batch_tensors(out) if t.is_floating_point() and t.requires_grad]
+    if not tensors:
+        return out  # predict() names what it got instead of a loss
+    return torch.stack([t.float().sum() for t in tensors]).sum()
+
+
+def call_step(model: nn.Module, batch: tuple[tuple[Any, ...], dict[str, Any]]) -> Any:
+    """The plain-loop step: the model called as the loop called it (``batch`` is ``(args, kwargs)``)."""
+    args, kwargs = batch
+    return loss_of(model(*args, **kwargs))
+
+
+def training_step(batch_idx: int) -> ForwardFn:
+    """A LightningModule's step: ``training_step(batch, batch_idx)`` on the fake copy, whose ``self.log``
+    goes nowhere (the copy shares the real trainer, whose logged results must not see fake tensors)."""
+
+    def forward(model: nn.Module, batch: Any) -> Any:
+        object.__setattr__(model, "log", _ignore)
+        object.__setattr__(model, "log_dict", _ignore)
+        return model.training_step(batch, batch_idx)
+
+    return forward
 
 
 def default_forward_fn(loss_fn: Callable[..., torch.Tensor] | None) -> ForwardFn:

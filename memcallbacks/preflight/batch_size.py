@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
+import torch
 from torch import nn
 
+from memcallbacks.preflight._fake import batch_tensors
 from memcallbacks.preflight.predict import predict
 from memcallbacks.preflight.prediction import Prediction
 
-__all__ = ["BatchFit", "max_batch_size"]
+__all__ = ["BatchFit", "batch_size_of", "max_batch_size", "resize_batch"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,3 +86,25 @@ def max_batch_size(
         else:
             bad = mid
     return BatchFit(good, tried[good], capacity_bytes, predictions[good], tried)
+
+
+def batch_size_of(batch: Any) -> int | None:
+    """Dimension 0 of the batch's first tensor (None when it has no tensor with a dimension)."""
+    for t in batch_tensors(batch):
+        return int(t.shape[0]) if t.dim() > 0 else None
+    return None
+
+
+def resize_batch(batch: Any, old: int, new: int) -> Any:
+    """``batch`` with every tensor whose dimension 0 is ``old`` replaced by a meta tensor with ``new`` rows."""
+    if isinstance(batch, torch.Tensor):
+        if batch.dim() > 0 and batch.shape[0] == old:
+            return torch.empty((new, *batch.shape[1:]), dtype=batch.dtype, device="meta")
+        return batch
+    if isinstance(batch, Mapping):
+        return {k: resize_batch(v, old, new) for k, v in batch.items()}
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(resize_batch(v, old, new) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(resize_batch(v, old, new) for v in batch)
+    return batch

@@ -194,6 +194,15 @@ def test_lightning_capacity_warning_before_step_zero(tmp_path: Path) -> None:
     assert "optimizer_state" in message or "temporaries" in message or "activations" in message
     finding = monitor.findings[0]
     assert finding.kind == "preflight" and finding.bytes > 0 and finding.details["max_batch_size"] == fit
+    # the explanation an OOM at this step would get, before the step runs: ranked changes, each with its number
+    explained = monitor.report()["preflight"]["explanation"]
+    assert explained["source"] == "pre-flight" and explained["text"].startswith("the step would run out of memory")
+    kinds = [r["kind"] for r in explained["remedies"]]
+    assert "batch_size" in kinds and finding.details["remedies"] == explained["remedies"], kinds
+    batch = explained["remedies"][kinds.index("batch_size")]
+    assert batch["fits"] and 1 <= batch["details"]["batch_size"] < BATCH, batch
+    assert batch["details"]["predicted_peak_bytes"] <= capacity and batch["saving_bytes"] > 0, batch
+    assert "What makes it fit, largest predicted saving first: 1. " in message
     assert len(monitor.history) == 2  # training went on
 
 
