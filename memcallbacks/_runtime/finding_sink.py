@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable
 
+from memcallbacks._base import distributed as _distributed
 from memcallbacks._base.findings import Finding, FindingLog, announce
 
 __all__ = ["FindingSink"]
@@ -24,6 +25,7 @@ class FindingSink:
         self.kept = FindingLog()  # one finding per cause
         self.new: list[Finding] = []
         self._holders_logged: set[str] = set()
+        self._shared: dict[str, tuple[int, str]] = {}  # key -> (count, state) last sent to rank zero
 
     @property
     def findings(self) -> list[Finding]:
@@ -46,6 +48,35 @@ class FindingSink:
             if self.rank() == 0:
                 self.log.warning("%s: what grew (%s finding of step %d):\n%s", self.owner, finding.kind, finding.first_step or finding.step,
                                  "\n".join(f"    {h}" for h in finding.holders))
+
+    def share_with_rank_zero(self, rank: int, device: Any, step: int) -> int:
+        """A collective (every rank calls it at the same step): the findings each other rank made or
+        changed since the last call reach rank zero, which keeps them as ``rank N: ...`` findings
+        (key ``rankN:<key>``, ``details["rank"]``, ``details["shared_at_step"]``: rank zero's step when it first
+        heard), logs and reports them. Costs one all-reduce of a
+        number when no rank has news, one object gather more when one has. Returns the findings received."""
+        mine = []
+        if rank != 0:
+            for f in self.kept.findings:
+                if not f.key.startswith("rank") and self._shared.get(f.key) != (f.count, f.state):
+                    self._shared[f.key] = (f.count, f.state)
+                    mine.append(f.to_dict())
+        news, _ = _distributed.max_over_ranks([float(len(mine))], device)
+        if not news[0] > 0:
+            return 0
+        received = 0
+        for other, items in enumerate(_distributed.gather_objects(mine, device)):
+            if rank != 0 or other == 0:
+                continue
+            for item in items:
+                key = f"rank{other}:{item['key']}"
+                known = self.kept.get(key)
+                shared_at = known.details.get("shared_at_step", step) if known is not None else step
+                item = dict(item, key=key, message=f"rank {other}: {item['message']}",
+                            details=dict(item.get("details") or {}, rank=other, shared_at_step=shared_at))
+                self.add(Finding(**{k: v for k, v in item.items() if k in Finding.__dataclass_fields__}))
+                received += 1
+        return received
 
     def problems(self) -> int:
         """Open problems: findings that are neither settled growth nor advice (``memory/findings``)."""

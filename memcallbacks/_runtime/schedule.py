@@ -105,8 +105,7 @@ def _ceil(x: float) -> int:
 
 
 def lower_quartile(values: Any) -> float:
-    """The value a quarter of the way up ``values`` (NaN for none). Noise only makes a step slower:
-    the lower quartile of recent steps is the step the training runs when nothing else is running."""
+    """The value a quarter of the way up ``values`` (NaN for none): noise only makes steps slower."""
     ordered = sorted(values)
     return ordered[(len(ordered) - 1) // 4] if ordered else math.nan
 
@@ -295,6 +294,7 @@ class Schedule:
         self.read_every = 1
         self.log_every = 50
         self.logs = True  # False: the run has nowhere to log, so no step is a logged step
+        self.shares = False  # a distributed run: every log_every-th step, the ranks' findings reach rank zero
         self.log_first_step = False
         self.quiet_until = 0  # steps whose count is below it are quiet (planned at each busy step's end)
         self.sample_next = False  # the next step is sampled whatever the intervals (the theory check)
@@ -392,6 +392,10 @@ class Schedule:
             return False
         return (count + 1) % self.log_every == 0 or (self.log_first_step and count == 0)
 
+    def share_due(self, count: int) -> bool:
+        """Whether the ranks share their findings after step ``count`` (a collective: from counts only)."""
+        return self.shares and (count + 1) % self.log_every == 0
+
     def wants_read(self, count: int) -> bool:
         """Whether the watch reads memory at the start of the step after ``count`` steps."""
         return count < DENSE_READ_STEPS or count < self.dense_until or (count + 1) % self.read_every == 0 or count == self._forced
@@ -412,7 +416,7 @@ class Schedule:
         if count < self.dense_until:
             return count
         busy = count + (-(count + 1)) % self.sample_every
-        if self.logs:
+        if self.logs or self.shares:
             busy = min(busy, count + (-(count + 1)) % self.log_every)
         if reads:
             busy = min(busy, count + (-(count + 1)) % self.read_every)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from memcallbacks._base.config import MonitorConfig
+from memcallbacks._base.distributed import rank_and_world
 from memcallbacks._base.columns import E_STAGE, MONITOR_TIME_S, OPTIMIZER, PEAK_RESERVED
 from memcallbacks._base.findings import Finding
 from memcallbacks._base.own_clock import own_time
@@ -76,21 +77,17 @@ class Session:
         self.trackers: Trackers | None = None  # rank zero's trackers (TensorBoard, W&B, MLflow)
         self._observers: list[Any] = []
         self.failed = False  # an internal error turned the monitor off (fail())
-        self.lingering_due = False
-        """A step opened with ``defer_lingering=True`` still owes its lingering check."""
+        self.lingering_due = False  # a step opened with defer_lingering=True still owes its lingering check
         self.title = ""
         self._warned: set[str] = set()
-        self.kind: StepKind | None = None
-        """What the open step is (None: no step is open); decided once when it begins."""
+        self.kind: StepKind | None = None  # what the open step is (None: none is open), decided once when it begins
         self.watched_s = 0.0  # a watched step's own time at its start, charged at its end with the end's
         self.watched_typical = True  # the watched step found nothing (its cost chooses the intervals)
         self.leaves_marks = False  # this step's end leaves marks for the lingering check
         self.samples_unmarked = 0
         self.step_ended_at = 0.0  # when the last step ended (time.perf_counter), for a pause said after the fact
-        self.current_step = 0
-        """The open step's number as the adapter gave it: the step of findings, rows and logs."""
-        self.current_count = 0
-        """Steps before the open one, for the schedule (Lightning: batches that stepped)."""
+        self.current_step = 0  # the open step's number as the adapter gave it: the step of findings, rows and logs
+        self.current_count = 0  # steps before the open one, for the schedule (Lightning: batches that stepped)
 
     def _rank(self) -> int:  # methods, not lambdas: the session pickles (DDP spawn)
         return self.engine.rank
@@ -104,12 +101,9 @@ class Session:
         model: Any = _KEEP, optimizer: Any = None, precision: str | None = None, strategy: str | None = None,
         world_size: int | None = None,
     ) -> None:
-        """Everything an adapter tells the session about its run, in one call: where logged metrics
-        go (``log_fn(metrics, step)``), rank zero's trackers, the report's title, and the model and
-        optimizer the census and the theory check look at (with ``precision``, ``strategy`` and
-        ``world_size`` in :func:`memcallbacks.estimate.estimate`'s names). A part not given is kept;
-        ``model`` is one part with ``optimizer``, ``precision``, ``strategy`` and ``world_size``
-        (given together: those left out are None)."""
+        """What an adapter tells the session, in one call: ``log_fn(metrics, step)``, rank zero's trackers,
+        the title, and the model with its optimizer, precision, strategy and world size (estimate()'s names;
+        one part, given together). A part not given is kept."""
         if log_fn is not _KEEP:
             self.log_fn = log_fn
         if trackers is not _KEEP:
@@ -213,6 +207,7 @@ class Session:
         log_every = config.log_every_n_steps or max(int(framework_log_every or 50), 1)
         # a later stage of the same run (fit, then test) keeps the training cadence
         self.schedule.configure(log_every=log_every, logs=logs, log_first_step=log_first_step, keep=self.engine.seen_steps > 0)
+        self.schedule.shares = config.reduce_across_ranks and rank_and_world()[1] > 1  # the same on every rank
         try:
             self._start_parts(device, rank, world_size)
         except Exception as exc:  # backend selection, the first reads, the leak watch: never fatal
@@ -369,7 +364,6 @@ class Session:
         self._micro_batch()
 
     def _micro_batch(self) -> None:
-        """A further micro-batch of the open step (gradient accumulation)."""
         if self.engine.enabled:
             try:
                 self.engine.micro_batch()
@@ -471,6 +465,13 @@ class Session:
                 self.emit(metrics, self.current_step if log_step is None else log_step)
             except Exception as exc:
                 self.fail(exc, "logging")
+        if self.schedule.share_due(self.current_count):  # a collective: each rank's news reach rank zero
+            t0 = own_time()
+            try:
+                self.sink.share_with_rank_zero(self.engine.rank, self.engine.device, self.current_step)
+            except Exception as exc:
+                self.fail(exc, "sharing findings with rank zero")
+            self.schedule.charge_other(own_time() - t0, "watch")
         if observed:
             self._notify("step_ended", batch, loss)
         self.step_ended_at = time.perf_counter()

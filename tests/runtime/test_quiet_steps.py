@@ -96,6 +96,20 @@ def test_budget_samples_ride_on_logged_steps_unless_it_allows_more():
     assert c.read_every == 16 and c.sample_every == 23  # 35 - 280 / 16 = 17.5 µs/step: every 23 steps
 
 
+def test_a_distributed_run_with_nothing_logged_still_meets_at_the_logging_interval():
+    """Rank zero hears of the other ranks' findings every ``log_every`` steps (a collective): those steps
+    are never quiet, on every rank, even when the run logs nothing; the others stay quiet."""
+    c = cadence()
+    c.configure(log_every=50, logs=False, log_first_step=False)
+    feed(c, step_s=1.4e-3, watch_s=20e-6, read_s=120e-6, sample_s=300e-6)
+    assert c.next_busy(60, reads=False) == c.sample_every - 1 > 99  # alone, nothing brings step 99 out of quiet
+    c.shares = True
+    assert [n for n in range(48, 200) if c.share_due(n)] == [49, 99, 149, 199]
+    assert c.next_busy(60, reads=False) == 99 and c.next_busy(100, reads=False) <= 149
+    c.plan_after(60, busy=False, reads=False)
+    assert c.step_kind(98) is C.StepKind.QUIET and c.step_kind(99) is not C.StepKind.QUIET
+
+
 def test_budget_reads_every_step_on_a_long_step():
     c = cadence()
     feed(c, step_s=0.2, watch_s=20e-6, read_s=120e-6, sample_s=300e-6)  # 200 ms: 2 ms of budget per step
