@@ -20,7 +20,6 @@ import torch
 
 from memcallbacks._base.config import MonitorConfig, given_fields, resolve_config, settings_of
 from memcallbacks._base.options import AdvancedOptions, KeywordCheck, LeakOptions, SnapshotOptions
-from memcallbacks._base.keys import grouped
 from memcallbacks._base.columns import BACKWARD, FORWARD, OPTIMIZER, OTHER
 from memcallbacks._runtime.guard import entry_point, unguarded_hook
 from memcallbacks._runtime.results import SessionResults
@@ -111,7 +110,9 @@ class MemoryMonitor(KeywordCheck, SessionResults, *_callback_bases()):  # type: 
         trainer = self._trainer
         if trainer is not None and trainer.is_global_zero:
             for logger in trainer.loggers:
-                logger.log_metrics(grouped(metrics, getattr(logger, "group_separator", "/")), step=step)
+                separator = getattr(logger, "group_separator", "/")  # the logger's own grouping of keys
+                shown = metrics if separator == "/" else {key.replace("/", separator): value for key, value in metrics.items()}
+                logger.log_metrics(shown, step=step)
 
     # ------------------------------------------------------------------ lifecycle hooks
     @entry_point("setup")
@@ -156,7 +157,7 @@ class MemoryMonitor(KeywordCheck, SessionResults, *_callback_bases()):  # type: 
                            kind: StepKind | None) -> None:
         session = self._session
         self._quiet = False
-        if session.step_open:  # a further micro-batch of the open step (gradient accumulation)
+        if session.kind is not None:  # a step is open: this is a further micro-batch of it (gradient accumulation)
             session.micro_batch()
             return
         count = self._log_step(trainer)
@@ -205,7 +206,7 @@ class MemoryMonitor(KeywordCheck, SessionResults, *_callback_bases()):  # type: 
         session = self._session
         loss, self._loss = self._loss, None
         if self._stepped or not self._automatic:
-            log_step = self._log_step(trainer) if session.log_this_step else None
+            log_step = self._log_step(trainer) if session.kind is StepKind.LOGGED else None
             session.end_step(OPTIMIZER if self._automatic else OTHER, log_step=log_step, batch=batch, loss=loss, outputs=outputs)
         else:  # accumulating gradients: the step goes on with the next batch
             session.boundary(OTHER)

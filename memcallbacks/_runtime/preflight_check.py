@@ -27,7 +27,6 @@ from memcallbacks._base.columns import MICRO_BATCHES, OPTIMIZER_STEPS, PEAK_ALLO
 from memcallbacks._base.units import GiB, format_bytes
 from memcallbacks._runtime.lifecycle import weak_method
 from collections.abc import Mapping
-from typing import Any, Callable
 from torch import nn
 
 __all__ = ["call_step", "training_step", "loss_of", "batch_size_of", "resize_batch", "autocast_precision"]
