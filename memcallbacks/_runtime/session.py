@@ -452,7 +452,10 @@ class Session:
         self._plan_quiet()
         if kind is StepKind.LOGGED and (row is not None or engine.world_size > 1):
             try:
-                metrics = engine.log_values(row, self._extra_keys(row))
+                capacity = engine.capacity if self.dashboard.capacity else None  # the capacity line the charts show
+                extra = self.checks.logged_keys(row, findings=self.sink.kept.problems(), overhead=self.schedule.overhead,
+                                                capacity=capacity, snap=self.snap)
+                metrics = engine.log_values(row, extra)
                 self.emit(metrics, self.current_step if log_step is None else log_step)
             except Exception as exc:
                 self.fail(exc, "logging")
@@ -498,19 +501,15 @@ class Session:
         """After a step: the quiet stretch that follows, unless something needs the next step."""
         checks = self.checks
         watch = checks.watch
+        theory_pending = checks.state.wanted
         busy = (
-            not self.engine.enabled or self.lingering_due or checks.state.wanted or checks.preflight.status == "waiting"
+            not self.engine.enabled or self.lingering_due or theory_pending or checks.preflight.status == "waiting"
             or (self.snap is not None and self.snap.busy)
             or (watch is not None and (watch.lingering is not None and watch.lingering.pending
                                        or watch.collections is not None and watch.collections.due))
         )
-        theory = checks.state.wanted and self.engine.optimizer_steps_total > 0  # the theory check samples the next step
+        theory = theory_pending and self.engine.optimizer_steps_total > 0  # the theory check samples the next step
         self.schedule.plan_after(self.current_count, busy=busy, reads=watch is not None, sample_next=theory)
-
-    def _extra_keys(self, row: list[Any] | None) -> dict[str, float]:
-        """The keys a logged step adds to the engine's (the checks' :meth:`StepChecks.logged_keys`)."""
-        return self.checks.logged_keys(row, findings=self.sink.kept.problems(), overhead=self.schedule.overhead, snap=self.snap,
-                                       capacity=self.engine.capacity if self.dashboard.capacity else None)
 
     def _dashboard(self) -> Dashboard:
         """What the trackers' charts show; a capacity line where the device has one (not host RAM on CPU)."""
