@@ -20,7 +20,6 @@ import torch
 
 from memcallbacks._base.config import MonitorConfig, given_fields, resolve_config, settings_of
 from memcallbacks._base.options import AdvancedOptions, KeywordCheck, LeakOptions, SnapshotOptions
-from memcallbacks._base.keys import grouped
 from memcallbacks._base.columns import BACKWARD, FORWARD, OPTIMIZER, OTHER
 from memcallbacks._runtime.guard import entry_point, unguarded_hook
 from memcallbacks._runtime.results import SessionResults
@@ -77,8 +76,6 @@ class MemoryMonitor(KeywordCheck, SessionResults, *_callback_bases()):  # type: 
     its checkpoint :attr:`state_key`) and, when they write files, its own ``output_dir``.
     """
 
-    _quiet = False  # the current step is quiet (the schedule said so): the step hooks return at once
-
     def __init__(self, config: MonitorConfig | dict[str, Any] | None = None, *,  # MonitorConfig's fields, by name:
         log_every_n_steps: int | None = None, sample_every_n_steps: int | None = None, log_keys: str | Sequence[str] = "default",
         output_dir: str | None = None, write_files: bool = True, plot: bool = True, console_summary: bool = True,
@@ -111,7 +108,9 @@ class MemoryMonitor(KeywordCheck, SessionResults, *_callback_bases()):  # type: 
         trainer = self._trainer
         if trainer is not None and trainer.is_global_zero:
             for logger in trainer.loggers:
-                logger.log_metrics(grouped(metrics, getattr(logger, "group_separator", "/")), step=step)
+                separator = getattr(logger, "group_separator", "/")  # the logger's own grouping of keys
+                shown = metrics if separator == "/" else {key.replace("/", separator): value for key, value in metrics.items()}
+                logger.log_metrics(shown, step=step)
 
     # ------------------------------------------------------------------ lifecycle hooks
     @entry_point("setup")
@@ -130,14 +129,15 @@ class MemoryMonitor(KeywordCheck, SessionResults, *_callback_bases()):  # type: 
     @entry_point("on_train_start")
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._automatic = bool(pl_module.automatic_optimization)
-        self._stepped = self._quiet = False
+        self._stepped = False
         self._last_count = self._log_step(trainer) - 1
         attach_fit(self._session, trainer, pl_module)
         if not self._automatic and self._session.enabled:  # manual optimization: the optimizer's hooks bound its phase
             self._optimizer_hooks.install()
 
-    # The five step hooks: on a quiet step each returns after one attribute read, with no wrapper
-    # frame: that check cannot raise, and everything else is in a guarded method.
+    # The five step hooks: on a quiet step each returns after reading that no step is open
+    # (``session.kind``; a quiet step is never begun), with no wrapper frame: that check cannot
+    # raise, and everything else is in a guarded method.
     @unguarded_hook("on_train_batch_start")
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int) -> None:
         # the schedule decides what the step is, once (it cannot raise; a fault reading Lightning's
@@ -146,8 +146,7 @@ class MemoryMonitor(KeywordCheck, SessionResults, *_callback_bases()):  # type: 
             kind: StepKind | None = self._step_kind(trainer.fit_loop.epoch_loop._batches_that_stepped)
         except Exception:
             kind = None
-        if kind is StepKind.QUIET:
-            self._quiet = True  # most steps of a long run: skipped by every hook, counted at the next other step
+        if kind is StepKind.QUIET:  # most steps of a long run: skipped by every hook, counted at the next other step
             return
         self._train_batch_start(trainer, pl_module, batch, batch_idx, kind)
 
@@ -155,8 +154,7 @@ class MemoryMonitor(KeywordCheck, SessionResults, *_callback_bases()):  # type: 
     def _train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int,
                            kind: StepKind | None) -> None:
         session = self._session
-        self._quiet = False
-        if session.step_open:  # a further micro-batch of the open step (gradient accumulation)
+        if session.kind is not None:  # a step is open: this is a further micro-batch of it (gradient accumulation)
             session.micro_batch()
             return
         count = self._log_step(trainer)
@@ -169,7 +167,7 @@ class MemoryMonitor(KeywordCheck, SessionResults, *_callback_bases()):  # type: 
 
     @unguarded_hook("on_before_backward")
     def on_before_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: torch.Tensor) -> None:
-        if not self._quiet:
+        if self._session.kind is not None:
             self._before_backward(loss)
 
     @entry_point("on_before_backward")
@@ -179,7 +177,7 @@ class MemoryMonitor(KeywordCheck, SessionResults, *_callback_bases()):  # type: 
 
     @unguarded_hook("on_after_backward")
     def on_after_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        if not self._quiet:
+        if self._session.kind is not None:
             self._after_backward()
 
     @entry_point("on_after_backward")
@@ -190,14 +188,14 @@ class MemoryMonitor(KeywordCheck, SessionResults, *_callback_bases()):  # type: 
     def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: Any) -> None:
         # automatic optimization: from here to batch end is the optimizer phase (clipping included);
         # a plain assignment, which cannot fail
-        if not self._quiet:
+        if self._session.kind is not None:
             self._stepped = True
 
     @unguarded_hook("on_train_batch_end")
     def on_train_batch_end(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if not self._quiet:
+        if self._session.kind is not None:
             self._train_batch_end(trainer, outputs, batch)
 
     @entry_point("on_train_batch_end")
@@ -205,7 +203,7 @@ class MemoryMonitor(KeywordCheck, SessionResults, *_callback_bases()):  # type: 
         session = self._session
         loss, self._loss = self._loss, None
         if self._stepped or not self._automatic:
-            log_step = self._log_step(trainer) if session.log_this_step else None
+            log_step = self._log_step(trainer) if session.kind is StepKind.LOGGED else None
             session.end_step(OPTIMIZER if self._automatic else OTHER, log_step=log_step, batch=batch, loss=loss, outputs=outputs)
         else:  # accumulating gradients: the step goes on with the next batch
             session.boundary(OTHER)
@@ -232,7 +230,7 @@ class MemoryMonitor(KeywordCheck, SessionResults, *_callback_bases()):  # type: 
             session.end_step(OTHER, log_step=self._log_step(trainer))
         count = self._log_step(trainer)
         session.count_quiet(count - self._last_count - 1)  # the quiet steps since the last other one
-        self._last_count, self._quiet = count - 1, False
+        self._last_count = count - 1
 
     @entry_point("on_fit_end")
     def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:

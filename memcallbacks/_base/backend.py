@@ -38,6 +38,8 @@ class MemoryBackend:
     """What reading ``allocated`` costs, a running estimate in seconds: 0 where it is an allocator's
     counter (read on every sampled step); the CPU backend measures its heap read (glibc's
     ``mallinfo2``), which the step schedule reads only on the steps it names (``Schedule.heap_due``)."""
+    has_counters: bool = False
+    """``counters()`` can say something (a caching allocator): a sampled step's end asks it only then."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device

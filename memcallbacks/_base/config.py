@@ -175,11 +175,6 @@ class Settings:
     def to_dict(self) -> dict[str, Any]:
         return self.source.to_dict()
 
-    def logged(self, metrics: dict[str, float]) -> dict[str, float]:
-        """The part of a step's ``metrics`` handed to loggers (``log_keys``); every rank reduced all of them."""
-        keep = self.logged_keys
-        return metrics if keep is None else {key: value for key, value in metrics.items() if key in keep}
-
 
 def settings_of(config: MonitorConfig) -> Settings:
     """The flat settings the runtime reads, for ``config``."""

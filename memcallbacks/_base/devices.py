@@ -31,6 +31,7 @@ class CudaBackend(MemoryBackend):
 
     kind = "cuda"
     peak_source = PEAK_ALLOCATOR
+    has_counters = True
 
     def __init__(self, device: torch.device) -> None:
         super().__init__(device)
@@ -85,6 +86,7 @@ class AcceleratorBackend(MemoryBackend):
     """
 
     kind = "accelerator"
+    has_counters = True  # empty where the accelerator keeps no statistics (MPS)
 
     def __init__(self, device: torch.device) -> None:
         super().__init__(device)

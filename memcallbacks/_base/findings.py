@@ -210,7 +210,11 @@ class FindingLog:
 
     def problems(self) -> int:
         """Open problems: findings neither settled nor advice."""
-        return sum(1 for f in self._by_key.values() if f.is_problem)
+        count = 0
+        for finding in self._by_key.values():
+            if finding.is_problem:
+                count += 1
+        return count
 
     def get(self, key: str) -> Finding | None:
         return self._by_key.get(key)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import difflib
 from typing import Any
 
-__all__ = ["TRAINING_KEYS", "EVAL_KEYS", "ALL_KEYS", "DEFAULT_KEYS", "OPTION_KEYS", "check_log_keys", "logged_keys", "grouped"]
+__all__ = ["TRAINING_KEYS", "EVAL_KEYS", "ALL_KEYS", "DEFAULT_KEYS", "OPTION_KEYS", "check_log_keys", "logged_keys"]
 
 TRAINING_KEYS = (
     "allocated_GiB", "reserved_GiB", "peak_forward_GiB", "peak_backward_GiB", "peak_optimizer_GiB", "peak_step_GiB",
@@ -79,8 +79,3 @@ def logged_keys(log_keys: str | tuple[str, ...], prefix: str, options: dict[str,
             if options.get(option):
                 names.update(keys)
     return frozenset(f"{prefix}/{name}" for name in names)
-
-
-def grouped(metrics: dict[str, float], separator: str) -> dict[str, float]:
-    """``metrics`` with their keys' parts joined by ``separator`` (a logger's ``group_separator``)."""
-    return metrics if separator == "/" else {key.replace("/", separator): value for key, value in metrics.items()}

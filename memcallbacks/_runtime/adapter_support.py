@@ -10,7 +10,9 @@ theory check reads the same run the same way under Lightning, Accelerate and the
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
+
+import torch
 from torch import nn
 from memcallbacks._base.columns import PHASES
 from memcallbacks._base.errors import SetupError
@@ -18,8 +20,6 @@ from memcallbacks.estimate.tables import canonical_precision
 from memcallbacks._runtime.lifecycle import weak_method
 from memcallbacks._runtime.preflight_check import fake_step_running
 from memcallbacks.trackers import Trackers
-from typing import Any, Iterable
-import torch
 
 __all__ = ["check_plain_arguments", "saved_step", "phase_index", "refuse_shared_folder", "saved_state_of", "lightning_strategy", "accelerate_strategy", "precision_name", "rank_zero_trackers", "OptimizerHooks", "unusable_device", "device_for"]
 

@@ -8,6 +8,7 @@ check a step and hands back what they found. The session's guard is around every
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any, Callable
 from memcallbacks._base.config import MonitorConfig
@@ -19,7 +20,8 @@ from memcallbacks._runtime.schedule import Schedule
 from memcallbacks.host.channel import HostChannel
 from memcallbacks.leaks.census import format_top_holders
 from memcallbacks.leaks.search_failure import search_or_note
-from memcallbacks._base.units import format_bytes
+from memcallbacks._base.columns import ALLOCATED
+from memcallbacks._base.units import GiB, format_bytes
 from memcallbacks.estimate.measure import estimate_for, hidden_state_bytes, measure_model_states
 from memcallbacks.leaks.tensors import batch_bytes
 
@@ -65,7 +67,8 @@ class StepChecks:
                                schedule=schedule)
         self.watch.start()
         growth = self.watch.growth
-        device_growth = lambda: growth.last if growth is not None else None  # noqa: E731
+        # the device growth test's latest finding (a partial of a builtin: no frame of ours at each host read)
+        device_growth = functools.partial(getattr, growth, "last") if growth is not None else None
         if keep_host and self.host is not None:
             self.host.growth.device_growth = device_growth
             return
@@ -153,6 +156,39 @@ class StepChecks:
         """The host channel's figures for the logs and the per-rank comparison (None without one)."""
         host = self.host
         return {**host.growth.figures(), **host.workers.figures()} if host is not None else None
+
+    def logged_keys(self, row: list[Any] | None, *, findings: int, overhead: float, capacity: float | None, snap: Any) -> dict[str, float]:
+        """The keys a logged step adds to the engine's: findings, overhead, pre-flight, theory, snapshots,
+        host, gc. ``capacity``: the device's bytes where the dashboard shows a capacity line (else None);
+        ``snap``: the session's snapshot policy."""
+        config = self.config
+        p = config.prefix
+        nan = float("nan")
+        extra = {f"{p}/findings": float(findings), f"{p}/overhead": overhead}
+        if config.preflight:
+            extra.update(self.preflight.metrics(row))
+        if capacity is not None:
+            extra[f"{p}/capacity_GiB"] = float(capacity or 0) / GiB
+        if config.estimate_model_states:
+            state = self.state
+            unexplained = state.unexplained(float(row[ALLOCATED])) if row is not None else None
+            extra[f"{p}/expected_GiB"] = state.expected_states / GiB if state.expected_level is not None else nan
+            extra[f"{p}/unexplained_GiB"] = unexplained / GiB if unexplained is not None else nan
+        if snap is not None or config.auto_snapshot:
+            extra[f"{p}/snapshots"] = float(len(snap.records)) if snap is not None else nan
+        if config.watch_host:  # off: no host keys at all (rather than NaN columns)
+            host = self.host_figures() or {}
+            for key, name in (("host_python_bytes", "host_python_GiB"), ("host_private_bytes", "host_private_GiB"),
+                              ("host_worker_uss_bytes", "host_workers_GiB")):
+                value = host.get(key)
+                extra[f"{p}/{name}"] = value / GiB if value is not None else nan
+        if config.gc_every_n_steps:
+            gc_results = self.watch.gc_results if self.watch is not None else None
+            last_gc = gc_results[-1] if gc_results else None
+            extra[f"{p}/gc_time_ms"] = last_gc["seconds"] * 1e3 if last_gc else nan
+            extra[f"{p}/gc_collected"] = float(last_gc["collected"]) if last_gc else nan
+            extra[f"{p}/gc_freed_GiB"] = (last_gc["bytes_freed"] or 0) / GiB if last_gc else nan
+        return extra
 
     # ------------------------------------------------------------------ at the run's end
     def report(self) -> dict[str, Any]:

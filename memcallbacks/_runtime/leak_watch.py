@@ -252,10 +252,6 @@ class LeakWatch:
             log.debug("could not inspect the garbage", exc_info=True)
             return None
 
-    @property
-    def last_gc(self) -> dict[str, Any] | None:
-        return self.gc_results[-1] if self.gc_results else None
-
     # ------------------------------------------------------------------ on sampled steps, after the baseline
     def after_baseline(self, step: int, baseline: int, batch: Any) -> list[Finding]:
         """Feed one memory read (allocated bytes at the start of ``step``) to growth detection; the

@@ -6,6 +6,7 @@ Functions of a Trainer and a LightningModule read by duck typing: nothing here i
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from pathlib import Path
@@ -63,7 +64,9 @@ def start_session(session: Session, trainer: Any, emit: Callable[[dict[str, floa
             f"{owner}: the Trainer has no logger (logger=False); memory metrics are not logged, but "
             "`monitor.history` and the files in output_dir are still kept.",
         )
-    session.attach(log_fn=emit, trackers=rank_zero_trackers(trainer.is_global_zero, lambda: trainer.loggers, owner, log))
+    # the loggers as of each logged step (a partial of a builtin: no frame of ours at every look)
+    loggers = functools.partial(getattr, trainer, "loggers")
+    session.attach(log_fn=emit, trackers=rank_zero_trackers(trainer.is_global_zero, loggers, owner, log))
     session.start(
         trainer.strategy.root_device,
         rank=trainer.global_rank,

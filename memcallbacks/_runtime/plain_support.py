@@ -11,22 +11,20 @@ on the step path (``track()``'s items, ``step()``, the hooks).
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
+import weakref
 from typing import TYPE_CHECKING, Any, Iterator, TypeVar
+
 from memcallbacks._runtime.adapter_support import saved_step
 from memcallbacks._runtime.guard import entry_point
 from memcallbacks._runtime.lifecycle import Cleanup
 from memcallbacks._runtime.model_hooks import remove_all
 from memcallbacks._runtime.results import SessionResults
-import inspect
-import weakref
-from typing import Any, Iterator
 
 __all__ = []
 
 if TYPE_CHECKING:  # pragma: no cover
-    import weakref
-
     from memcallbacks._runtime.model_hooks import ModelHooks
     from memcallbacks._runtime.session import LogFn, Session
 
@@ -155,8 +153,9 @@ class PlainControls(SessionResults):
         self._session.attach(model=model, optimizer=optimizer, **strategy)
 
     def will_log(self, count: int) -> bool:
-        """Whether the step after ``count`` steps is a logged step (see ``Session.will_log``)."""
-        return self._session.will_log(count)
+        """Whether the step after ``count`` steps is a logged step: every ``log_every_n_steps`` steps;
+        never when the run has nowhere to log. From counts only, so every rank agrees."""
+        return self._session.schedule.will_log(count)
 
     def state_dict(self) -> dict[str, Any]:
         state = self._session.state_dict()

@@ -1,72 +1,16 @@
-"""The engine's rows read out: a logged step's keys and values, the history frames, the summary.
+"""The engine's rows read out at the run's end: the history frames and the summary.
 
 Functions of plain data (rows in :mod:`memcallbacks._base.columns`' layout), called by
-:class:`~memcallbacks._runtime.sampling.MemoryEngine` on logged steps and at the run's end.
+:class:`~memcallbacks._runtime.sampling.MemoryEngine` (a logged step's keys are the engine's own).
 """
 
 
 from __future__ import annotations
 
 from typing import Any
-from memcallbacks._base.columns import (
-    ALLOCATED,
-    ALLOC_RETRIES,
-    COLUMNS,
-    EVAL_COLUMNS,
-    HOST_RSS,
-    INACTIVE_SPLIT,
-    MONITOR_TIME_S,
-    OOMS,
-    PEAK_ALLOCATED,
-    PEAK_BACKWARD,
-    PEAK_FORWARD,
-    PEAK_OPTIMIZER,
-    PEAK_RESERVED,
-    PHASES,
-    RESERVED,
-)
-from memcallbacks._base.units import GiB
-from memcallbacks._base.columns import ALLOCATED
+from memcallbacks._base.columns import ALLOCATED, COLUMNS, EVAL_COLUMNS, PHASES
 
-__all__ = ["step_keys", "step_values", "history_frame", "eval_frame", "summarise", "empty_history", "empty_eval_history", "extra_metrics"]
-
-
-def step_keys(p: str, device_kind: str) -> list[str]:
-    """The logged keys of a training step, under prefix ``p``."""
-    keys = [
-        f"{p}/allocated_GiB",
-        f"{p}/reserved_GiB",
-        f"{p}/peak_forward_GiB",
-        f"{p}/peak_backward_GiB",
-        f"{p}/peak_optimizer_GiB",
-        f"{p}/peak_step_GiB",
-        f"{p}/peak_reserved_GiB",
-        f"{p}/max_allocated_GiB",
-        f"{p}/host_rss_GiB",
-        f"{p}/monitor_time_ms",
-    ]
-    if device_kind != "cpu":
-        keys += [f"{p}/alloc_retries", f"{p}/ooms", f"{p}/inactive_split_GiB"]
-    return keys
-
-
-def step_values(row: list[Any], max_allocated: int, device_kind: str) -> list[float]:
-    """``row``'s values for :func:`step_keys`, in its order."""
-    values = [
-        row[ALLOCATED] / GiB,
-        row[RESERVED] / GiB,
-        row[PEAK_FORWARD] / GiB,
-        row[PEAK_BACKWARD] / GiB,
-        row[PEAK_OPTIMIZER] / GiB,
-        row[PEAK_ALLOCATED] / GiB,
-        row[PEAK_RESERVED] / GiB,
-        max_allocated / GiB,
-        row[HOST_RSS] / GiB,
-        row[MONITOR_TIME_S] * 1e3,
-    ]
-    if device_kind != "cpu":
-        values += [float(row[ALLOC_RETRIES]), float(row[OOMS]), row[INACTIVE_SPLIT] / GiB]
-    return values
+__all__ = ["history_frame", "eval_frame", "summarise", "empty_history", "empty_eval_history"]
 
 
 def history_frame(rows: list[list[Any]], device_kind: str) -> Any:
@@ -138,36 +82,3 @@ def empty_eval_history() -> Any:
     import pandas as pd
 
     return pd.DataFrame(columns=list(EVAL_COLUMNS))
-
-
-# ---------------------------------------------------------------------- the keys a run adds to a logged step's: findings, overhead, theory, snapshots, gc, host
-def extra_metrics(
-    config: Any, row: list[Any] | None, *, findings: int, overhead: float, preflight: Any, capacity: float | None,
-    state: Any, snap: Any, last_gc: dict[str, Any] | None, host: dict[str, float] | None = None,
-) -> dict[str, float]:
-    """``capacity``: the device's bytes where the dashboard shows a capacity line (else None);
-    ``preflight``/``state``/``snap``: the run's pre-flight check, theory check and snapshot policy;
-    ``host``: the host channel's latest figures (docs/host.md), None where it is off."""
-    p = config.prefix
-    nan = float("nan")
-    extra = {f"{p}/findings": float(findings), f"{p}/overhead": overhead}
-    extra.update(preflight.metrics(row))
-    if capacity is not None:
-        extra[f"{p}/capacity_GiB"] = float(capacity or 0) / GiB
-    if config.estimate_model_states:
-        unexplained = state.unexplained(float(row[ALLOCATED])) if row is not None else None
-        extra[f"{p}/expected_GiB"] = state.expected_states / GiB if state.expected_level is not None else nan
-        extra[f"{p}/unexplained_GiB"] = unexplained / GiB if unexplained is not None else nan
-    if snap is not None or config.auto_snapshot:
-        extra[f"{p}/snapshots"] = float(len(snap.records)) if snap is not None else nan
-    if config.watch_host:  # off: no host keys at all (rather than NaN columns)
-        host = host or {}
-        for key, name in (("host_python_bytes", "host_python_GiB"), ("host_private_bytes", "host_private_GiB"),
-                          ("host_worker_uss_bytes", "host_workers_GiB")):
-            value = host.get(key)
-            extra[f"{p}/{name}"] = value / GiB if value is not None else nan
-    if config.gc_every_n_steps:
-        extra[f"{p}/gc_time_ms"] = last_gc["seconds"] * 1e3 if last_gc else nan
-        extra[f"{p}/gc_collected"] = float(last_gc["collected"]) if last_gc else nan
-        extra[f"{p}/gc_freed_GiB"] = (last_gc["bytes_freed"] or 0) / GiB if last_gc else nan
-    return extra

@@ -48,18 +48,18 @@ class SessionResults(Guarded):
             from memcallbacks._runtime.readout import empty_eval_history
 
             return empty_eval_history()
-        return session.engine.eval_frame()
+        return session.eval_history_frame()
 
     @property
     def max_allocated(self) -> int:
         """Peak allocated bytes since the start (the monitor resets the device's own peak counter)."""
         session = self._current_session()
-        return session.engine.max_allocated if session is not None else 0
+        return session.lifetime_peaks()[0] if session is not None else 0
 
     @property
     def max_reserved(self) -> int:
         session = self._current_session()
-        return session.engine.max_reserved if session is not None else 0
+        return session.lifetime_peaks()[1] if session is not None else 0
 
     @property
     def enabled(self) -> bool:

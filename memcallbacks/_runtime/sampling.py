@@ -19,7 +19,7 @@ from memcallbacks._base.config import MonitorConfig
 from memcallbacks._base.own_clock import own_time
 from memcallbacks._base.units import GiB
 from memcallbacks._base.devices import MemoryBackend, host_rss_reader, select_backend
-from memcallbacks._runtime.readout import eval_frame, history_frame, step_keys, step_values, summarise
+from memcallbacks._runtime.readout import eval_frame, history_frame, summarise
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +51,9 @@ from memcallbacks._base.columns import (  # the row layout; re-exported for adap
     OPTIMIZER_STEPS,
     OTHER,
     PEAK_ALLOCATED,
+    PEAK_BACKWARD,
+    PEAK_FORWARD,
+    PEAK_OPTIMIZER,
     PEAK_RESERVED,
     PHASES,
     RESERVED,
@@ -82,7 +85,7 @@ class MemoryEngine:
         self._stride = 1  # keep every _stride-th step once history has been thinned
         self._seen_steps = 0
         self._sampled_steps = 0
-        self._sampling = False
+        self.sampling = False  # a sampled step is open
         self.optimizer_steps_total = 0
         self.max_allocated = 0
         self.max_reserved = 0
@@ -113,7 +116,7 @@ class MemoryEngine:
         if self._open and self.enabled and self.backend is not None:
             self.end_step()
         self._row = None
-        self._open = self._sampling = False
+        self._open = self.sampling = False
         if self.backend is not None:
             self.backend.close()
             self.backend = None  # a later start() picks a fresh one
@@ -133,18 +136,19 @@ class MemoryEngine:
         if sample[-1] > self.max_reserved:
             self.max_reserved = sample[-1]
 
-    def begin_step(self, step: int, epoch: int = 0, batch_idx: int = 0, sample: bool = True, heap: bool = True) -> None:
+    def begin_step(self, step: int, epoch: int = 0, batch_idx: int = 0, sample: bool = True, heap: bool = True) -> list[Any] | None:
         """Start a training step. A sampled step takes the baseline and measures every phase; an
         unsampled one only counts, at almost no cost (its peaks still reach ``max_allocated`` at
         the next sample, since nothing resets the device's peak counter in between). ``heap=False``:
-        the baseline may leave ``allocated`` unread (NaN; the CPU heap, ``Schedule.heap_due``)."""
+        the baseline may leave ``allocated`` unread (NaN; the CPU heap, ``Schedule.heap_due``).
+        Returns a sampled step's open row, its baseline read (None for an unsampled step)."""
         if self._open:  # the previous step never ended (e.g. an exception was swallowed)
             self.end_step()
         self._open = True
-        self._sampling = sample
+        self.sampling = sample
         self._step_opt = 0
         if not sample:
-            return
+            return None
         t0 = own_time()
         row = [_NAN] * len(COLUMNS)
         row[STEP], row[EPOCH], row[BATCH_IDX], row[MICRO_BATCHES], row[OPTIMIZER_STEPS] = step, epoch, batch_idx, 1, 0
@@ -156,10 +160,11 @@ class MemoryEngine:
         row[HOST_RSS] = sample_[1] if self.backend.kind == "cpu" else self._host_rss()  # type: ignore[union-attr,misc]
         row[PEAK_ALLOCATED] = row[PEAK_RESERVED] = 0
         row[MONITOR_TIME_S] = own_time() - t0
+        return row
 
     def boundary(self, closing: int) -> None:
         """End the current segment, attributing its peak to phase ``closing``, and open the next."""
-        if not self._sampling:
+        if not self.sampling:
             if closing == OPTIMIZER:
                 self._step_opt += 1
             return
@@ -191,7 +196,7 @@ class MemoryEngine:
     def micro_batch(self) -> None:
         """A further batch inside the same optimizer step (gradient accumulation)."""
         row = self._row
-        if row is not None and self._sampling:
+        if row is not None and self.sampling:
             self.boundary(OTHER)
             row[MICRO_BATCHES] += 1
 
@@ -204,13 +209,13 @@ class MemoryEngine:
         self._seen_steps += 1
         self.optimizer_steps_total += self._step_opt
         row = self._row
-        if not self._sampling or row is None:
+        if not self.sampling or row is None:
             return None
-        self._sampling = False
+        self.sampling = False
         t1 = own_time()
         self._row = None
         row[OPTIMIZER_STEPS] = self._step_opt
-        counters = self.backend.counters()  # type: ignore[union-attr]
+        counters = self.backend.counters() if self.backend.has_counters else None  # type: ignore[union-attr]
         if counters:
             row[ALLOC_RETRIES], row[OOMS], row[INACTIVE_SPLIT] = counters["alloc_retries"], counters["ooms"], counters["inactive_split_bytes"]
         row[STEP_TIME_S] = time.perf_counter() - row[STEP_TIME_S]
@@ -233,25 +238,14 @@ class MemoryEngine:
         return self._open
 
     @property
-    def sampling(self) -> bool:
-        """True while a sampled step is open."""
-        return self._sampling
-
-    @property
     def step_baseline(self) -> int | None:
         """Allocated bytes at the start of the open step, if it is sampled and they were read."""
         row = self._row
-        return int(row[ALLOCATED]) if row is not None and self._sampling and row[ALLOCATED] == row[ALLOCATED] else None
-
-    @property
-    def step_reserved(self) -> float:
-        """Reserved bytes (the resident set on CPU) at the start of the open sampled step (NaN: none)."""
-        row = self._row
-        return row[RESERVED] if row is not None and self._sampling else _NAN
+        return int(row[ALLOCATED]) if row is not None and self.sampling and row[ALLOCATED] == row[ALLOCATED] else None
 
     def fill_baseline(self, allocated: int | None) -> int | None:
         """The open sampled step's unread ``allocated``, read after all (the watch's read): into its row."""
-        if allocated is not None and self._row is not None and self._sampling:
+        if allocated is not None and self._row is not None and self.sampling:
             self._row[ALLOCATED] = allocated
         return allocated
 
@@ -291,7 +285,10 @@ class MemoryEngine:
         ranks: list[int] = []
         if self.world_size > 1 and self.config.reduce_across_ranks and _distributed.is_distributed():
             values, ranks = _distributed.max_over_ranks(values, self.device)
-        out = {k: float(v) for k, v in zip(keys, values) if v == v and not math.isinf(v)}
+        out: dict[str, float] = {}
+        for key, value in zip(keys, values):
+            if value == value and not math.isinf(value):
+                out[key] = float(value)
         if ranks:
             for key in rank_keys:
                 if key in out:
@@ -302,12 +299,24 @@ class MemoryEngine:
         """The metrics to log for ``row`` (plus ``extra``, reduced the same way); every rank must call
         this on the same steps, with the same ``extra`` keys, when distributed."""
         p = self.config.prefix
-        kind = self.device_info.get("kind", "cpu")
-        keys = step_keys(p, kind)
-        values = [_NAN] * len(keys) if row is None or not self.enabled else step_values(row, self.max_allocated, kind)
+        counters = self.device_info.get("kind", "cpu") != "cpu"  # the allocator's counters: not on CPU
+        keys = [f"{p}/allocated_GiB", f"{p}/reserved_GiB", f"{p}/peak_forward_GiB", f"{p}/peak_backward_GiB",
+                f"{p}/peak_optimizer_GiB", f"{p}/peak_step_GiB", f"{p}/peak_reserved_GiB", f"{p}/max_allocated_GiB",
+                f"{p}/host_rss_GiB", f"{p}/monitor_time_ms"]
+        if counters:
+            keys += [f"{p}/alloc_retries", f"{p}/ooms", f"{p}/inactive_split_GiB"]
+        if row is None or not self.enabled:
+            values = [_NAN] * len(keys)
+        else:
+            values = [row[ALLOCATED] / GiB, row[RESERVED] / GiB, row[PEAK_FORWARD] / GiB, row[PEAK_BACKWARD] / GiB,
+                      row[PEAK_OPTIMIZER] / GiB, row[PEAK_ALLOCATED] / GiB, row[PEAK_RESERVED] / GiB,
+                      self.max_allocated / GiB, row[HOST_RSS] / GiB, row[MONITOR_TIME_S] * 1e3]
+            if counters:
+                values += [float(row[ALLOC_RETRIES]), float(row[OOMS]), row[INACTIVE_SPLIT] / GiB]
         if extra:
-            keys = keys + list(extra)
-            values = values + [float(v) if self.enabled else _NAN for v in extra.values()]
+            for key, value in extra.items():
+                keys.append(key)
+                values.append(float(value) if self.enabled else _NAN)
         return self.reduce(keys, values, (f"{p}/peak_step_GiB", f"{p}/allocated_GiB"))
 
     def eval_log_values(self, row: list[Any] | None, stage: str) -> dict[str, float]:

@@ -311,6 +311,8 @@ class Schedule:
         self.tripwire: str | None = self.trip.source if self.trip is not None else None
         self._forced = -1  # the count whose step reads because the tripwire asked
         self._burst_bytes = config.growth_min_total_bytes
+        self.trip_bytes = self._burst_bytes // 4
+        """The rise since the last read that sets the tripwire off: a quarter of a burst's."""
         self._recent_reads: collections.deque[int] = collections.deque(maxlen=4)
         self._step_times: collections.deque[float] = collections.deque(maxlen=64)
         self._watch_costs: collections.deque[float] = collections.deque(maxlen=64)
@@ -471,11 +473,6 @@ class Schedule:
         self._forced = count
         self.trips += 1
 
-    @property
-    def trip_bytes(self) -> int:
-        """The rise since the last read that sets the tripwire off: a quarter of a burst's."""
-        return self._burst_bytes // 4
-
     def after_read(self, count: int, allocated: int) -> None:
         """A read was taken: the tripwire measures the rise from here, and a floor risen by the growth
         test's minimum since the last few scheduled reads (a quarter of it on a read the tripwire
@@ -490,6 +487,7 @@ class Schedule:
             self.dense_until = count + 1 + CONFIRM_STEPS
             self.bursts += 1
             self._burst_bytes *= 2  # a clean run's one-off rises cannot keep it busy
+            self.trip_bytes = self._burst_bytes // 4
             recent.clear()
             return
         recent.append(allocated)
@@ -524,8 +522,9 @@ class Schedule:
                 self.parts["tripwire"] += checks * self.trip_cost_s
         self._anchor = (count, now)
         if self._started is None and self.steps >= QUIET_FROM:
-            self._started = (self.own_s - self.finding_s, self.timed_s, self.parts["hooks"])
-            self.guard.window = (self.steps, self.own_s - self.finding_s, self.timed_s, dict(self.parts))
+            own = self.own_s - self.parts["findings"]  # finding work excepted (finding_s)
+            self._started = (own, self.timed_s, self.parts["hooks"])
+            self.guard.window = (self.steps, own, self.timed_s, dict(self.parts))
         if count >= self._next_choice:
             self._next_choice = count + CHOOSE_EVERY
             self.choose()

@@ -16,13 +16,12 @@ from typing import Any, Callable
 
 from memcallbacks._base.config import MonitorConfig
 from memcallbacks._base.distributed import rank_and_world
-from memcallbacks._base.columns import E_STAGE, MONITOR_TIME_S, OPTIMIZER, PEAK_RESERVED
+from memcallbacks._base.columns import ALLOCATED, E_STAGE, MONITOR_TIME_S, OPTIMIZER, PEAK_RESERVED, RESERVED
 from memcallbacks._base.findings import Finding
 from memcallbacks._base.own_clock import own_time
 from memcallbacks._files.outputs import check_writable
 from memcallbacks._runtime.auto_snapshot import AutoSnapshot
 from memcallbacks._runtime.checks import StepChecks
-from memcallbacks._runtime.readout import extra_metrics
 from memcallbacks._runtime.finding_sink import FindingSink
 from memcallbacks._runtime.lifecycle import claim_folder, output_folder, release_folder
 from memcallbacks._runtime.run_end import RunEnd, is_oom
@@ -41,13 +40,10 @@ _KEEP: Any = object()  # attach(): a part not given keeps its current value
 
 
 class Session:
-    """One process's monitor state: what each step is and the own time (:attr:`schedule`), the
-    measurements (:attr:`engine`), the checks (leak watch, host, theory, pre-flight: :attr:`checks`),
-    the findings, and the run's end (:attr:`ending`). Every method is safe to call when disabled.
-
-    Adapters configure it with :meth:`attach` and drive it with the step protocol:
-    ``begin_step`` → ``boundary`` (per phase) → ``end_step``, ``begin_eval``/``eval_batch``/
-    ``end_eval``, then ``finish`` and ``stop``."""
+    """One process's monitor state: the schedule and own time (:attr:`schedule`), the measurements
+    (:attr:`engine`), the checks (:attr:`checks`), the findings and the run's end (:attr:`ending`).
+    Every method is safe to call when disabled. Adapters call :meth:`attach`, then ``begin_step`` →
+    ``boundary`` (per phase) → ``end_step``, ``begin_eval``/``eval_batch``/``end_eval``, ``finish``, ``stop``."""
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -88,6 +84,7 @@ class Session:
         self.step_ended_at = 0.0  # when the last step ended (time.perf_counter), for a pause said after the fact
         self.current_step = 0  # the open step's number as the adapter gave it: the step of findings, rows and logs
         self.current_count = 0  # steps before the open one, for the schedule (Lightning: batches that stepped)
+        self.dashboard = self._dashboard()  # what the trackers' charts show (made again when the backend starts)
 
     def _rank(self) -> int:  # methods, not lambdas: the session pickles (DDP spawn)
         return self.engine.rank
@@ -191,10 +188,8 @@ class Session:
     ) -> None:
         """Choose the device backend, the output folder and the sampling/logging intervals.
 
-        Raises ``PermissionError`` for an unwritable output folder, or one another live monitor
-        writes to: environment problems stop the run before training. Any other fault is contained.
-        ``expected_steps``: the run's length where the framework knows it (unused by the schedule,
-        which samples the first steps of every run)."""
+        Raises ``PermissionError`` for an unwritable output folder, or one another live monitor writes
+        to; any other fault is contained. ``expected_steps``: unused (the schedule samples every run's start)."""
         config = self.config
         if config.write_files:
             folder = output_folder(config.output_dir, default_output_dir)
@@ -217,6 +212,7 @@ class Session:
         config, engine = self.config, self.engine
         engine.start(device, rank=rank, world_size=world_size)
         engine.enabled = not self.failed  # a monitor that failed stays off for every later stage
+        self.dashboard = self._dashboard()
         self.schedule.arm(engine.backend)
         self.schedule.guard.announce = (self.log, self.owner) if engine.rank == 0 else None  # the budget's back-off, said once
         self.checks.start(ignore=[self], device_is_host=self.device_kind == "cpu", keep_host=engine.seen_steps > 0)
@@ -272,8 +268,7 @@ class Session:
     def lingering_pending(self) -> bool:
         """The previous step left marks (batch references, a marked graph) for the lingering check."""
         watch = self.checks.watch
-        lingering = watch.lingering if watch is not None else None
-        return lingering is not None and lingering.pending
+        return watch is not None and watch.lingering is not None and watch.lingering.pending
 
     @property
     def device_kind(self) -> str:
@@ -288,8 +283,9 @@ class Session:
 
     @property
     def preflight_due(self) -> bool:
-        """``preflight=True`` and the prediction has not run yet in this fit."""
-        return self.checks.preflight.due
+        """``preflight=True`` and the prediction has not run yet in this fit (``PreflightCheck.due``,
+        read here as its two fields: asked at every step's start)."""
+        return self.checks.preflight.status == "waiting" and self.engine.enabled
 
     def run_preflight(self, batch: Any, **kwargs: Any) -> None:
         """Predict this batch's step on fake tensors before it runs (:meth:`PreflightCheck.run`)."""
@@ -304,19 +300,12 @@ class Session:
         """The history rows so far (columns.py's layout)."""
         return self.engine.rows
 
-    def will_log(self, count: int) -> bool:
-        """Whether the step after ``count`` steps is logged: every ``log_every`` steps (the monitor's
-        ``log_every_n_steps``, else the framework's), plus the first step where the framework logs
-        it; never when the run has nowhere to log. From counts only, so every rank agrees."""
-        return self.schedule.will_log(count)
-
     # ------------------------------------------------------------------ steps
     def begin_step(
         self, step: int, epoch: int = 0, batch_idx: int = 0, *, count: int | None = None, kind: StepKind | None = None,
         batch: Any = None, defer_lingering: bool = False,
     ) -> None:
         """Open a step (or, if one is open, count a further micro-batch: :meth:`micro_batch`).
-
         ``count``: steps before this one, for the schedule (default ``step``; Lightning passes batches
         that stepped). ``kind``: what the schedule said this step is, where the adapter asked it
         already (:meth:`Schedule.step_kind`, once per step). ``batch`` is only looked at (leak
@@ -386,10 +375,8 @@ class Session:
             self.add_finding(finding)
 
     def _begin_sampled(self, step: int, epoch: int, batch_idx: int, batch: Any, defer_lingering: bool) -> None:
-        """A sampled step: the watch, the baseline (also the watch's read), then the theory check.
-
-        The baseline reads ``allocated`` on the steps the schedule names (:meth:`Schedule.heap_due`); on
-        the others it stays NaN, unless the resident set has risen as far as the tripwire's threshold."""
+        """A sampled step: the watch, the baseline (also the watch's read), then the theory check. The
+        baseline reads ``allocated`` where :meth:`Schedule.heap_due` says, or when the tripwire's rise is seen."""
         engine, checks, schedule = self.engine, self.checks, self.schedule
         watch = checks.watch
         count = self.current_count
@@ -399,12 +386,13 @@ class Session:
         check_state = checks.state.wanted and engine.optimizer_steps_total > 0
         heap = schedule.heap_due(count, check_state)
         spent = own_time() - t0
-        engine.begin_step(step, epoch, batch_idx, True, heap)
+        row = engine.begin_step(step, epoch, batch_idx, True, heap)
         t1 = own_time()
-        baseline = engine.step_baseline
+        allocated, reserved = row[ALLOCATED], row[RESERVED]  # type: ignore[index]
+        baseline = int(allocated) if allocated == allocated else None  # NaN: the heap was not read
         if heap:
-            schedule.heap_rss = engine.step_reserved
-        elif baseline is None and schedule.heap_skipped(count, engine.step_reserved):
+            schedule.heap_rss = reserved
+        elif baseline is None and schedule.heap_skipped(count, reserved):
             baseline = engine.fill_baseline(schedule.take_read(count))  # charged as a read (step_read_s)
         found += checks.detect_growth(count, batch, baseline)
         found += checks.host_read(step)
@@ -435,10 +423,8 @@ class Session:
     def end_step(
         self, closing: int = OPTIMIZER, *, log_step: int | None = None, batch: Any = None, loss: Any = None, outputs: Any = None
     ) -> list[Any] | None:
-        """Close the step: its row, the quiet stretch after it and, on logged steps, its metrics.
-
-        ``batch``, ``loss`` (the step's last) and ``outputs`` (the model's outputs the adapter saw)
-        are handed to leak detection as weak references."""
+        """Close the step: its row, the quiet stretch after it and, on logged steps, its metrics. ``batch``,
+        ``loss`` (the step's last) and ``outputs`` (the model's) go to leak detection as weak references."""
         kind = self.kind
         if kind is StepKind.QUIET:
             self.kind = None
@@ -461,7 +447,10 @@ class Session:
         self._plan_quiet()
         if kind is StepKind.LOGGED and (row is not None or engine.world_size > 1):
             try:
-                metrics = engine.log_values(row, self._extra_keys(row))
+                capacity = engine.capacity if self.dashboard.capacity else None  # the capacity line the charts show
+                extra = self.checks.logged_keys(row, findings=self.sink.kept.problems(), overhead=self.schedule.overhead,
+                                                capacity=capacity, snap=self.snap)
+                metrics = engine.log_values(row, extra)
                 self.emit(metrics, self.current_step if log_step is None else log_step)
             except Exception as exc:
                 self.fail(exc, "logging")
@@ -497,7 +486,8 @@ class Session:
         if row is not None:
             if self.schedule.rebase(row[PEAK_RESERVED], pinned=not getattr(engine.backend, "resets_hwm", False)):
                 self.log.debug("memcallbacks: the resident-set high-water mark is pinned above the resident set; the RSS tripwire reads statm")
-            checks.preflight.compare(row)
+            if checks.preflight.prediction is not None:  # preflight=True, and it predicted this run's steps
+                checks.preflight.compare(row)
             self.schedule.charge(row[MONITOR_TIME_S], sampled=True)
         elif kind is StepKind.WATCHED:  # its start and its end, as one cost
             self.schedule.charge(self.watched_s + own_time() - t_end, sampled=False, typical=self.watched_typical)
@@ -513,41 +503,42 @@ class Session:
         """After a step: the quiet stretch that follows, unless something needs the next step."""
         checks = self.checks
         watch = checks.watch
+        theory_pending = checks.state.wanted
         busy = (
-            not self.engine.enabled or self.lingering_due or self.lingering_pending or checks.state.wanted or checks.preflight.due
+            not self.engine.enabled or self.lingering_due or theory_pending or checks.preflight.status == "waiting"
             or (self.snap is not None and self.snap.busy)
-            or (watch is not None and watch.collections is not None and watch.collections.due)
+            or (watch is not None and (watch.lingering is not None and watch.lingering.pending
+                                       or watch.collections is not None and watch.collections.due))
         )
-        theory = checks.state.wanted and self.engine.optimizer_steps_total > 0  # the theory check samples the next step
+        theory = theory_pending and self.engine.optimizer_steps_total > 0  # the theory check samples the next step
         self.schedule.plan_after(self.current_count, busy=busy, reads=watch is not None, sample_next=theory)
 
-    def _extra_keys(self, row: list[Any] | None) -> dict[str, float]:
-        """The keys a logged step adds to the engine's (readout.py)."""
-        dashboard, checks = self.dashboard, self.checks
-        return extra_metrics(
-            self.config, row, findings=self.sink.problems(), overhead=self.schedule.overhead, preflight=checks.preflight,
-            capacity=self.engine.capacity if dashboard.capacity else None, state=checks.state, snap=self.snap,
-            last_gc=checks.watch.last_gc if checks.watch is not None else None, host=checks.host_figures(),
-        )
-
-    @property
-    def dashboard(self) -> Dashboard:
+    def _dashboard(self) -> Dashboard:
         """What the trackers' charts show; a capacity line where the device has one (not host RAM on CPU)."""
         return Dashboard(self.config.prefix, capacity=self.device_kind != "cpu" and bool(self.engine.capacity), keys=self.config.logged_keys)
 
     def emit(self, metrics: dict[str, float], step: int) -> None:
-        if self.log_fn is not None and self.engine.rank == 0 and (shown := self.config.logged(metrics)):
+        """Hand the ``log_keys`` part of ``metrics`` to the loggers (rank zero); every rank reduced all of them."""
+        if self.log_fn is None or self.engine.rank != 0:
+            return
+        keep = self.config.logged_keys
+        shown = metrics
+        if keep is not None:  # a loop, not a comprehension: no frame per logged step
+            shown = {}
+            for key in metrics:
+                if key in keep:
+                    shown[key] = metrics[key]
+        if shown:
             self.log_fn(shown, step)
             if self.trackers is not None and self.config.log_to_trackers:
-                self.trackers.on_log(self.findings, self.dashboard)
+                self.trackers.on_log(self.sink.kept.findings, self.dashboard)
 
     # ------------------------------------------------------------------ evaluation loops
     def pause(self, count: int | None = None) -> None:
         """Evaluation or a checkpoint between steps: its time is not step time (the own-time share).
-        ``count``: the steps done by now, timed up to now (Lightning, which skips quiet steps, passes
-        its own). By default, where every step is begun: those up to the open one, timed up to now, or
-        with no step open, up to the last one's end: adapters that hear of an evaluation or a
-        checkpoint only after it (Transformers' ``on_evaluate``, ``on_save``) pause then."""
+        ``count``: the steps done by now (Lightning, which skips quiet steps, passes its own); by
+        default those up to the open step, or with none open, timed up to the last one's end (an
+        adapter that hears of an evaluation or a checkpoint only after it pauses then)."""
         if count is not None:
             self.schedule.pause(count)
         elif self.kind is None:  # between steps: from the last one's end (a pause said after the evaluation)
@@ -602,6 +593,13 @@ class Session:
     def history_frame(self) -> Any:
         """The engine's history, with the pre-flight's predicted columns when there is a prediction."""
         return self.checks.preflight.add_columns(self.engine.history_frame())
+
+    def eval_history_frame(self) -> Any:  # one row per evaluation loop (validate, test, predict)
+        return self.engine.eval_frame()
+
+    def lifetime_peaks(self) -> tuple[int, int]:
+        """Peak allocated and reserved bytes since the start (the monitor resets the device's own peak counter)."""
+        return self.engine.max_allocated, self.engine.max_reserved
 
     # ------------------------------------------------------------------ the run's end (run_end.py)
     def record_exception(self, exc: BaseException, step: int) -> None:

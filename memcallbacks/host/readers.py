@@ -142,7 +142,9 @@ def pymalloc_bytes() -> int | None:
     m = _IN_BLOCKS.search(stats)
     if not m:
         return None
-    blocks = sum(int(b) for _, b in _CLASS_ROW.findall(stats))
+    blocks = 0
+    for _, count in _CLASS_ROW.findall(stats):  # one row per size class
+        blocks += int(count)
     return max(0, int(m.group(1).replace(b",", b"")) - 8 * blocks)
 
 

@@ -223,8 +223,13 @@ class WorkerWatch:
 
     def totals(self) -> dict[str, int]:
         """Private (USS) and proportional (PSS) memory of the live workers, summed: their host cost."""
-        live = [t for t in self.live() if t.reads]
-        return {"workers": len(live), "uss_bytes": sum(t.reads[-1][1] for t in live), "pss_bytes": sum(t.reads[-1][2] for t in live)}
+        workers = uss = pss = 0
+        for pid, track in self.tracks.items():  # the live workers (live()) that were read
+            if pid in self._pids and track.reads:
+                workers += 1
+                uss += track.reads[-1][1]
+                pss += track.reads[-1][2]
+        return {"workers": workers, "uss_bytes": uss, "pss_bytes": pss}
 
     def _dataset_bytes(self, pid: int) -> int | None:
         """Deep size of the parent's Dataset of worker ``pid`` (once per Dataset; its time is the watch's)."""

@@ -69,7 +69,7 @@ class CollectionWatch:
         self._armed = True
         self._before: int | None = None
         self._read_s = 0.0
-        self._due = False
+        self.due = False  # a large automatic collection happened: the next step boundary inspects the garbage
         self._started = False
 
     def start(self) -> None:
@@ -122,20 +122,15 @@ class CollectionWatch:
             if freed >= self.min_bytes and collected > 0:
                 self.large.append({"generation": int(info.get("generation", -1)), "collected": collected, "bytes_freed": int(freed)})
                 del self.large[:-20]
-                self._due = self.inspections < MAX_INSPECTIONS
-                if self._due and self.wake is not None:
+                self.due = self.inspections < MAX_INSPECTIONS
+                if self.due and self.wake is not None:
                     self.wake()
         except Exception:
             pass
 
-    @property
-    def due(self) -> bool:
-        """A large automatic collection happened: the next step boundary inspects the garbage."""
-        return self._due
-
     def inspect(self, step: int) -> Finding | None:
         """Collect once, looking at the garbage; a ``cycle`` finding when cycles held tensors."""
-        self._due = False
+        self.due = False
         self.inspections += 1
         collector = GarbageCollector(inspect="always", allocated_bytes=self.allocated_bytes, min_cycle_bytes=self.min_bytes)
         self.own = True

@@ -11,6 +11,7 @@ fails is warned about once, with the traceback, and left alone for the rest of t
 from __future__ import annotations
 
 import logging
+import operator
 from typing import Any, Callable, Iterable
 
 from memcallbacks._base.findings import Finding
@@ -19,10 +20,6 @@ from memcallbacks.trackers._base import Dashboard, RunOutputs, Tracker
 log = logging.getLogger(__name__)
 
 __all__ = ["Trackers", "Dashboard", "RunOutputs", "Tracker", "recognise"]
-
-
-def _class_names(obj: Any) -> set[str]:
-    return {cls.__name__ for cls in type(obj).__mro__}
 
 
 def _tb() -> Any:
@@ -47,7 +44,7 @@ def recognise(obj: Any) -> Tracker | None:
     """The tracker behind one of the user's logger objects, or None for anything else. Each tracker
     module is imported only for an object it drives (a run with a CSV logger imports none: ~4 ms
     that fell on the first logged step)."""
-    names = _class_names(obj)
+    names = set(map(operator.attrgetter("__name__"), type(obj).__mro__))  # its class's and every base's
     source = type(obj).__name__
     # Lightning (lightning.pytorch and pytorch_lightning): the experiment of a logger exists on rank zero
     if "TensorBoardLogger" in names:
