@@ -271,16 +271,27 @@ def preload(framework: str) -> None:
     import matplotlib.pyplot  # noqa: F401  # the files written after the failure import these
     import pandas  # noqa: F401
 
+    import psutil  # noqa: F401  # the monitor's host reads
+    from PIL import Image  # noqa: F401  # the plots' writer loads its formats on first use
+
     import memcallbacks.oom  # noqa: F401
     import memcallbacks.preflight  # noqa: F401
+    from memcallbacks import Monitor  # noqa: F401  # not in each child: its imports are a second a run
 
+    Image.init()
     if framework == "lightning":
         import lightning.pytorch  # noqa: F401
+
+        import memcallbacks.lightning  # noqa: F401
     elif framework == "accelerate":
         import accelerate  # noqa: F401
+
+        import memcallbacks.accelerate  # noqa: F401
     elif framework == "transformers":
         import transformers  # noqa: F401
         from transformers import Trainer  # noqa: F401
+
+        import memcallbacks.transformers  # noqa: F401
 
 
 def measured_savings(kind: str, explanation: dict[str, Any]) -> dict[str, Any]:
