@@ -27,7 +27,7 @@ from memcallbacks._base.config import MonitorConfig
 from memcallbacks._base.columns import ALLOC_RETRIES, PEAK_ALLOCATED, PEAK_RESERVED
 from memcallbacks._base.units import format_bytes
 from memcallbacks.snapshot.cpu_capture import CpuCapture
-from memcallbacks.snapshot.files import OOM_SNAPSHOT_FILE, SNAPSHOT_FILE, load_snapshot, snapshot_file_name
+from memcallbacks.snapshot.files import OOM_SNAPSHOT_FILE, SNAPSHOT_FILE, SnapshotTooLarge, load_snapshot, snapshot_file_name
 from memcallbacks.snapshot.record import dump_on_oom, dump_snapshot, is_recording, start_recording, stop_recording
 from memcallbacks.snapshot.render import render_snapshot
 
@@ -73,6 +73,7 @@ class AutoSnapshot:
         self._last_retries = int(alloc_retries_at_start)  # the counter is cumulative per process: only new retries fire
         self._last_retry_step = -(10**9)
         self._budget_warned = False
+        self._full = False  # a snapshot did not fit in what was left of the byte budget
         self.step = 0
         self.threshold: float | None = None
         if capacity and config.snapshot_capacity_fraction:
@@ -126,7 +127,9 @@ class AutoSnapshot:
         return max(self.config.max_snapshot_bytes - self._bytes, 0)
 
     def _room(self) -> bool:
-        ok = len(self.records) < self.config.max_snapshots and self._remaining() > 0
+        # a snapshot smaller than every one so far would be needed: the budget is used up (no capture for nothing)
+        smallest = min((r["bytes"] for r in self.records if r.get("bytes")), default=1)
+        ok = not self._full and len(self.records) < self.config.max_snapshots and self._remaining() >= smallest
         if not ok and not self._budget_warned:
             self._budget_warned = True
             self.log.warning(
@@ -207,6 +210,9 @@ class AutoSnapshot:
                     self._dump(reason, step)
                 else:
                     self._pending_dump = (left - 1, reason)
+        except SnapshotTooLarge:
+            self._capture, self._full = None, True
+            self._room()  # says, once, that the budget is used up
         except Exception:
             self._capture = None
             self.log.exception("memcallbacks: memory snapshot failed; training goes on.")

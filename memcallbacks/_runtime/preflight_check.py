@@ -241,7 +241,7 @@ class PreflightCheck:
         if phase == "forward" and not first:
             at_peak["grads"] = at_peak.get("grads", 0) + grads  # the previous step's, kept through forward
         finding = self._over_capacity(p, phase, peak, at_peak, first, capacity, source, size, fit, grads)
-        remedies = self._remedies(model, batch, p, kwargs, capacity, source)
+        remedies = self._remedies(model, batch, p, kwargs, capacity, source, fit.predictions if fit is not None else {})
         if remedies:
             self.info["explanation"] = remedies.to_dict()
             finding.details["remedies"] = self.info["explanation"]["remedies"]
@@ -249,13 +249,15 @@ class PreflightCheck:
                 f"{i}. {r}" for i, r in enumerate(remedies.remedies[:3], 1))
         self.report_finding(finding)
 
-    def _remedies(self, model: Any, batch: Any, p: "Prediction", kwargs: dict[str, Any], capacity: int, source: str) -> Any:
+    def _remedies(self, model: Any, batch: Any, p: "Prediction", kwargs: dict[str, Any], capacity: int, source: str,
+                  known: dict[int, Any]) -> Any:
         """The explanation an out-of-memory error at this step would get (``memcallbacks.oom``), with each
         change's predicted saving; None when it cannot be made (it is said in the log)."""
         from memcallbacks.oom import StepModel, explain_prediction
 
         extra = {k: kwargs[k] for k in ("strategy", "world_size", "hopper")}
-        step = StepModel(model, batch, self.optimizer, kwargs["precision"], kwargs["device"], kwargs["forward_fn"] or "default", extra)
+        step = StepModel(model, batch, self.optimizer, kwargs["precision"], kwargs["device"], kwargs["forward_fn"] or "default", extra,
+                         dict(known))
         try:
             return explain_prediction(step, p, capacity, source)
         except Exception as exc:  # the finding stands without its ranked changes

@@ -149,7 +149,7 @@ def _run(args: argparse.Namespace) -> int:
     except PreflightError as exc:
         print(f"{_PROG}: {exc}", file=sys.stderr)
         return 1
-    explanation = _explain(model, make(size), optimizer, prediction, capacity, args, loss_fn) if capacity is not None else None
+    explanation = _explain(model, make(size), optimizer, prediction, capacity, args, loss_fn, fit) if capacity is not None else None
     if args.json:
         out = {"batch_size": size, "prediction": prediction.to_dict(), "capacity_bytes": capacity,
                "max_batch_size": fit.batch_size if fit else None, "max_batch_peak_bytes": fit.peak_bytes if fit else None,
@@ -171,10 +171,12 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _explain(model: Any, batch: Any, optimizer: Any, prediction: Any, capacity: int, args: argparse.Namespace, loss_fn: Any) -> Any:
+def _explain(model: Any, batch: Any, optimizer: Any, prediction: Any, capacity: int, args: argparse.Namespace, loss_fn: Any,
+             fit: Any) -> Any:
     """Above ``--capacity``: the explanation an out-of-memory error would get, with each remedy's predicted saving."""
     from memcallbacks.oom import StepModel, explain_prediction
 
     step = StepModel(model, batch, optimizer, args.precision, args.device, "default",
-                     dict(loss_fn=loss_fn, strategy=args.strategy, world_size=int(args.world_size), hopper=args.hopper))
+                     dict(loss_fn=loss_fn, strategy=args.strategy, world_size=int(args.world_size), hopper=args.hopper),
+                     known=dict(fit.predictions) if fit is not None else {})
     return explain_prediction(step, prediction, capacity, "--capacity")

@@ -57,6 +57,8 @@ class StepModel:
     (``model(**batch).loss``, or ``loss_fn(model(x), y)`` with ``extra["loss_fn"]``), or the forward function itself."""
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
     """More :func:`~memcallbacks.preflight.predict` arguments (``loss_fn``, ``strategy``, ``world_size``, ``hopper``)."""
+    known: dict[int, Any] = dataclasses.field(default_factory=dict)
+    """Predictions of this step at other batch sizes already made (batch size -> prediction): not made again."""
 
     @property
     def forward_fn(self) -> Callable[[nn.Module, Any], Any]:
@@ -149,10 +151,11 @@ def _batch(step: StepModel, base: Any, available: int) -> Remedy | None:
     kwargs = dict(step.extra, forward_fn=step.forward_fn, precision=step.precision, device=step.device)
     kwargs.pop("loss_fn", None)
     low, high = _window(step, base, size, available)
-    fit = max_batch_size(step.module, lambda n: resize_batch(step.call, size, n), available, step.optimizer, low=low, high=high, **kwargs)
+    fit = max_batch_size(step.module, lambda n: resize_batch(step.call, size, n), available, step.optimizer, low=low, high=high,
+                         known=step.known, **kwargs)
     if (fit.batch_size == 0 and low > 1) or (fit.batch_size == high < size - 1):  # the answer is outside the window: search it all
         fit = max_batch_size(step.module, lambda n: resize_batch(step.call, size, n), available, step.optimizer, low=1, high=size - 1,
-                             **kwargs)
+                             known={**step.known, **fit.predictions}, **kwargs)
     if fit.batch_size == 0:
         return Remedy("batch_size", f"no batch size fits: batch size 1 is predicted to peak at {format_bytes(fit.peak_bytes)}, "
                       f"above the {format_bytes(available)} the step may take", base.peak_bytes - fit.peak_bytes, False,

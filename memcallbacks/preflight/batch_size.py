@@ -30,6 +30,8 @@ class BatchFit:
     """The full prediction at :attr:`batch_size` (at ``low`` when nothing fits)."""
     tried: dict[int, int]
     """Every batch size predicted and its peak bytes."""
+    predictions: dict[int, Prediction] = dataclasses.field(default_factory=dict, repr=False, compare=False)
+    """Every batch size predicted and its prediction (a later search can start from them: ``known``)."""
 
     def __str__(self) -> str:
         from memcallbacks._base.units import format_bytes
@@ -49,6 +51,7 @@ def max_batch_size(
     *,
     low: int = 1,
     high: int = 1 << 16,
+    known: dict[int, Prediction] | None = None,
     **predict_kwargs: Any,
 ) -> BatchFit:
     """Largest ``n`` in ``[low, high]`` with ``predict(model, make_batch(n), ...).peak_bytes <= capacity_bytes``.
@@ -56,7 +59,8 @@ def max_batch_size(
     Doubles from ``low`` until a batch does not fit, then bisects, so it makes about
     ``2 * log2(answer)`` predictions. Peak memory grows with the batch size, which the search
     assumes. ``make_batch(n)`` should return meta tensors (``torch.empty(..., device="meta")``) so
-    no batch is ever allocated. Other keyword arguments go to :func:`predict`.
+    no batch is ever allocated. ``known``: predictions already made with the same settings (an earlier
+    search's :attr:`BatchFit.predictions`), not made again. Other keyword arguments go to :func:`predict`.
     """
     if not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
         raise ValueError(f"max_batch_size(): capacity_bytes={capacity_bytes!r} must be a positive int of bytes, e.g. 80 * 2**30.")
@@ -66,12 +70,12 @@ def max_batch_size(
     predictions: dict[int, Prediction] = {}
 
     def fits(n: int) -> bool:
-        p = predict(model, make_batch(n), optimizer, **predict_kwargs)
+        p = known[n] if known and n in known else predict(model, make_batch(n), optimizer, **predict_kwargs)
         tried[n], predictions[n] = p.peak_bytes, p
         return p.peak_bytes <= capacity_bytes
 
     if not fits(low):
-        return BatchFit(0, tried[low], capacity_bytes, predictions[low], tried)
+        return BatchFit(0, tried[low], capacity_bytes, predictions[low], tried, predictions)
     good, bad = low, None
     while bad is None and good < high:
         n = min(good * 2, high)
@@ -85,7 +89,7 @@ def max_batch_size(
             good = mid
         else:
             bad = mid
-    return BatchFit(good, tried[good], capacity_bytes, predictions[good], tried)
+    return BatchFit(good, tried[good], capacity_bytes, predictions[good], tried, predictions)
 
 
 def batch_size_of(batch: Any) -> int | None:

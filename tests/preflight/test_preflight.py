@@ -162,5 +162,10 @@ def test_max_batch_size_finds_the_largest_fitting_batch() -> None:
     assert str(fit).startswith(f"batch size {fit.batch_size} fits")
     none = max_batch_size(model, make_batch, 1000, "adamw", loss_fn=F.cross_entropy)
     assert none.batch_size == 0 and none.peak_bytes > 1000
+    # a second search over sizes the first predicted makes no prediction again (the OOM explanation's)
+    made: list[int] = []
+    again = max_batch_size(model, lambda n: made.append(n) or make_batch(n), capacity, "adamw", known=fit.predictions,
+                           loss_fn=F.cross_entropy)
+    assert (again.batch_size, again.tried) == (fit.batch_size, fit.tried) and made == []
     with pytest.raises(ValueError, match="capacity_bytes"):
         max_batch_size(model, make_batch, 0)

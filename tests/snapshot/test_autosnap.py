@@ -85,7 +85,8 @@ def test_a_finding_triggers_a_snapshot_and_periodic_ones_respect_max_snapshots(t
     assert monitor.summary()["steps_seen"] == 60
 
 
-def test_byte_budget_stops_snapshots(tmp_path):
+def test_byte_budget_stops_snapshots(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="memcallbacks")
     out = tmp_path / "mem"
     monitor = MemoryMonitor(auto_snapshot=True, sample_every_n_steps=1, output_dir=str(out), snapshot={"capacity_fraction": None, "every_n_steps": 2, "steps": 1, "max_snapshots": 50, "max_bytes": 1 << 20})
     fit(tmp_path, monitor, Model(), steps=40)
@@ -94,6 +95,10 @@ def test_byte_budget_stops_snapshots(tmp_path):
     assert 1 <= len(records) < 20
     # the last file may cross the budget only by its own size; nothing is written after it
     assert total - records[-1]["bytes"] < 1 << 20
+    # once a snapshot no longer fits, it says so once and captures nothing more (no failed captures, no traceback)
+    said = [r for r in caplog.records if "snapshot budget used up" in r.getMessage()]
+    assert len(said) == 1, [r.getMessage() for r in caplog.records]
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]
 
 
 def test_unwritable_snapshot_folder_is_reported_before_training(tmp_path):
