@@ -153,20 +153,24 @@ class TrainMemory:
 
     def stop(self) -> None:
         """Close what the test left open, remove the wrappers, stop the profiler. Safe to call twice."""
-        closers, self.closers = self.closers, []
         for probe in self.probes:
             if probe.census_every_step:
                 probe.frozen = True  # a loop the test left open ends here, after its locals are gone
-        for close in closers:
-            try:
-                close()
-            except Exception:
-                log.warning("train_memory: closing a monitor failed", exc_info=True)
+        self.close_monitors()
         for probe in self.probes:
             probe.cycles.release()
         if self._patches is not None:
             self._patches.remove()
         self.timeline.stop()
+
+    def close_monitors(self) -> None:
+        """Close the monitors the test's loops opened (their files written); each once."""
+        closers, self.closers = self.closers, []
+        for close in closers:
+            try:
+                close()
+            except Exception:
+                log.warning("train_memory: closing a monitor failed", exc_info=True)
 
     # ------------------------------------------------------------------ verdict
     def phase_peaks(self) -> tuple[dict[str, int], str]:

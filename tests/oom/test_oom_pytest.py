@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 
 import pytest
@@ -40,5 +41,7 @@ def test_oom_fails_with_the_explanation(pytester: pytest.Pytester) -> None:
     result.assert_outcomes(failed=1)
     text = result.stdout.str()
     assert "test_growing_batch ran out of memory (RuntimeError)" in text
-    assert "out of memory at step 5 on rank 0, in backward" in text  # batch 128, in backward
+    # the 400 MiB of address space run out at batch 128's forward or backward (step 5), or at batch 64's backward
+    # (step 4) when glibc keeps more of the earlier steps' freed memory: where, the step and the phase are named
+    assert re.search(r"out of memory at step [45] on rank 0, in (forward|backward)", text), text
     assert "what filled it:" in text and "activations and temporaries" in text
