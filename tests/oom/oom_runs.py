@@ -4,8 +4,9 @@
 builds nothing, then forks: each child sets its address-space limit to the driver's address space
 plus ``budget_mib`` and trains. Runs: ``grow`` (the batch doubles every step until the allocator
 fails), ``fixed:<n>`` (batch ``n`` for 3 steps), ``leak`` (a constant batch, and the model keeps
-11 MiB more every step), ``fits`` (``fixed`` at the batch the first run's explanation says fits, and one
-more), ``savings`` (in the driver, no limit: the failed step measured with each predicted change).
+11 MiB more every step), ``fits`` (``fixed`` at the batch the first run's explanation says fits, one
+more, and one beyond when that one fit), ``savings`` (in the driver, no limit: the failed step measured with each
+predicted change).
 Each child writes what happened as JSON; the driver collects them into ``out.json``.
 """
 
@@ -332,11 +333,13 @@ def main(argv: list[str]) -> None:
     for spec in argv[3:]:
         kind, run = spec.split("/")
         grown = next((r for r in results if r["model"] == kind and r["run"] == "grow"), {})
-        if run == "fits":  # the batch the grow run's explanation says fits, and one more
+        if run == "fits":  # the batch the grow run's explanation says fits, and one more (two, if one more fit)
             remedy = next((r for r in (grown.get("oom") or {}).get("remedies", []) if r["kind"] == "batch_size"), None)
             n = (remedy or {}).get("details", {}).get("batch_size")
-            for size in (n, n + 1) if n else ():
+            for size in (n, n + 1, n + 2) if n else ():
                 results.append(dict(fork_run(framework, kind, f"fixed:{size}", budget), model=kind))
+                if size > n and not results[-1]["completed"]:
+                    break
         elif run == "savings":  # in the driver itself, no limit: the measured effect of the predicted changes
             results.append({"run": "savings", "model": kind, **measured_savings(kind, grown["oom"])})
         else:
