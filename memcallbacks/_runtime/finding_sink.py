@@ -57,7 +57,7 @@ class FindingSink:
         number when no rank has news, one object gather more when one has. Returns the findings received."""
         mine = []
         if rank != 0:
-            for f in self.kept.findings:
+            for f in self.kept.findings:  # rank zero's own kinds (rankN:..., rank_imbalance) come back only from a checkpoint
                 if not f.key.startswith("rank") and self._shared.get(f.key) != (f.count, f.state):
                     self._shared[f.key] = (f.count, f.state)
                     mine.append(f.to_dict())
@@ -74,7 +74,7 @@ class FindingSink:
                 shared_at = known.details.get("shared_at_step", step) if known is not None else step
                 item = dict(item, key=key, message=f"rank {other}: {item['message']}",
                             details=dict(item.get("details") or {}, rank=other, shared_at_step=shared_at))
-                self.add(Finding(**{k: v for k, v in item.items() if k in Finding.__dataclass_fields__}))
+                self.add(_finding(item))
                 received += 1
         return received
 
@@ -91,9 +91,13 @@ class FindingSink:
 
     def restore(self, items: list[dict[str, Any]]) -> None:
         """Findings read back from a checkpoint; unreadable ones are dropped."""
-        fields = set(Finding.__dataclass_fields__)
         for item in items:
             try:
-                self.kept.add(Finding(**{k: v for k, v in item.items() if k in fields}))
+                self.kept.add(_finding(item))
             except (TypeError, ValueError):
                 self.log.debug("dropping unreadable finding from checkpoint: %r", item)
+
+
+def _finding(item: dict[str, Any]) -> Finding:
+    """A :class:`Finding` from its ``to_dict()`` (a checkpoint's, another rank's); unknown keys are dropped."""
+    return Finding(**{k: v for k, v in item.items() if k in Finding.__dataclass_fields__})

@@ -157,12 +157,15 @@ def _fail_on_oom(item: pytest.Item, exc: BaseException) -> None:
     session = item.stash.get(_SESSION, None)
     if session is None or not session.probes or not is_oom(exc):
         return
-    texts = [f.message for probe in session.probes for f in probe.core.findings if f.kind == "oom"]
+    def explained() -> list[str]:
+        return [f.message for probe in session.probes for f in probe.core.findings if f.kind == "oom"]
+
+    texts = explained()
     if not texts:  # no monitor saw it unwind (``train_memory.track()``'s loop body): record it, close them
         for probe in session.probes:
             probe.core.record_exception(exc, probe.core.current_step)
         session.close_monitors()  # their run end explains it, with the model and optimizer they watch
-        texts = [f.message for probe in session.probes for f in probe.core.findings if f.kind == "oom"]
+        texts = explained()
     if not texts:
         try:
             texts = [explain_oom(exc, model=None, optimizer=None, step=session.probes[-1].core.current_step).text()]
