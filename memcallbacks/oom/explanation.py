@@ -98,12 +98,12 @@ class OomExplanation:
 def _last_good(rows: list[list[Any]]) -> dict[str, Any] | None:
     from memcallbacks._base.columns import PEAK_BACKWARD, PEAK_FORWARD, PEAK_OPTIMIZER, STEP
 
-    if not rows:
-        return None
-    row = rows[-1]
-    peaks = {ph: int(row[col]) for ph, col in (("forward", PEAK_FORWARD), ("backward", PEAK_BACKWARD), ("optimizer", PEAK_OPTIMIZER))
-             if row[col] == row[col]}
-    return {"step": int(row[STEP]), "peaks": peaks}
+    for row in reversed(rows):  # the failed step's own row, open when memory ran out, has no peak yet
+        peaks = {ph: int(row[col]) for ph, col in (("forward", PEAK_FORWARD), ("backward", PEAK_BACKWARD), ("optimizer", PEAK_OPTIMIZER))
+                 if row[col] == row[col]}
+        if peaks:
+            return {"step": int(row[STEP]), "peaks": peaks}
+    return None
 
 
 def floor_of(rows: list[list[Any]], baseline_now: int | None, step_now: int) -> tuple[int, int, int, int] | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import copy
 import inspect
 from collections import OrderedDict
@@ -48,13 +49,28 @@ def fake_model(
             if b is not None and id(b) not in memo:
                 memo[id(b)] = _fake_like(mode, b, device, dtype)
         for attr, value in vars(module).items():
-            if isinstance(value, torch.Tensor) and id(value) not in memo:
-                memo[id(value)] = _fake_like(mode, value, device, None)
-            elif "hooks" in attr and isinstance(value, dict):
+            if "hooks" in attr and isinstance(value, dict):
                 memo[id(value)] = type(value)() if isinstance(value, OrderedDict) else {}
             elif attr in _SHARED_ATTRIBUTES:
                 memo[id(value)] = value
+            else:
+                _fake_tensors_in(value, memo, mode, device)
     return copy.deepcopy(model, memo), params
+
+
+def _fake_tensors_in(value: Any, memo: dict[int, Any], mode: FakeTensorMode, device: torch.device, depth: int = 4) -> None:
+    """Map every tensor in ``value`` and in the containers it holds to a fake twin, so that the copy copies no data:
+    a module that keeps tensors in a list (a leak's list of outputs, a queue) would otherwise be copied for real,
+    at the moment memory ran out."""
+    if isinstance(value, torch.Tensor):
+        if id(value) not in memo:
+            memo[id(value)] = _fake_like(mode, value, device, None)
+    elif depth and isinstance(value, (list, tuple, set, frozenset, collections.deque)) and not isinstance(value, (str, bytes)):
+        for item in value:
+            _fake_tensors_in(item, memo, mode, device, depth - 1)
+    elif depth and isinstance(value, Mapping):
+        for item in value.values():
+            _fake_tensors_in(item, memo, mode, device, depth - 1)
 
 
 def make_optimizer(name: str, params: list[nn.Parameter]) -> torch.optim.Optimizer:

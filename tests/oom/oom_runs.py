@@ -12,6 +12,7 @@ Each child writes what happened as JSON; the driver collects them into ``out.jso
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import resource
@@ -249,22 +250,34 @@ def child(framework: str, kind: str, run: str, limit: int, out: Path, result: Pa
     result.write_text(json.dumps(record))
 
 
-def fork_run(framework: str, kind: str, run: str, budget: int) -> dict[str, Any]:
+def fork_run(framework: str, kind: str, run: str, budget: int, tries: int = 2) -> dict[str, Any]:
+    """One run in a forked child. A child killed by a signal (a C++ allocation failure in a path that cannot
+    throw aborts the process: where the limit is hit moves with the heap) is run once more; its fault log is kept."""
     out = Path(tempfile.mkdtemp(prefix=f"oom-{framework}-{kind}-"))
-    result = out / "result.json"
+    result, fault = out / "result.json", out / "fault.txt"
     limit = vm_size() + budget
     sys.stdout.flush()
+    sys.stderr.flush()
     pid = os.fork()
     if pid == 0:
         code = 0
         try:
-            child(framework, kind, run, limit, out / "memcallbacks", result)
+            with open(fault, "w") as fh:
+                faulthandler.enable(fh)  # a fatal signal's Python traceback, for the record
+                child(framework, kind, run, limit, out / "memcallbacks", result)
         except BaseException:
             traceback.print_exc()
             code = 1
         os._exit(code)
-    os.waitpid(pid, 0)
-    return json.loads(result.read_text()) if result.is_file() else {"run": run, "crashed": True}
+    _, status = os.waitpid(pid, 0)
+    if result.is_file():
+        return json.loads(result.read_text())
+    crashed = {"run": run, "crashed": f"signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status) else f"exit code {os.WEXITSTATUS(status)}",
+               "fault": fault.read_text()[-3000:] if fault.is_file() else ""}
+    print(f"oom_runs: {framework} {kind} {run}: the child died ({crashed['crashed']}):\n{crashed['fault']}", file=sys.stderr)
+    if os.WIFSIGNALED(status) and tries > 1:
+        return dict(fork_run(framework, kind, run, budget, tries - 1), crashed_before=crashed)
+    return crashed
 
 
 def preload(framework: str) -> None:
@@ -338,7 +351,7 @@ def main(argv: list[str]) -> None:
             n = (remedy or {}).get("details", {}).get("batch_size")
             for size in (n, n + 1, n + 2) if n else ():
                 results.append(dict(fork_run(framework, kind, f"fixed:{size}", budget), model=kind))
-                if size > n and not results[-1]["completed"]:
+                if size > n and not results[-1].get("completed"):
                     break
         elif run == "savings":  # in the driver itself, no limit: the measured effect of the predicted changes
             results.append({"run": "savings", "model": kind, **measured_savings(kind, grown["oom"])})

@@ -35,7 +35,10 @@ def drive(framework: str, tmp_path: Path, *runs: str) -> list[dict[str, Any]]:
     done = subprocess.run([sys.executable, str(DRIVER), framework, str(BUDGET_MIB), str(out), *runs], env=env, capture_output=True,
                           text=True, timeout=600)
     assert out.is_file(), done.stderr[-3000:]
-    return json.loads(out.read_text())
+    results = json.loads(out.read_text())
+    crashed = [(r["run"], r["crashed"]) for r in results if r.get("crashed")]  # a child that died without writing its result
+    assert not crashed, (crashed, done.stderr[-3000:])
+    return results
 
 
 def check_explained(result: dict[str, Any]) -> dict[str, Any]:
@@ -69,7 +72,8 @@ def check_explained(result: dict[str, Any]) -> dict[str, Any]:
 def check_fits(results: list[dict[str, Any]], model: str) -> None:
     """The batch the explanation says fits completes under the same limit; one more fails."""
     grow = next(r for r in results if r["model"] == model and r["run"] == "grow")
-    remedy = next(r for r in grow["oom"]["remedies"] if r["kind"] == "batch_size")
+    remedy = next((r for r in grow["oom"]["remedies"] if r["kind"] == "batch_size"), None)
+    assert remedy is not None, grow["oom"]["text"]
     n = remedy["details"]["batch_size"]
     assert 1 <= n < remedy["details"]["failed_batch_size"] and remedy["fits"] is True
     fits = next(r for r in results if r["model"] == model and r["run"] == f"fixed:{n}")
@@ -127,6 +131,10 @@ def test_leak_is_the_cause_not_the_batch(tmp_path: Path) -> None:
     assert held >= 0.8 * (oom["step"] - 3) * (11 << 20)  # 11 MiB kept a step since the first steps
     kinds = [r["kind"] for r in oom["remedies"]]
     assert "batch_size" not in kinds[: kinds.index("leak") + 1]
+    # the step is replayed on fake tensors, the leak's kept tensors included (none copied for real): savings predicted
+    assert "preflight" not in kinds and "checkpointing" in kinds, oom["text"]
+    last = oom["last_good_step"]  # the last step with peaks, not the failed step's open row
+    assert last["step"] == oom["step"] - 1 and set(last["peaks"]) == {"forward", "backward", "optimizer"}, last
 
 
 # ---------------------------------------------------------------------- recognising, without running out

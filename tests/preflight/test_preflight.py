@@ -57,6 +57,30 @@ def test_predict_leaves_model_optimizer_batch_and_rng_unchanged() -> None:
     assert case.model.training and not any(isinstance(p, torch._subclasses.FakeTensor) for p in case.model.parameters())
 
 
+def test_tensors_a_module_keeps_in_containers_are_faked_not_copied() -> None:
+    # a leak's list of kept outputs (and a dict cache) on the model: the fake copy must copy none of their data
+    # (at an OOM, copying the leak for real is what ran out of memory a second time), and leave them unchanged
+    class Keeper(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(64, 64)
+            self.kept = [torch.ones(1 << 20) for _ in range(8)]  # 32 MiB of real tensors
+            self.cache = {"a": (torch.ones(1 << 20),)}
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out = self.fc(x)
+            self.kept.append(out)  # the replay appends to the copy's list, not this one
+            return out.sum()
+
+    model = Keeper()
+    kept = list(model.kept)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        pred = predict(model, torch.randn(4, 64), forward_fn=lambda m, b: m(b))
+    copied = sum(e.cpu_memory_usage for e in prof.events() if e.cpu_memory_usage > 0)
+    assert copied < 1 << 20, copied  # nothing near a kept tensor's 4 MiB was allocated for real
+    assert model.kept == kept and len(model.kept) == 8 and pred.peak_bytes > 0
+
+
 def test_meta_model_predicts_like_the_real_one() -> None:
     torch.manual_seed(0)
     real = CASES["gpt2"](1)
