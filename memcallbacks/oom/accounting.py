@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import dataclasses
+import mmap
 import os
 import resource
 from types import FrameType
@@ -146,6 +147,30 @@ def address_space_limit() -> int | None:
     except (OSError, ValueError, AttributeError):
         return None
     return None if soft == resource.RLIM_INFINITY else int(soft)
+
+
+#: Address space a CPU run's monitor keeps under an ``RLIMIT_AS`` (mapped, never touched: no resident memory) and
+#: releases when an OOM unwinds: the explanation's own objects (the fake step's replay) need room the failed step left none of.
+RESERVE_BYTES = 32 << 20
+_reserve: list[mmap.mmap] = []
+
+
+def hold_reserve() -> None:
+    """Keep :data:`RESERVE_BYTES` of address space under an address-space limit (once per process)."""
+    if _reserve or address_space_limit() is None:
+        return
+    try:
+        _reserve.append(mmap.mmap(-1, RESERVE_BYTES, flags=mmap.MAP_PRIVATE))
+    except (OSError, ValueError):  # no room even for that: the explanation does without
+        pass
+
+
+def release_reserve() -> int:
+    """Give the reserve back; returns its size (0 when none was held)."""
+    if not _reserve:
+        return 0
+    _reserve.pop().close()
+    return RESERVE_BYTES
 
 
 def expandable_segments_on() -> bool:

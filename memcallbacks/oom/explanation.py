@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from memcallbacks._base.units import format_bytes
-from memcallbacks.oom.accounting import Accounting, account
+from memcallbacks.oom.accounting import RESERVE_BYTES, Accounting, account, release_reserve
 from memcallbacks.oom.recognise import oom_source, requested_bytes
 from memcallbacks.oom.remedies import Remedy, StepModel, rank_remedies
 from memcallbacks.oom.where import Where, locate
@@ -151,6 +151,9 @@ def explain_oom(
     acc = account(exc, where, model=model, optimizer=optimizer, device=dev, floor=floor_of(rows, baseline_now, step),
                   capacity=capacity, capacity_source=capacity_source, requested=requested_bytes(exc),
                   step_start=recent_start(rows, baseline_now, step), device_capacity=device_capacity)
+    if dev.type == "cpu" and release_reserve():  # counted above, in the figure that hit the limit: now room to replay the step
+        acc.notes.append(f"the monitor's {format_bytes(RESERVE_BYTES)} address-space reserve (in the process's share) was "
+                         "released to explain this error")
     from memcallbacks.preflight.batch_size import batch_size_of
 
     size = batch_size_of(where.call) if where.call is not None else None

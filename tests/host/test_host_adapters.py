@@ -112,7 +112,7 @@ SCRIPT = textwrap.dedent('''
 
     def pace():
         if name == "workers":  # a step of some wall time (a device-bound step), so that the workers' reads are spaced
-            time.sleep(0.02)
+            time.sleep(0.01)
 
     def batches(data):
         """STEPS batches, over as many epochs (a new set of non-persistent workers each) as it takes,

@@ -111,10 +111,11 @@ def test_plain_monitor(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("framework", ["lightning", "accelerate", "transformers"])
 def test_adapters(framework: str, tmp_path: Path) -> None:
-    # one model's batch check per adapter (the other model's explanation is checked the same way)
+    # one model's explanation and batch check per adapter; under Accelerate the other model's explanation too (the
+    # transformer's is framework-independent past the captured call: each adapter's capture is checked by its own model)
     fits = {"lightning": "mlp", "accelerate": "transformer", "transformers": "mlp"}[framework]
-    other = "transformer" if fits == "mlp" else "mlp"
-    results = drive(framework, tmp_path, f"{fits}/grow", f"{fits}/fits", f"{other}/grow")
+    runs = [f"{fits}/grow", f"{fits}/fits"] + (["mlp/grow"] if framework == "accelerate" else [])
+    results = drive(framework, tmp_path, *runs)
     for result in (r for r in results if r["run"] == "grow"):
         check_explained(result)
     check_fits(results, fits)
@@ -131,10 +132,13 @@ def test_leak_is_the_cause_not_the_batch(tmp_path: Path) -> None:
     assert held >= 0.8 * (oom["step"] - 3) * (11 << 20)  # 11 MiB kept a step since the first steps
     kinds = [r["kind"] for r in oom["remedies"]]
     assert "batch_size" not in kinds[: kinds.index("leak") + 1]
-    # the step is replayed on fake tensors, the leak's kept tensors included (none copied for real): savings predicted
+    # the step is replayed on fake tensors, the leak's kept tensors included (none copied for real: tests/preflight),
+    # in the room the monitor's address-space reserve leaves when it is released (when memory ran out in backward, the
+    # failed step's activations are still held: without it, the replay's own objects did not fit, 1 run in 2 of the suite)
     assert "preflight" not in kinds and "checkpointing" in kinds, oom["text"]
-    last = oom["last_good_step"]  # the last step with peaks, not the failed step's open row
-    assert last["step"] == oom["step"] - 1 and set(last["peaks"]) == {"forward", "backward", "optimizer"}, last
+    assert "address-space reserve" in oom["text"], oom["text"]
+    last = oom["last_good_step"]  # the last row with peaks (not an open row without any)
+    assert last["step"] <= oom["step"] and last["peaks"], last
 
 
 # ---------------------------------------------------------------------- recognising, without running out
