@@ -65,7 +65,7 @@ def _fake_tensors_in(value: Any, memo: dict[int, Any], mode: FakeTensorMode, dev
     if isinstance(value, torch.Tensor):
         if id(value) not in memo:
             memo[id(value)] = _fake_like(mode, value, device, None)
-    elif depth and isinstance(value, (list, tuple, set, frozenset, collections.deque)) and not isinstance(value, (str, bytes)):
+    elif depth and isinstance(value, (list, tuple, set, frozenset, collections.deque)):
         for item in value:
             _fake_tensors_in(item, memo, mode, device, depth - 1)
     elif depth and isinstance(value, Mapping):
