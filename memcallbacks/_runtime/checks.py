@@ -24,6 +24,7 @@ from memcallbacks._base.columns import ALLOCATED
 from memcallbacks._base.units import GiB, format_bytes
 from memcallbacks.estimate.measure import estimate_for, hidden_state_bytes, measure_model_states
 from memcallbacks.leaks.tensors import batch_bytes
+from memcallbacks.oom.accounting import hold_reserve, release_reserve
 
 __all__ = ["StepChecks", "StateCheck"]
 
@@ -66,6 +67,8 @@ class StepChecks:
         self.watch = LeakWatch(self.config, self.allocated_now, ignore=ignore, charge=schedule.charge_other, wake=schedule.wake,
                                schedule=schedule)
         self.watch.start()
+        if device_is_host:  # under an address-space limit: room to explain an OOM (memcallbacks/oom)
+            hold_reserve()
         growth = self.watch.growth
         # the device growth test's latest finding (a partial of a builtin: no frame of ours at each host read)
         device_growth = functools.partial(getattr, growth, "last") if growth is not None else None
@@ -218,6 +221,7 @@ class StepChecks:
         if self.watch is not None:
             self.watch.model = self.watch.optimizer = None
         self.state.model = self.state.optimizer = None
+        release_reserve()
         try:
             self.preflight.release()
         except Exception:

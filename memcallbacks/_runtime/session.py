@@ -216,10 +216,6 @@ class Session:
         self.schedule.arm(engine.backend)
         self.schedule.guard.announce = (self.log, self.owner) if engine.rank == 0 else None  # the budget's back-off, said once
         self.checks.start(ignore=[self], device_is_host=self.device_kind == "cpu", keep_host=engine.seen_steps > 0)
-        if self.device_kind == "cpu":  # under an address-space limit: room to explain an OOM (memcallbacks/oom)
-            from memcallbacks.oom.accounting import hold_reserve
-
-            hold_reserve()
         if self.snap is not None:
             self.snap.stop()
             self.snap = None
@@ -233,10 +229,6 @@ class Session:
         self.schedule.release()
         release_folder(self.output_dir, self)
         self.checks.stop(self.snap)  # the host channel, the snapshots, the leak watch, the model copies
-        if self.device_kind == "cpu":
-            from memcallbacks.oom.accounting import release_reserve
-
-            release_reserve()
         try:
             self.engine.stop()
         except Exception:
