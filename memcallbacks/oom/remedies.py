@@ -259,6 +259,7 @@ def rank_remedies(step: StepModel | None, acc: Accounting, holders: list[str], b
             _attempt("precision", lambda: _variant("precision", "bf16 mixed precision (autocast)", step, base, available, {},
                                                    precision="bf16-mixed"), out)
         _attempt("sharding", lambda: _sharding(step, base, available, acc), out)
+    out = [r for r in out if r.saving_bytes is None or r.saving_bytes > 0]  # a change predicted to save nothing is no remedy
     out.sort(key=lambda r: -(r.saving_bytes if r.saving_bytes is not None else -1))
     first = [r for r in (leak, fragmentation) if r is not None]
     return first + out, base

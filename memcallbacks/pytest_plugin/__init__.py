@@ -166,9 +166,10 @@ def _fail_on_oom(item: pytest.Item, exc: BaseException) -> None:
             probe.core.record_exception(exc, probe.core.current_step)
         session.close_monitors()  # their run end explains it, with the model and optimizer they watch
         texts = explained()
-    if not texts:
+    if not texts:  # the loop's monitor had closed before the error reached the test (its generator closed while unwinding)
+        model, optimizer = session.tracked or (None, None)
         try:
-            texts = [explain_oom(exc, model=None, optimizer=None, step=session.probes[-1].core.current_step).text()]
+            texts = [explain_oom(exc, model=model, optimizer=optimizer, step=session.probes[-1].core.current_step).text()]
         except Exception:
             return
     pytest.fail(f"train_memory: {item.nodeid} ran out of memory ({type(exc).__name__})\n" + "\n".join(texts), pytrace=False)

@@ -79,6 +79,7 @@ class TrainMemory:
         self.timeline = Timeline()
         self.probes: list[Probe] = []
         self.closers: list[Callable[[], None]] = []
+        self.tracked: tuple[Any, Any] | None = None  # the last track() loop's model and optimizer (an OOM's explanation)
         self._patches: Any = None
         self._started = False
         self._evaluated: list[Failure] | None = None
@@ -146,6 +147,7 @@ class TrainMemory:
         monitor = Monitor(model, optimizer, **merged_config(self.monitor_config(), config))
         self.probe(session_of(monitor), name="train_memory.track()")
         self.closers.append(monitor.close)
+        self.tracked = (model, optimizer)
         try:
             yield from monitor.track(batches)
         finally:

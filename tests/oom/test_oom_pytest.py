@@ -45,3 +45,6 @@ def test_oom_fails_with_the_explanation(pytester: pytest.Pytester) -> None:
     # (step 4) when glibc keeps more of the earlier steps' freed memory: where, the step and the phase are named
     assert re.search(r"out of memory at step [45] on rank 0, in (forward|backward)", text), text
     assert "what filled it:" in text and "activations and temporaries" in text
+    # with the loop's model and optimizer, also when the loop's monitor closed before the error reached the test
+    assert re.search(r"\d+\.\d MiB  parameters", text) and re.search(r"\d+\.\d MiB  optimizer state", text), text
+    assert "saves 0 B" not in text, text
