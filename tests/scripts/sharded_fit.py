@@ -26,6 +26,7 @@ OUT_DIR/rank{R}.json (written atomically), for tests/adapters/test_sharding.py a
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import sys
@@ -136,6 +137,10 @@ def plain_worker(rank: int, args: argparse.Namespace) -> None:
 
     from memcallbacks import Monitor
 
+    # a rank still alive after 240 s (a healthy run takes about 10) prints every thread's stack and exits: a hang at
+    # the end (seen once under load, after both ranks had written their records) fails with where it hung, before the
+    # test's 300 s timeout, which says nothing
+    faulthandler.dump_traceback_later(240, exit=True)
     # what helpers.set_rank_environment does, without importing Lightning (helpers does) in each rank
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port), RANK=str(rank), WORLD_SIZE=str(WORLD_SIZE))
     torch.set_num_threads(1)
@@ -170,7 +175,7 @@ def run_plain(args: argparse.Namespace) -> None:
         try:
             plain_worker(0, args)
         finally:
-            if child.wait(timeout=300) != 0:
+            if child.wait(timeout=270) != 0:
                 raise SystemExit(f"rank 1 failed with exit code {child.returncode}")
     else:
         plain_worker(args.rank, args)
