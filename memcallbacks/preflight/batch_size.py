@@ -56,9 +56,10 @@ def max_batch_size(
 ) -> BatchFit:
     """Largest ``n`` in ``[low, high]`` with ``predict(model, make_batch(n), ...).peak_bytes <= capacity_bytes``.
 
-    Doubles from ``low`` until a batch does not fit, then bisects, so it makes about
-    ``2 * log2(answer)`` predictions. Peak memory grows with the batch size, which the search
-    assumes. ``make_batch(n)`` should return meta tensors (``torch.empty(..., device="meta")``) so
+    The peak grows about linearly with the batch, so each next size is where the line through two
+    predicted sizes meets the capacity (doubling until there are two, halving the bracket when an aim
+    did not): 4-6 predictions where doubling and bisecting made ``2 * log2(answer)``. Peak memory
+    grows with the batch size, which the search assumes. ``make_batch(n)`` should return meta tensors (``torch.empty(..., device="meta")``) so
     no batch is ever allocated. ``known``: predictions already made with the same settings (an earlier
     search's :attr:`BatchFit.predictions`), not made again. Other keyword arguments go to :func:`predict`.
     """
@@ -76,20 +77,32 @@ def max_batch_size(
 
     if not fits(low):
         return BatchFit(0, tried[low], capacity_bytes, predictions[low], tried, predictions)
-    good, bad = low, None
-    while bad is None and good < high:
-        n = min(good * 2, high)
+    good, bad, width, missed = low, None, high + 1 - low, False
+    while good < high and (bad is None or bad - good > 1):
+        top = high if bad is None else bad - 1
+        n = aimed = _aim(tried, good, bad, capacity_bytes)
+        # no line yet, a line just proven wrong, or an aim that did not halve the bracket: double, or bisect
+        if n is None or (bad is None and missed) or (bad is not None and bad - good > width // 2):
+            n = min(good * 2, top) if bad is None else (good + bad) // 2
+        n = max(good + 1, min(n, top))
+        width = bad - good if bad is not None else width
         if fits(n):
+            missed = bad is None and aimed is not None and aimed <= good  # the line said nothing above good fits
             good = n
         else:
             bad = n
-    while bad is not None and bad - good > 1:
-        mid = (good + bad) // 2
-        if fits(mid):
-            good = mid
-        else:
-            bad = mid
     return BatchFit(good, tried[good], capacity_bytes, predictions[good], tried, predictions)
+
+
+def _aim(tried: dict[int, int], good: int, bad: int | None, capacity: int) -> int | None:
+    """The batch size where the line through ``good`` and its nearest other predicted size meets ``capacity``."""
+    other = bad if bad is not None else max((n for n in tried if n < good), default=None)
+    if other is None:
+        return None
+    slope = (tried[other] - tried[good]) / (other - good)
+    if slope <= 0:
+        return None
+    return good + int((capacity - tried[good]) // slope)
 
 
 def batch_size_of(batch: Any) -> int | None:
