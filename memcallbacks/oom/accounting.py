@@ -153,10 +153,12 @@ def address_space_limit() -> int | None:
 #: releases when an OOM unwinds: the explanation's own objects (the fake step's replay) need room the failed step left none of.
 RESERVE_BYTES = 32 << 20
 _reserve: list[mmap.mmap] = []
+_holds = [0]  # the runs holding the reserve: two monitors in one process share one mapping
 
 
 def hold_reserve() -> None:
-    """Keep :data:`RESERVE_BYTES` of address space under an address-space limit (once per process)."""
+    """Keep :data:`RESERVE_BYTES` of address space under an address-space limit (one mapping per process)."""
+    _holds[0] += 1
     if _reserve or address_space_limit() is None:
         return
     try:
@@ -165,8 +167,13 @@ def hold_reserve() -> None:
         pass
 
 
-def release_reserve() -> int:
-    """Give the reserve back; returns its size (0 when none was held)."""
+def release_reserve(*, now: bool = False) -> int:
+    """A run's hold given back (the mapping goes with the last hold); ``now``: unmapped at once, for an OOM's
+    explanation. Returns the bytes unmapped (0 when none were)."""
+    if not now:
+        _holds[0] = max(0, _holds[0] - 1)
+        if _holds[0]:
+            return 0
     if not _reserve:
         return 0
     _reserve.pop().close()

@@ -151,7 +151,7 @@ def explain_oom(
     acc = account(exc, where, model=model, optimizer=optimizer, device=dev, floor=floor_of(rows, baseline_now, step),
                   capacity=capacity, capacity_source=capacity_source, requested=requested_bytes(exc),
                   step_start=recent_start(rows, baseline_now, step), device_capacity=device_capacity)
-    if dev.type == "cpu" and release_reserve():  # counted above, in the figure that hit the limit: now room to replay the step
+    if dev.type == "cpu" and release_reserve(now=True):  # counted above, in the figure that hit the limit: now room to replay the step
         acc.notes.append(f"the monitor's {format_bytes(RESERVE_BYTES)} address-space reserve (in the process's share) was "
                          "released to explain this error")
     from memcallbacks.preflight.batch_size import batch_size_of
