@@ -13,12 +13,12 @@ import os
 import platform
 import random
 import statistics
-from typing import Any, Callable, Iterator, Sequence
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import memcallbacks
+
+if TYPE_CHECKING:
+    from torch import nn
 
 BARE = "bare"
 
@@ -66,6 +66,9 @@ class ResultFile:
 # ---------------------------------------------------------------------------- the workload
 def mlp_layers(d_in: int, hidden: int, n_classes: int = 10) -> nn.Sequential:
     """The benchmark MLP: ``d_in -> hidden -> hidden -> n_classes`` with ReLUs."""
+    # here, not above: a script's --help answers before torch loads (seconds)
+    from torch import nn
+
     return nn.Sequential(nn.Linear(d_in, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, n_classes))
 
 
@@ -178,6 +181,8 @@ def load_average() -> tuple[float, float, float] | None:
 
 def base_environment(**frameworks: str) -> dict[str, Any]:
     """Versions and machine, what every run records first; ``frameworks`` (name=version) come after torch's."""
+    import torch  # here, not above: see mlp_layers
+
     return {
         "python": platform.python_version(),
         "torch": torch.__version__,

@@ -26,11 +26,22 @@ import time
 import warnings
 from typing import Any, Callable
 
-import torch
-from torch import nn
 
-from memcallbacks._base.devices import heap_in_use_bytes, host_rss_reader
-from memcallbacks.leaks.growth import GrowthDetector
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=160, help="steps per scenario")
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    # --help and argument errors answer here, before torch loads (seconds)
+    ARGS = parse_args()
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from memcallbacks._base.devices import heap_in_use_bytes, host_rss_reader  # noqa: E402
+from memcallbacks.leaks.growth import GrowthDetector  # noqa: E402
 
 KiB, MiB = 1024, 1024 * 1024
 DIM, BATCH = 256, 128
@@ -84,10 +95,8 @@ def first_finding(series: list[float], every: int = 1) -> int | None:
     return None
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=160, help="steps per scenario")
-    args = parser.parse_args()
+def main(argv: list[str] | argparse.Namespace | None = None) -> None:
+    args = argv if isinstance(argv, argparse.Namespace) else parse_args(argv)
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
     if heap_in_use_bytes() is None:
@@ -133,4 +142,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(ARGS)

@@ -15,8 +15,6 @@ import json
 import statistics
 import time
 
-import torch
-
 
 def _per_call_us(fn, calls: int = 2000, repeats: int = 5) -> dict[str, float]:
     times = []
@@ -32,6 +30,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args()
+    import torch  # here, not above: --help and argument errors answer before torch loads (seconds)
+
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to measure")
         return 0

@@ -12,13 +12,25 @@ import sys
 import time
 import warnings
 
-import torch
-from torch import nn
 
-from memcallbacks._base.devices import heap_in_use_bytes
-from memcallbacks.leaks import find_holders, take_census
-from memcallbacks.leaks.growth import GrowthDetector
-from memcallbacks.leaks.lingering import LingeringDetector
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="fewer rates and sizes")
+    parser.add_argument("--no-adapters", action="store_true", help="skip the per-adapter runs at default settings")
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    # --help and argument errors answer here, before torch loads (seconds)
+    ARGS = parse_args()
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from memcallbacks._base.devices import heap_in_use_bytes  # noqa: E402
+from memcallbacks.leaks import find_holders, take_census  # noqa: E402
+from memcallbacks.leaks.growth import GrowthDetector  # noqa: E402
+from memcallbacks.leaks.lingering import LingeringDetector  # noqa: E402
 
 KiB, MiB = 1024, 1024 * 1024
 
@@ -180,11 +192,8 @@ def bench_census(sizes: list[int]) -> None:
     junk.clear()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="fewer rates and sizes")
-    parser.add_argument("--no-adapters", action="store_true", help="skip the per-adapter runs at default settings")
-    args = parser.parse_args()
+def main(argv: list[str] | argparse.Namespace | None = None) -> None:
+    args = argv if isinstance(argv, argparse.Namespace) else parse_args(argv)
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
     print(f"python {sys.version.split()[0]}, torch {torch.__version__}")
@@ -206,4 +215,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(ARGS)

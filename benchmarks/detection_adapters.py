@@ -30,8 +30,21 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
-from torch import nn
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="skip the 64 KiB/step rate (the longest runs)")
+    parser.add_argument("--start", type=int, default=0, help="the step at which the leak begins (default 0)")
+    parser.add_argument("--one", nargs=3, metavar=("ADAPTER", "RATE", "STEPS"), help=argparse.SUPPRESS)  # one run (a child process)
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    # --help and argument errors answer here, before torch loads (seconds)
+    ARGS = parse_args()
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
 
 KiB, MiB = 1024, 1024 * 1024
 DIM, BATCH = 256, 128
@@ -200,12 +213,8 @@ def bench_adapters(quick: bool = False) -> list[dict[str, Any]]:
     return rows
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="skip the 64 KiB/step rate (the longest runs)")
-    parser.add_argument("--start", type=int, default=0, help="the step at which the leak begins (default 0)")
-    parser.add_argument("--one", nargs=3, metavar=("ADAPTER", "RATE", "STEPS"), help=argparse.SUPPRESS)  # one run (a child process)
-    args = parser.parse_args()
+def main(argv: list[str] | argparse.Namespace | None = None) -> None:
+    args = argv if isinstance(argv, argparse.Namespace) else parse_args(argv)
     global START
     START = args.start
     if args.one is None:
@@ -224,4 +233,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(ARGS)

@@ -36,9 +36,36 @@ import tempfile
 import time
 from typing import Any
 
-import torch
-from torch import nn
-from torch.nn import functional as F
+#: The loops ``--shape`` names: :func:`concurrent`'s keyword arguments.
+SHAPES: dict[str, dict[str, Any]] = {
+    "small": {},
+    "nanogpt-cpu": {"accumulation": 1, "batch_size": 12, "block_size": 64, "model_kwargs": {"n_layer": 4, "n_head": 4, "n_embd": 128}},
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--runs", type=int, default=5, help="runs (each a fresh pair of loops, side by side)")
+    parser.add_argument("--quick", action="store_true", help="2 runs of 150 steps")
+    parser.add_argument("--control", action="store_true", help="two bare loops: the method's own error (expect 1.00)")
+    parser.add_argument("--heap-objects", type=int, default=300_000,
+                        help="extra small objects kept alive in each loop's process, as a real script's heap "
+                             "(nanoGPT's: imports, data, tokenizer)")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="small",
+                        help="small: 2 layers, 64 wide, accumulation 4 (~26 ms steps here); nanogpt-cpu: the CPU "
+                             "configuration in nanoGPT's README (4 layers, 4 heads, 128 wide, block 64, batch 12, no accumulation)")
+    parser.add_argument("--json", help="also write every run's numbers here")
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    # --help and argument errors answer here, before torch loads (seconds)
+    ARGS = parse_args()
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.nn import functional as F  # noqa: E402
 
 
 class Block(nn.Module):
@@ -241,27 +268,8 @@ def concurrent(steps: int, output_dir: str, *, monitored: bool = True, accumulat
     return out
 
 
-#: The loops ``--shape`` names: :func:`concurrent`'s keyword arguments.
-SHAPES: dict[str, dict[str, Any]] = {
-    "small": {},
-    "nanogpt-cpu": {"accumulation": 1, "batch_size": 12, "block_size": 64, "model_kwargs": {"n_layer": 4, "n_head": 4, "n_embd": 128}},
-}
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--runs", type=int, default=5, help="runs (each a fresh pair of loops, side by side)")
-    parser.add_argument("--quick", action="store_true", help="2 runs of 150 steps")
-    parser.add_argument("--control", action="store_true", help="two bare loops: the method's own error (expect 1.00)")
-    parser.add_argument("--heap-objects", type=int, default=300_000,
-                        help="extra small objects kept alive in each loop's process, as a real script's heap "
-                             "(nanoGPT's: imports, data, tokenizer)")
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="small",
-                        help="small: 2 layers, 64 wide, accumulation 4 (~26 ms steps here); nanogpt-cpu: the CPU "
-                             "configuration in nanoGPT's README (4 layers, 4 heads, 128 wide, block 64, batch 12, no accumulation)")
-    parser.add_argument("--json", help="also write every run's numbers here")
-    args = parser.parse_args(argv)
+def main(argv: list[str] | argparse.Namespace | None = None) -> int:
+    args = argv if isinstance(argv, argparse.Namespace) else parse_args(argv)
     if args.quick:
         args.steps, args.runs = 150, 2
     runs: list[dict[str, Any]] = []
@@ -310,4 +318,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(ARGS))

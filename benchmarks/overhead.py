@@ -49,19 +49,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
-from torch import nn
-
-import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback, DeviceStatsMonitor
-from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
-
-from memcallbacks import MemoryMonitor
-from memcallbacks._base import devices as _devices
-from memcallbacks._base.devices import CpuBackend, host_rss_reader, select_backend
-from memcallbacks._runtime.schedule import QUIET_FROM
-
-# benchmarks/_common.py: run as a script, this file's folder is sys.path[0]
+# benchmarks/_common.py (no torch at import): run as a script, this file's folder is sys.path[0]
 from _common import BARE, TARGET_LOG_EVERY, TARGET_RATIO, TARGET_US_PER_STEP
 from _common import ResultFile, base_environment, interleaved_runs, is_logged, load_average, median_ci, mlp_layers, monitor_self_us, paired_with_bare, quantile, robust_mean, robust_step_us
 
@@ -75,6 +63,74 @@ HOOK_NAMES = (DEVICE_STATS, MONITOR, MONITOR_EVERY_STEP, MONITOR_NO_HOST)
 VARIANTS = (BARE, NOOP, DEVICE_STATS, MONITOR, MONITOR_EVERY_STEP)
 FIT_VARIANTS = (BARE, DEVICE_STATS, MONITOR, MONITOR_EVERY_STEP)
 AB_VARIANTS = (NOOP, DEVICE_STATS, MONITOR, MONITOR_EVERY_STEP)
+
+
+def parse_args(argv: list[str] | None = None, *, require_device: bool = True) -> argparse.Namespace:
+    """The arguments, with the defaults --quick and --device imply; ``require_device=False`` reads them without a GPU."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="smoke run: fewer steps and repeats (about a minute; on CUDA about "
+                   "30 s: 2 repeats of 100 steps, 2 A/B pairs, log_every 50 only, since every step synchronizes)")
+    p.add_argument("--json", metavar="PATH", help="write environment, every run and the summaries to PATH")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="train on this device (cuda: a larger model)")
+    p.add_argument("--log-every", type=int, nargs="+", help=f"Trainer(log_every_n_steps=...) settings (default 1 {TARGET_LOG_EVERY}; "
+                   f"{TARGET_LOG_EVERY} with --quick on CUDA)")
+    p.add_argument("--steps", type=int, help="timed steps per interleaved fit (a multiple of every --log-every)")
+    p.add_argument("--skip-steps", type=int, default=50, help="untimed steps at the start of every fit")
+    p.add_argument("--repeats", type=int, help="interleaved repeats (0 skips the interleaved fits)")
+    p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(FIT_VARIANTS), metavar="VARIANT", help=f"interleaved-fit variants, of {VARIANTS}")
+    p.add_argument("--ab-pairs", type=int, help="A/B block pairs per fit (0 skips the A/B fits)")
+    p.add_argument("--block", type=int, default=50, help="steps per A/B block (a multiple of every --log-every)")
+    p.add_argument("--hook-repeats", type=int, help="fits per log setting with every hook timed (0 skips them)")
+    p.add_argument("--no-micro", action="store_true", help="skip the micro-benchmarks")
+    p.add_argument("--host", action="store_true", help=f"section 3 also times {MONITOR_NO_HOST} in the same fit: the default "
+                   "monitor's extra time over it is the host channel's cost")
+    p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (fixed, to reduce noise)")
+    p.add_argument("--logger", default="csv", choices=["csv", "tensorboard"], help="the logger every variant uses")
+    p.add_argument("--reuse-batches", action="store_true", help="hand out the same few batch tensors every step (a pre-batched in-memory dataset) instead of fresh ones")
+    p.add_argument("--seed", type=int, default=0, help="seed of the run order and the A/B plans")
+    args = p.parse_args(argv)
+    if require_device and args.device == "cuda":
+        import torch  # here, not above: --help answers before torch loads
+
+        if not torch.cuda.is_available():
+            p.error("--device cuda: no CUDA device is available.")
+    quick = args.quick
+    # a synchronized CUDA step of the larger model is slower than a CPU one: --quick there is sized to
+    # end within gpu_check.sh's stage (about 2,750 steps in 17 fits instead of about 12,000 in 46)
+    cuda_quick = quick and args.device == "cuda"
+    args.log_every = args.log_every or ([TARGET_LOG_EVERY] if cuda_quick else [1, TARGET_LOG_EVERY])
+    args.steps = args.steps or (100 if cuda_quick else 200 if quick else 600)
+    # 15 repeats: enough for the paired difference of two monitors to have a 95% interval (sign test)
+    args.repeats = args.repeats if args.repeats is not None else (2 if cuda_quick else 3 if quick else 15)
+    args.ab_pairs = args.ab_pairs if args.ab_pairs is not None else (2 if cuda_quick else 6 if quick else 20)
+    args.hook_repeats = args.hook_repeats if args.hook_repeats is not None else (1 if quick else 3)
+    args.d_in, args.hidden, args.batch_size = (1024, 4096, 512) if args.device == "cuda" else (64, 128, 32)
+    args.micro_calls = 400 if quick else 2000
+    args.micro_matmul = 2048 if args.device == "cuda" else 256
+    for name in ("steps", "skip_steps", "block"):
+        bad = [n for n in args.log_every if n < 1 or getattr(args, name) % n]
+        if bad:
+            p.error(f"--{name.replace('_', '-')} {getattr(args, name)} must be a multiple of every --log-every; {bad} is not a divisor.")
+    if BARE not in args.variants:
+        args.variants.insert(0, BARE)
+    return args
+
+
+if __name__ == "__main__":
+    # --help and argument errors answer here, before torch and Lightning load (seconds)
+    ARGS = parse_args()
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+import lightning.pytorch as pl  # noqa: E402
+from lightning.pytorch.callbacks import Callback, DeviceStatsMonitor  # noqa: E402
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger  # noqa: E402
+
+from memcallbacks import MemoryMonitor  # noqa: E402
+from memcallbacks._base import devices as _devices  # noqa: E402
+from memcallbacks._base.devices import CpuBackend, host_rss_reader, select_backend  # noqa: E402
+from memcallbacks._runtime.schedule import QUIET_FROM  # noqa: E402
 
 
 # ---------------------------------------------------------------------------- the workload
@@ -702,56 +758,8 @@ def environment(args: argparse.Namespace) -> dict[str, Any]:
     return env
 
 
-def parse_args(argv: list[str] | None = None, *, require_device: bool = True) -> argparse.Namespace:
-    """The arguments, with the defaults --quick and --device imply; ``require_device=False`` reads them without a GPU."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="smoke run: fewer steps and repeats (about a minute; on CUDA about "
-                   "30 s: 2 repeats of 100 steps, 2 A/B pairs, log_every 50 only, since every step synchronizes)")
-    p.add_argument("--json", metavar="PATH", help="write environment, every run and the summaries to PATH")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="train on this device (cuda: a larger model)")
-    p.add_argument("--log-every", type=int, nargs="+", help=f"Trainer(log_every_n_steps=...) settings (default 1 {TARGET_LOG_EVERY}; "
-                   f"{TARGET_LOG_EVERY} with --quick on CUDA)")
-    p.add_argument("--steps", type=int, help="timed steps per interleaved fit (a multiple of every --log-every)")
-    p.add_argument("--skip-steps", type=int, default=50, help="untimed steps at the start of every fit")
-    p.add_argument("--repeats", type=int, help="interleaved repeats (0 skips the interleaved fits)")
-    p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(FIT_VARIANTS), metavar="VARIANT", help=f"interleaved-fit variants, of {VARIANTS}")
-    p.add_argument("--ab-pairs", type=int, help="A/B block pairs per fit (0 skips the A/B fits)")
-    p.add_argument("--block", type=int, default=50, help="steps per A/B block (a multiple of every --log-every)")
-    p.add_argument("--hook-repeats", type=int, help="fits per log setting with every hook timed (0 skips them)")
-    p.add_argument("--no-micro", action="store_true", help="skip the micro-benchmarks")
-    p.add_argument("--host", action="store_true", help=f"section 3 also times {MONITOR_NO_HOST} in the same fit: the default "
-                   "monitor's extra time over it is the host channel's cost")
-    p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (fixed, to reduce noise)")
-    p.add_argument("--logger", default="csv", choices=["csv", "tensorboard"], help="the logger every variant uses")
-    p.add_argument("--reuse-batches", action="store_true", help="hand out the same few batch tensors every step (a pre-batched in-memory dataset) instead of fresh ones")
-    p.add_argument("--seed", type=int, default=0, help="seed of the run order and the A/B plans")
-    args = p.parse_args(argv)
-    if require_device and args.device == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda: no CUDA device is available.")
-    quick = args.quick
-    # a synchronized CUDA step of the larger model is slower than a CPU one: --quick there is sized to
-    # end within gpu_check.sh's stage (about 2,750 steps in 17 fits instead of about 12,000 in 46)
-    cuda_quick = quick and args.device == "cuda"
-    args.log_every = args.log_every or ([TARGET_LOG_EVERY] if cuda_quick else [1, TARGET_LOG_EVERY])
-    args.steps = args.steps or (100 if cuda_quick else 200 if quick else 600)
-    # 15 repeats: enough for the paired difference of two monitors to have a 95% interval (sign test)
-    args.repeats = args.repeats if args.repeats is not None else (2 if cuda_quick else 3 if quick else 15)
-    args.ab_pairs = args.ab_pairs if args.ab_pairs is not None else (2 if cuda_quick else 6 if quick else 20)
-    args.hook_repeats = args.hook_repeats if args.hook_repeats is not None else (1 if quick else 3)
-    args.d_in, args.hidden, args.batch_size = (1024, 4096, 512) if args.device == "cuda" else (64, 128, 32)
-    args.micro_calls = 400 if quick else 2000
-    args.micro_matmul = 2048 if args.device == "cuda" else 256
-    for name in ("steps", "skip_steps", "block"):
-        bad = [n for n in args.log_every if n < 1 or getattr(args, name) % n]
-        if bad:
-            p.error(f"--{name.replace('_', '-')} {getattr(args, name)} must be a multiple of every --log-every; {bad} is not a divisor.")
-    if BARE not in args.variants:
-        args.variants.insert(0, BARE)
-    return args
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def main(argv: list[str] | argparse.Namespace | None = None) -> int:
+    args = argv if isinstance(argv, argparse.Namespace) else parse_args(argv)
     torch.set_num_threads(args.threads)
     try:
         torch.set_num_interop_threads(1)
@@ -843,4 +851,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(ARGS))

@@ -31,18 +31,49 @@ import time
 import warnings
 from typing import Any
 
-import torch
-from torch import nn
 
-import accelerate
-from accelerate import Accelerator
-from accelerate.state import AcceleratorState, GradientState
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="smoke run: fewer steps and repeats")
+    p.add_argument("--json", metavar="PATH", help="write environment, every run and the summary to PATH")
+    p.add_argument("--steps", type=int, help="timed steps per run (a multiple of every --log-every)")
+    p.add_argument("--skip-steps", type=int, default=50, help="untimed steps at the start of every run")
+    p.add_argument("--repeats", type=int, help="interleaved repeats")
+    p.add_argument("--log-every", type=int, nargs="+", default=[1, 50], help="accelerator.log interval (loss and memory)")
+    p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (fixed to reduce noise)")
+    p.add_argument("--tracker", default="tensorboard", choices=["tensorboard", "none"], help="what accelerator.log writes to")
+    p.add_argument("--d-in", type=int, default=64)
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0, help="seed of the shuffled run order")
+    p.add_argument("--hook-repeats", type=int, help="runs per (variant, log setting) with the monitor's own code timed")
+    p.add_argument("--no-detection", action="store_true", help="monitor variants with detect_leaks=False, estimate_model_states=False")
+    args = p.parse_args(argv)
+    args.steps = args.steps or (300 if args.quick else 1000)
+    args.repeats = args.repeats if args.repeats is not None else (3 if args.quick else 9)
+    args.hook_repeats = args.hook_repeats if args.hook_repeats is not None else (1 if args.quick else 3)
+    bad = [n for n in args.log_every if n < 1 or args.steps % n or args.skip_steps % n]
+    if bad:
+        p.error(f"--steps {args.steps} and --skip-steps {args.skip_steps} must be multiples of every --log-every; {bad} is not.")
+    return args
 
-from memcallbacks.accelerate import AccelerateMemoryMonitor
+
+if __name__ == "__main__":
+    # --help and argument errors answer here, before torch and Accelerate load (seconds)
+    ARGS = parse_args()
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+import accelerate  # noqa: E402
+from accelerate import Accelerator  # noqa: E402
+from accelerate.state import AcceleratorState, GradientState  # noqa: E402
+
+from memcallbacks.accelerate import AccelerateMemoryMonitor  # noqa: E402
 
 # benchmarks/_common.py: run as a script, this file's folder is sys.path[0]
-from _common import BARE, TARGET_LOG_EVERY, TARGET_RATIO, TARGET_US_PER_STEP
-from _common import base_environment, interleaved_runs, load_average, mlp_layers, monitor_self_us, paired_with_bare, quantile, robust_step_us
+from _common import BARE, TARGET_LOG_EVERY, TARGET_RATIO, TARGET_US_PER_STEP  # noqa: E402
+from _common import base_environment, interleaved_runs, load_average, mlp_layers, monitor_self_us, paired_with_bare, quantile, robust_step_us  # noqa: E402
 
 MONITOR, MONITOR_EVERY_STEP = "AccelerateMemoryMonitor", "AccelerateMemoryMonitor(sample_every_n_steps=1)"
 VARIANTS = (BARE, MONITOR, MONITOR_EVERY_STEP)
@@ -257,34 +288,8 @@ def environment(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="smoke run: fewer steps and repeats")
-    p.add_argument("--json", metavar="PATH", help="write environment, every run and the summary to PATH")
-    p.add_argument("--steps", type=int, help="timed steps per run (a multiple of every --log-every)")
-    p.add_argument("--skip-steps", type=int, default=50, help="untimed steps at the start of every run")
-    p.add_argument("--repeats", type=int, help="interleaved repeats")
-    p.add_argument("--log-every", type=int, nargs="+", default=[1, 50], help="accelerator.log interval (loss and memory)")
-    p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (fixed to reduce noise)")
-    p.add_argument("--tracker", default="tensorboard", choices=["tensorboard", "none"], help="what accelerator.log writes to")
-    p.add_argument("--d-in", type=int, default=64)
-    p.add_argument("--hidden", type=int, default=128)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--seed", type=int, default=0, help="seed of the shuffled run order")
-    p.add_argument("--hook-repeats", type=int, help="runs per (variant, log setting) with the monitor's own code timed")
-    p.add_argument("--no-detection", action="store_true", help="monitor variants with detect_leaks=False, estimate_model_states=False")
-    args = p.parse_args(argv)
-    args.steps = args.steps or (300 if args.quick else 1000)
-    args.repeats = args.repeats if args.repeats is not None else (3 if args.quick else 9)
-    args.hook_repeats = args.hook_repeats if args.hook_repeats is not None else (1 if args.quick else 3)
-    bad = [n for n in args.log_every if n < 1 or args.steps % n or args.skip_steps % n]
-    if bad:
-        p.error(f"--steps {args.steps} and --skip-steps {args.skip_steps} must be multiples of every --log-every; {bad} is not.")
-    return args
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def main(argv: list[str] | argparse.Namespace | None = None) -> int:
+    args = argv if isinstance(argv, argparse.Namespace) else parse_args(argv)
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
     logging.getLogger("memcallbacks").setLevel(logging.ERROR)  # --tracker none: the no-tracker warning
@@ -332,4 +337,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(main(ARGS))

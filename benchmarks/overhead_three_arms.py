@@ -32,6 +32,22 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--triples", type=int, default=40, help="blocks of each arm per fit")
+    p.add_argument("--block", type=int, default=50, help="steps per block (a multiple of --log-every)")
+    p.add_argument("--fits", type=int, default=3, help="fits, each with its own random order")
+    p.add_argument("--log-every", type=int, default=50, help="Trainer(log_every_n_steps=...)")
+    p.add_argument("--skip-steps", type=int, default=50, help="untimed steps at the start, both monitors attached")
+    p.add_argument("--keep-first-step", action="store_true", help="also time the first step of every block (MemoryMonitor's is busy there)")
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    # --help and argument errors answer here, before torch and Lightning load (seconds)
+    ARGS = parse_args()
+
 import torch  # noqa: E402
 
 from lightning.pytorch.callbacks import DeviceStatsMonitor  # noqa: E402
@@ -78,15 +94,8 @@ def one_fit(args: argparse.Namespace, batches: Any, seed: int) -> dict[str, Any]
     return {"bare_us": bare * 1e6, "diff": diff, "mm_vs_dsm": mm_vs_dsm, "medians": medians, "cadence": cadence}
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--triples", type=int, default=40, help="blocks of each arm per fit")
-    p.add_argument("--block", type=int, default=50, help="steps per block (a multiple of --log-every)")
-    p.add_argument("--fits", type=int, default=3, help="fits, each with its own random order")
-    p.add_argument("--log-every", type=int, default=50, help="Trainer(log_every_n_steps=...)")
-    p.add_argument("--skip-steps", type=int, default=50, help="untimed steps at the start, both monitors attached")
-    p.add_argument("--keep-first-step", action="store_true", help="also time the first step of every block (MemoryMonitor's is busy there)")
-    args = p.parse_args(argv)
+def main(argv: list[str] | argparse.Namespace | None = None) -> int:
+    args = argv if isinstance(argv, argparse.Namespace) else parse_args(argv)
     base = O.parse_args(["--quick"])
     for key in ("block", "skip_steps"):
         setattr(base, key, getattr(args, key))
@@ -108,4 +117,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(main(ARGS))

@@ -25,7 +25,23 @@ import time
 from pathlib import Path
 from typing import Callable
 
-import torch
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--scale", type=int, default=2, help="model/batch size multiplier (tests use 1)")
+    parser.add_argument("--skip-1b", action="store_true", help="skip the 1B-parameter speed check")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cpu: against torch.profiler's exact bytes; cuda: against torch.cuda.max_memory_allocated per phase")
+    parser.add_argument("--quick", action="store_true", help="one size (scale 1 on CPU, 4 on CUDA), no 1B check")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    # --help and argument errors answer here, before torch loads (seconds)
+    ARGS = parse_args()
+
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the model zoo tests share
 
@@ -186,15 +202,8 @@ def one_billion() -> str:
             f"{p.peak_bytes / 2**30:.2f} GiB in {p.peak_phase}\n\n{p}")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--scale", type=int, default=2, help="model/batch size multiplier (tests use 1)")
-    parser.add_argument("--skip-1b", action="store_true", help="skip the 1B-parameter speed check")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                        help="cpu: against torch.profiler's exact bytes; cuda: against torch.cuda.max_memory_allocated per phase")
-    parser.add_argument("--quick", action="store_true", help="one size (scale 1 on CPU, 4 on CUDA), no 1B check")
-    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
-    args = parser.parse_args()
+def main(argv: list[str] | argparse.Namespace | None = None) -> None:
+    args = argv if isinstance(argv, argparse.Namespace) else parse_args(argv)
     if args.device == "cuda":
         if not torch.cuda.is_available():
             print("benchmarks/preflight.py --device cuda: no GPU is present (torch.cuda.is_available() is False); nothing measured.")
@@ -216,4 +225,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(ARGS)

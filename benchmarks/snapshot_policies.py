@@ -34,12 +34,33 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-from torch import nn
 
-import memcallbacks
-from memcallbacks import Monitor
-import memcallbacks.snapshot as _snapshot
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="3 rounds of 20 steps, a smaller model")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    if args.device is None:
+        import torch  # here, not above: --help answers before torch loads
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    return args
+
+
+if __name__ == "__main__":
+    # --help and argument errors answer here, before torch loads (seconds)
+    ARGS = parse_args()
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+import memcallbacks  # noqa: E402
+from memcallbacks import Monitor  # noqa: E402
+import memcallbacks.snapshot as _snapshot  # noqa: E402
 
 VARIANTS = ["bare", "monitor", "off", "armed", "always", "armed (recording)"]
 
@@ -145,15 +166,8 @@ def summarize(blocks: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--steps", type=int, default=50)
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--quick", action="store_true", help="3 rounds of 20 steps, a smaller model")
-    parser.add_argument("--json", default=None)
-    args = parser.parse_args()
+def main(argv: list[str] | argparse.Namespace | None = None) -> None:
+    args = argv if isinstance(argv, argparse.Namespace) else parse_args(argv)
     if args.quick:
         args.rounds, args.steps = 3, 20
     device = torch.device(args.device)
@@ -194,4 +208,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(ARGS))

@@ -30,10 +30,23 @@ import time
 import timeit
 from typing import Callable
 
-import torch
-from torch import nn
 
-from _common import mlp_layers
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--blocks", type=int, default=120, help="interleaved blocks per variant")
+    p.add_argument("--steps", type=int, default=50, help="training steps per block, one call before each")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    # --help and argument errors answer here, before torch loads (seconds)
+    ARGS = parse_args()
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from _common import mlp_layers  # noqa: E402
 
 
 def calls() -> dict[str, Callable[[], object]]:
@@ -51,12 +64,8 @@ def calls() -> dict[str, Callable[[], object]]:
     return found
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--blocks", type=int, default=120, help="interleaved blocks per variant")
-    p.add_argument("--steps", type=int, default=50, help="training steps per block, one call before each")
-    p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
+def main(argv: list[str] | argparse.Namespace | None = None) -> int:
+    args = argv if isinstance(argv, argparse.Namespace) else parse_args(argv)
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)
     model = mlp_layers(64, 128)
@@ -97,4 +106,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(ARGS))
