@@ -28,6 +28,7 @@ import random
 import statistics
 import tempfile
 import time
+import types
 import warnings
 from typing import Any
 
@@ -98,13 +99,20 @@ class TimedMonitor(AccelerateMemoryMonitor):
     """``AccelerateMemoryMonitor`` that adds up the wall time spent in its own code (outermost calls only):
     the hooks torch calls, the step bookkeeping of ``track`` and the core calls of the backward wrapper."""
 
-    _TIMED = ("_forward_pre", "_forward_post", "_backward_start", "_backward_end", "_optimizer_pre", "_optimizer_post", "_step_complete", "_begin", "_end")
+    _TIMED = ("_forward_pre", "_backward_starts", "_backward_ends", "_optimizer_pre", "_optimizer_post", "_step_complete", "_begin", "_end")
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.spent = 0.0
         self._depth = 0
+        gone = [name for name in self._TIMED if not hasattr(self, name)]
+        if gone:  # the monitor's hook methods were renamed: time the new ones, or this benchmark times nothing
+            raise SystemExit(f"overhead_accelerate.py: AccelerateMemoryMonitor has no {gone}; update TimedMonitor._TIMED")
+        self._kept: list[Any] = []  # the timed methods' functions: the monitor holds its hooks by weak reference
         for name in self._TIMED:
-            setattr(self, name, self._timed(getattr(self, name)))
+            timed = self._timed(getattr(self, name))
+            self._kept.append(timed)
+            # a bound method, not a plain function: the monitor holds hook methods by weakref.WeakMethod
+            setattr(self, name, types.MethodType(lambda _self, *a, _t=timed, **k: _t(*a, **k), self))
         super().__init__(*args, **kwargs)
         core = self._session
         for name in ("boundary", "begin_step", "end_step"):

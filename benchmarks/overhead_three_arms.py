@@ -76,7 +76,7 @@ def one_fit(args: argparse.Namespace, batches: Any, seed: int) -> dict[str, Any]
         # the timer attaches each block's arm: the first block of the plan onwards; both before it
         switch = O.StepTimer(args.skip_steps, None, arms=[arms["DeviceStatsMonitor"], monitor], block=args.block, plan=[arms[name] for name in plan])
         O.fit([arms["DeviceStatsMonitor"], monitor], args.log_every, len(plan) * args.block, args, batches, workdir, timer=switch)
-        cadence = monitor._session.cadence.summary()
+        cadence = monitor.report()["summary"]["cadence"]  # the public report: what report.json holds
     durations = [b - a for a, b in zip(switch.stamps, switch.stamps[1:])]
     per_block: dict[str, list[float]] = {arm: [] for arm in ARMS}
     classes: dict[str, dict[str, list[float]]] = {arm: {"logged": [], "other": []} for arm in ARMS}
