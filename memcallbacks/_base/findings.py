@@ -179,6 +179,8 @@ class FindingLog:
         """Findings with new keys refused because ``max_findings`` was reached."""
         self.changed: Finding | None = None
         """After :meth:`add`: the stored finding when the add changed its state (settled, re-opened)."""
+        self.open_problems = 0
+        """Open problems: findings neither settled nor advice (counted when one is added or changes state)."""
 
     def add(self, finding: Finding) -> bool:
         """Record ``finding``; True when its key is new."""
@@ -192,6 +194,7 @@ class FindingLog:
             stored.details = dict(finding.details)  # not shared: updates merge into this dict
             stored.holders = list(finding.holders)
             self._by_key[finding.key] = stored
+            self.open_problems += stored.is_problem
             return True
         old.step = finding.step
         old.message = finding.message
@@ -204,17 +207,14 @@ class FindingLog:
             old.message = with_holders_note(old.message, old.details["holders_unavailable"])  # an update's text lacks it
         old.count += finding.count
         if (old.state, old.severity) != (finding.state, finding.severity):
+            self.open_problems += finding.is_problem - old.is_problem
             old.state, old.severity = finding.state, finding.severity
             self.changed = old
         return False
 
     def problems(self) -> int:
         """Open problems: findings neither settled nor advice."""
-        count = 0
-        for finding in self._by_key.values():
-            if finding.is_problem:
-                count += 1
-        return count
+        return self.open_problems
 
     def get(self, key: str) -> Finding | None:
         return self._by_key.get(key)
@@ -238,3 +238,4 @@ class FindingLog:
     def clear(self) -> None:
         self._by_key.clear()
         self.dropped = 0
+        self.open_problems = 0

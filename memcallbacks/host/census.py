@@ -101,7 +101,7 @@ def _scan(objs: list[Any], deadline: float, min_len: int, keep: dict[int, Any] |
                 if keep is not None:
                     keep[id(obj)] = obj
         done += len(chunk)
-        if time.perf_counter() > deadline:
+        if time.thread_time() > deadline:  # CPU time: a walk preempted on a busy machine is not cut short
             truncated = done < len(objs)
             break
     by_type: dict[str, list[int]] = {}
@@ -113,7 +113,7 @@ def _scan(objs: list[Any], deadline: float, min_len: int, keep: dict[int, Any] |
 
 
 def _census(max_objects: int, time_budget_s: float, min_container_len: int, keep: dict[int, Any] | None, step: int | None) -> HostCensus:
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.thread_time()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         # the heap first: a list made before gc.get_objects() would be listed in itself, a cycle that
@@ -126,7 +126,7 @@ def _census(max_objects: int, time_budget_s: float, min_container_len: int, keep
         del roots
         truncated = len(objs) > max_objects
         del objs[max_objects:]
-        by_type, containers, done, cut = _scan(objs, t0 + time_budget_s, min_container_len, keep)
+        by_type, containers, done, cut = _scan(objs, cpu0 + time_budget_s, min_container_len, keep)
         del objs
     return HostCensus(
         by_type={k: (v[0], v[1]) for k, v in by_type.items()},
@@ -292,7 +292,7 @@ def explain_host_growth(
     keep.clear()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        paths, own = holder_paths(targets, ignore, time.perf_counter() + time_budget_s)
+        paths, own = holder_paths(targets, ignore, time.thread_time() + time_budget_s)
     # a container no stable root reaches (the census's own, a framework's internals) says nothing;
     # one reached through the monitor's own objects (its history rows) is never named
     pairs = [(g, t) for g, t in zip(grown, targets) if g[2] not in own]

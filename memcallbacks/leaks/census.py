@@ -233,7 +233,7 @@ def take_census(
     whatever their category. A frozen heap (``gc.freeze()``) is thawed for the census. Runs only on
     demand; its cost is in the result.
     """
-    start = time.perf_counter()
+    start, deadline = time.perf_counter(), time.thread_time() + time_budget_s  # the budget in CPU time (leaks/search.py)
     if time_budget_s <= 0:
         raise ValueError(f"take_census(time_budget_s={time_budget_s}) must be positive; try 2.0.")
     with warnings.catch_warnings(), visible_heap():  # two censuses that saw different parts of a frozen heap would disagree
@@ -254,7 +254,7 @@ def take_census(
         if find_paths:
             wanted = {k for k, r in records.items() if r.category in SUSPICIOUS} | target_keys
             if wanted:
-                searched, truncated, paths = _attribute(records, wanted, target_keys, ignore, start + time_budget_s)
+                searched, truncated, paths = _attribute(records, wanted, target_keys, ignore, deadline)
                 scanned += searched
     paths.sort(key=lambda p: -p.nbytes)
     bytes_by, count_by = _totals(records.values())

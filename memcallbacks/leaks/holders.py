@@ -125,13 +125,13 @@ def find_holders(
     nn.Module is named from the outermost module (``LitModel.cache[17]``). ``ignore``: objects
     not to search through (e.g. the monitor that holds the targets itself).
     """
-    start = time.perf_counter()
+    start, deadline = time.perf_counter(), time.thread_time() + time_budget_s  # the budget in CPU time (leaks/search.py)
     if time_budget_s <= 0:
         raise ValueError(f"find_holders(time_budget_s={time_budget_s}) must be positive; try 2.0.")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # module attributes that warn when touched
         wanted = _wanted(targets)
-        rendered, search = search_paths(wanted, ignore, start + time_budget_s)
+        rendered, search = search_paths(wanted, ignore, deadline)
     paths = [
         HolderPath(path, holder, wanted[key][1], wanted[key][0], via_graph)
         for key, (path, holder, via_graph) in rendered.items()
