@@ -3,7 +3,7 @@
 ``python oom_runs.py <framework> <budget_mib> <out.json> <model>/<run> ...`` imports everything once,
 builds nothing, then forks: each child sets its address-space limit to the driver's address space
 plus ``budget_mib`` and trains. Runs: ``grow`` (the batch doubles every step until the allocator
-fails), ``fixed:<n>`` (batch ``n`` for 3 steps), ``leak`` (a constant batch, and the model keeps
+fails), ``fixed:<n>`` (batch ``n`` for 2 steps: the first makes the optimizer's state, the second runs with it), ``leak`` (a constant batch, and the model keeps
 11 MiB more every step), ``fits`` (``fixed`` at the batch the first run's explanation says fits, one
 more, and one beyond when that one fit), ``savings`` (in the driver, no limit: the failed step measured with each
 predicted change).
@@ -113,7 +113,7 @@ def sizes(run: str) -> list[int]:
         return [2 << i for i in range(12)]
     if run == "leak":
         return [2] * 200
-    return [int(run.split(":")[1])] * 3
+    return [int(run.split(":")[1])] * 2
 
 
 def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
