@@ -21,7 +21,7 @@ import torch
 from memcallbacks._base.config import MonitorConfig, given_fields, resolve_config, settings_of
 from memcallbacks._base.options import AdvancedOptions, KeywordCheck, LeakOptions, SnapshotOptions
 from memcallbacks._base.columns import BACKWARD, FORWARD, OPTIMIZER, OTHER
-from memcallbacks._runtime.guard import entry_point, unguarded_hook
+from memcallbacks._runtime.guard import UsageError, contain, entry_point, self_guarded
 from memcallbacks._runtime.results import SessionResults
 from memcallbacks._runtime.lightning_support import (
     ManualOptimizerHooks, add_eval_hooks, attach_fit, check_siblings, checkpoint_state, predict_step, start_session,
@@ -135,79 +135,70 @@ class MemoryMonitor(KeywordCheck, SessionResults, *_callback_bases()):  # type: 
         if not self._automatic and self._session.enabled:  # manual optimization: the optimizer's hooks bound its phase
             self._optimizer_hooks.install()
 
-    # The five step hooks: on a quiet step each returns after reading that no step is open
-    # (``session.kind``; a quiet step is never begun), with no wrapper frame: that check cannot
-    # raise, and everything else is in a guarded method.
-    @unguarded_hook("on_train_batch_start")
+    # The five step hooks, read top to bottom: each contains its own faults (one try block, no
+    # wrapper frame) and, on a quiet step, returns after reading that no step is open.
+    @self_guarded("on_train_batch_start")
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int) -> None:
-        # the schedule decides what the step is, once (it cannot raise; a fault reading Lightning's
-        # counter leaves the step to the guarded method)
-        try:
-            kind: StepKind | None = self._step_kind(trainer.fit_loop.epoch_loop._batches_that_stepped)
-        except Exception:
-            kind = None
-        if kind is StepKind.QUIET:  # most steps of a long run: skipped by every hook, counted at the next other step
-            return
-        self._train_batch_start(trainer, pl_module, batch, batch_idx, kind)
-
-    @entry_point("on_train_batch_start")
-    def _train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int,
-                           kind: StepKind | None) -> None:
         session = self._session
-        if session.kind is not None:  # a step is open: this is a further micro-batch of it (gradient accumulation)
-            session.micro_batch()
-            return
-        count = self._log_step(trainer)
-        session.count_quiet(count - self._last_count - 1)
-        self._last_count = count
-        if session.preflight_due:  # preflight=True: this batch's step predicted on fake tensors, before it starts
-            predict_step(session, batch, pl_module, batch_idx, self._automatic)
-        # one meaning of "step" in rows and findings: global_step
-        session.begin_step(trainer.global_step, trainer.current_epoch, batch_idx, count=count, kind=kind, batch=batch)
+        try:
+            if session.kind is not None:  # a step is open: a further micro-batch of it (gradient accumulation)
+                session.micro_batch()
+                return
+            count = self._log_step(trainer)
+            kind = self._step_kind(count)  # what the step is, decided once
+            if kind is StepKind.QUIET:  # most steps of a long run: skipped by every hook, counted at the next other step
+                return
+            session.count_quiet(count - self._last_count - 1)
+            self._last_count = count
+            if session.preflight_due:  # preflight=True: this batch's step predicted on fake tensors, before it starts
+                predict_step(session, batch, pl_module, batch_idx, self._automatic)
+            # one meaning of "step" in rows and findings: global_step
+            session.begin_step(trainer.global_step, trainer.current_epoch, batch_idx, count=count, kind=kind, batch=batch)
+        except UsageError:
+            raise
+        except Exception as exc:
+            contain(self, exc, "on_train_batch_start")
 
-    @unguarded_hook("on_before_backward")
+    @self_guarded("on_before_backward")
     def on_before_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: torch.Tensor) -> None:
         if self._session.kind is not None:
-            self._before_backward(loss)
+            try:
+                self._session.boundary(FORWARD)
+                self._loss = loss
+            except Exception as exc:
+                contain(self, exc, "on_before_backward")
 
-    @entry_point("on_before_backward")
-    def _before_backward(self, loss: torch.Tensor) -> None:
-        self._session.boundary(FORWARD)
-        self._loss = loss
-
-    @unguarded_hook("on_after_backward")
+    @self_guarded("on_after_backward")
     def on_after_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         if self._session.kind is not None:
-            self._after_backward()
+            try:
+                self._session.boundary(BACKWARD)
+            except Exception as exc:
+                contain(self, exc, "on_after_backward")
 
-    @entry_point("on_after_backward")
-    def _after_backward(self) -> None:
-        self._session.boundary(BACKWARD)
-
-    @unguarded_hook("on_before_optimizer_step")
+    @self_guarded("on_before_optimizer_step")
     def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: Any) -> None:
-        # automatic optimization: from here to batch end is the optimizer phase (clipping included);
-        # a plain assignment, which cannot fail
+        # automatic optimization: from here to batch end is the optimizer phase (clipping included)
         if self._session.kind is not None:
             self._stepped = True
 
-    @unguarded_hook("on_train_batch_end")
+    @self_guarded("on_train_batch_end")
     def on_train_batch_end(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if self._session.kind is not None:
-            self._train_batch_end(trainer, outputs, batch)
-
-    @entry_point("on_train_batch_end")
-    def _train_batch_end(self, trainer: "pl.Trainer", outputs: Any, batch: Any) -> None:
         session = self._session
-        loss, self._loss = self._loss, None
-        if self._stepped or not self._automatic:
-            log_step = self._log_step(trainer) if session.kind is StepKind.LOGGED else None
-            session.end_step(OPTIMIZER if self._automatic else OTHER, log_step=log_step, batch=batch, loss=loss, outputs=outputs)
-        else:  # accumulating gradients: the step goes on with the next batch
-            session.boundary(OTHER)
-        self._stepped = False
+        if session.kind is None:
+            return
+        try:
+            loss, self._loss = self._loss, None
+            if self._stepped or not self._automatic:
+                log_step = self._log_step(trainer) if session.kind is StepKind.LOGGED else None
+                session.end_step(OPTIMIZER if self._automatic else OTHER, log_step=log_step, batch=batch, loss=loss, outputs=outputs)
+            else:  # accumulating gradients: the step goes on with the next batch
+                session.boundary(OTHER)
+            self._stepped = False
+        except Exception as exc:
+            contain(self, exc, "on_train_batch_end")
 
     # ------------------------------------------------------------------ evaluation loops
     # validate/test/predict hooks (Lightning dispatches by name): made by add_eval_hooks below the class

@@ -26,7 +26,7 @@ from memcallbacks._base.errors import OutputDirError, UsageError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["UsageError", "OutputDirError", "Guarded", "session_of", "entry_point", "unguarded_hook", "contain", "safe_str"]
+__all__ = ["UsageError", "OutputDirError", "Guarded", "session_of", "entry_point", "self_guarded", "contain", "safe_str"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -99,13 +99,12 @@ def entry_point(where: str, *, unwinding: bool = False) -> Callable[[F], F]:
     return decorate
 
 
-def unguarded_hook(where: str) -> Callable[[F], F]:
-    """Mark a framework hook that needs no guard frame: its own body only reads attributes that
-    always exist (a quiet step's check) and hands everything else to an :func:`entry_point` method.
-    Lightning calls five hooks per step; on a quiet step this saves a wrapper call in each."""
+def self_guarded(where: str) -> Callable[[F], F]:
+    """Mark a framework hook that contains its own faults: its body is one ``try`` block handing an
+    exception to :func:`contain` (no wrapper frame: Lightning calls five such hooks on every step)."""
 
     def mark(fn: F) -> F:
-        fn.__memcallbacks_entry_point__ = f"{where} (unguarded)"  # type: ignore[attr-defined]
+        fn.__memcallbacks_entry_point__ = where  # type: ignore[attr-defined]
         return fn
 
     return mark
