@@ -10,13 +10,14 @@ import torch
 from memcallbacks._base.findings import Finding
 from memcallbacks._base.storage import storage_keys
 from memcallbacks._base.units import MiB
-from memcallbacks.leaks.chains import GraphChains
-from memcallbacks.leaks.marks import METADATA_KEY, Sentinel, find_graph_root, mark_graphs
-from memcallbacks.leaks.kept import OutputRef, alive_outputs, batch_weakrefs, output_refs, storage_tensor
+from memcallbacks.leaks.marks import (
+    GraphChains, OutputRef, Sentinel, alive_outputs, batch_weakrefs, mark_graphs, output_refs, storage_tensor,
+)
+from memcallbacks.leaks.roots import find_graph_root
 from memcallbacks.leaks.lingering_text import lingering_finding
 from memcallbacks.leaks.tensors import graph_freed, graph_tensors, is_parameter, iter_tensors
 
-__all__ = ["METADATA_KEY", "LingeringDetector", "find_graph_root"]  # find_graph_root: from marks.py
+__all__ = ["LingeringDetector"]
 
 _Tensor = torch.Tensor
 

@@ -1,29 +1,40 @@
-"""Graph marks: a sentinel key in ``grad_fn.metadata``, and the live tensor whose graph carries one."""
+"""What a step leaves for the next one's lingering check: weak references and graph marks.
+
+At a watched step's end the lingering detector keeps weak references to the batch's tensors and to
+the storages of the model's outputs, and puts a :class:`Sentinel` into ``grad_fn.metadata`` of the
+loss's graph (it dies exactly with the graph). :class:`GraphChains` keeps the sentinels of the last
+few marked steps: graphs of :data:`MIN_STEPS_ALIVE` steps alive at once are a chain.
+
+Storages, not tensors, are watched for outputs: frameworks hand the monitor ``.detach()``ed copies
+while the user keeps the original; both share one storage, whose Python object lives exactly as
+long as any tensor on it. A chain (``self.total = self.total + loss``) is reported as kind
+``"growth"`` with the growth detector's key: unbounded retention, seen within a few steps instead
+of after the growth warm-up; the detector's later confirmation updates the same finding.
+"""
 
 from __future__ import annotations
 
-import gc
+import collections
 import logging
-import os
 import weakref
-import sys
-import types
-import warnings
 from typing import Any
 
 import torch
 
-from memcallbacks._base.torch_private import node_metadata
-from memcallbacks.leaks.roots import PACKAGE_DIR, frame_locals
+from memcallbacks._base.findings import Finding
+from memcallbacks._base.units import format_bytes
+from memcallbacks.leaks.tensors import describe_tensor, is_parameter, iter_tensors
 
 log = logging.getLogger(__name__)
 
-__all__ = ["METADATA_KEY", "Sentinel", "find_graph_root", "mark_graphs"]
+__all__ = [
+    "METADATA_KEY", "Sentinel", "mark_graphs", "OutputRef", "output_refs", "alive_outputs", "batch_weakrefs",
+    "storage_tensor", "GraphChains", "MIN_STEPS_ALIVE", "chain_finding",
+]
 
 METADATA_KEY = "memcallbacks"
 """Key of the sentinel memcallbacks puts into ``grad_fn.metadata``."""
 
-_Tensor = torch.Tensor
 _MARKABLE: dict[type, bool] = {}
 
 
@@ -53,146 +64,157 @@ def mark_graphs(step: int, graphs: list[torch.Tensor]) -> Sentinel:
     try:
         for i, t in enumerate(graphs[:8]):
             fn = t.grad_fn
-            node_metadata(fn)[METADATA_KEY] = sentinel
+            fn.metadata[METADATA_KEY] = sentinel
             if i == 0:
                 for nxt, _ in fn.next_functions:
                     if nxt is not None and _markable(type(nxt)):
-                        node_metadata(nxt)[METADATA_KEY] = sentinel
+                        nxt.metadata[METADATA_KEY] = sentinel
     except Exception:  # exotic node types without metadata
         log.debug("could not mark the loss graph of step %s", step, exc_info=True)
     return sentinel
-_ModuleType = types.ModuleType
-_PACKAGE_PREFIX = PACKAGE_DIR + os.sep
 
 
-def find_graph_root(sentinel: Any, *, heap: bool = True) -> Any:
-    """A live tensor whose graph reaches a node carrying ``sentinel`` (only called when the graph is
-    known to be alive).
-
-    The roots a loop keeps its loss in are looked at first: the local variables of every frame and
-    the globals of ``__main__`` (nanoGPT's ``loss = loss / gradient_accumulation_steps`` at module
-    level, a function's ``loss``), and tensors one container deep in them; a few microseconds. Only
-    when none of them reaches the mark is the heap scanned (``gc.get_objects()``, 0.1-0.5 s on a big
-    heap), and only with ``heap=True``."""
-    found = _root_in_variables(sentinel)
-    if found is not None or not heap:
-        return found
-    return _root_in_heap(sentinel)
+MAX_OUTPUT_TENSORS = 16
 
 
-_NODE_BUDGET = 256  # graph nodes walked over all the candidates of the cheap search
+class OutputRef:
+    """A weak reference to one output's storage, with what the tensor looked like."""
+
+    __slots__ = ("storage", "nbytes", "described")
+
+    def __init__(self, storage: Any, nbytes: int, described: str) -> None:
+        self.storage = weakref.ref(storage)
+        self.nbytes = nbytes
+        self.described = described
 
 
-def _candidates(value: Any, out: list[Any], seen: set[int]) -> None:
-    """Tensors with a graph in ``value`` and one container (tuple, list, dict, ``__dict__``) deep."""
-    if isinstance(value, _Tensor):
-        if id(value) not in seen:
-            seen.add(id(value))
-            out.append(value)
-        return
-    tp = type(value)
-    if tp is tuple or tp is list:
-        items: Any = value[:16]
-    elif tp is dict:
-        items = list(value.values())[:16]
-    else:
-        d = getattr(value, "__dict__", None) if not isinstance(value, (type, _ModuleType)) else None
-        if type(d) is not dict or isinstance(value, torch.nn.Module):
-            return
-        items = list(d.values())[:16]
-    for item in items:
-        if isinstance(item, _Tensor) and id(item) not in seen:
-            seen.add(id(item))
-            out.append(item)
-
-
-def _root_in_variables(sentinel: Any) -> Any:
-    """The cheap search of :func:`find_graph_root`: frame locals and ``__main__``'s globals."""
-    values: list[Any] = []
-    try:
-        frames = sys._current_frames()
-        for f in frames.values():
-            while f is not None:
-                if not f.f_code.co_filename.startswith(_PACKAGE_PREFIX):
-                    values.extend(v for _, v in frame_locals(f))
-                f = f.f_back
-        del frames, f
-    except Exception:
-        pass
-    main = sys.modules.get("__main__")
-    if main is not None:
-        try:
-            values.extend(vars(main).values())
-        except Exception:
-            pass
-    tensors: list[Any] = []
+def output_refs(outputs: Any, exclude: set[int] | None = None) -> list[OutputRef]:
+    """Weak references to the storages of the tensors in ``outputs`` (parameters and the storages
+    whose ``data_ptr`` is in ``exclude``, e.g. the batch's, left out); at most 16."""
+    if outputs is None:
+        return []
+    refs: list[OutputRef] = []
     seen: set[int] = set()
-    for value in values:
-        _candidates(value, tensors, seen)
-    del values
-    with_graph = []
-    for t in tensors:
-        try:
-            fn = t.grad_fn
-        except Exception:
-            continue
-        if fn is not None:
-            with_graph.append((t, fn))
-    del tensors
-    # shallow first (the user's `loss / k` is one node above the marked loss node), then a bounded walk
-    for t, fn in with_graph:
-        try:
-            if node_metadata(fn).get(METADATA_KEY) is sentinel:
-                return t
-            for nxt, _ in fn.next_functions:
-                if nxt is not None and node_metadata(nxt).get(METADATA_KEY) is sentinel:
-                    return t
-        except Exception:
-            continue
-    return _reaching_sentinel(with_graph, sentinel, budget=_NODE_BUDGET)
-
-
-def _root_in_heap(sentinel: Any) -> Any:
-    """The heap scan of :func:`find_graph_root`."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # proxies of deprecated names warn when isinstance() looks at them
-        objects = [obj for obj in gc.get_objects() if isinstance(obj, _Tensor)]
-    with_graph = []
-    for obj in objects:
-        try:
-            fn = obj.grad_fn
-        except Exception:
-            continue
-        if fn is None:
+    for t in iter_tensors(outputs, max_items=256):
+        if is_parameter(t) or t.device.type == "meta":
             continue
         try:
-            if node_metadata(fn).get(METADATA_KEY) is sentinel:
-                return obj
-        except Exception:
-            continue
-        with_graph.append((obj, fn))
-    del objects
-    return _reaching_sentinel(with_graph, sentinel)
-
-
-def _reaching_sentinel(with_graph: list[tuple[torch.Tensor, Any]], sentinel: Any, budget: int = 20_000) -> Any:
-    """The first tensor whose graph (``(tensor, grad_fn)`` pairs) reaches a node marked with ``sentinel``.
-
-    ``budget``: nodes visited over all candidates.
-    """
-    seen: set[int] = set()
-    for obj, fn in with_graph:
-        stack = [fn]
-        while stack and budget > 0:
-            node = stack.pop()
-            if id(node) in seen:
+            st = t.untyped_storage()
+            ptr = st.data_ptr()
+            if not ptr or ptr in seen or (exclude and ptr in exclude):
                 continue
-            seen.add(id(node))
-            budget -= 1
+            seen.add(ptr)
+            refs.append(OutputRef(st, int(st.nbytes()), describe_tensor(t)))
+        except Exception:
+            continue
+        if len(refs) >= MAX_OUTPUT_TENSORS:
+            break
+    return refs
+
+
+def alive_outputs(refs: list[OutputRef], current: set[int]) -> list[tuple[Any, OutputRef]]:
+    """``[(storage, ref)]`` of the referenced storages still alive, except those of ``current``
+    (data pointers of this step's batch: a batch the model returns as is is not a kept output)."""
+    out = []
+    for r in refs:
+        st = r.storage()
+        if st is not None:
             try:
-                if node_metadata(node).get(METADATA_KEY) is sentinel:
-                    return obj
-                stack.extend(n for n, _ in node.next_functions if n is not None)
+                if st.data_ptr() in current:
+                    continue
             except Exception:
                 continue
-    return None
+            out.append((st, r))
+    return out
+
+
+def storage_tensor(storage: Any) -> torch.Tensor:
+    """A byte tensor on ``storage``: what :func:`~memcallbacks.leaks.find_holders` matches by storage."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+def batch_weakrefs(batch: Any, max_tensors: int) -> list[weakref.ref[torch.Tensor]]:
+    """Weak references to the batch's tensors (parameters excepted), at most ``max_tensors``."""
+    ref = weakref.ref
+    refs: list[weakref.ref[torch.Tensor]] = []
+    tp = type(batch)
+    plain = tp is dict or tp is list or tp is tuple
+    if plain:  # fast path: a flat dict/list/tuple of plain tensors
+        for v in batch.values() if tp is dict else batch:
+            if type(v) is torch.Tensor:
+                refs.append(ref(v))
+            else:
+                plain = False
+                break
+    if not plain and batch is not None:
+        refs = []
+        for t in iter_tensors(batch):
+            if not is_parameter(t):
+                refs.append(ref(t))
+                if len(refs) >= max_tensors:
+                    break
+    return refs if len(refs) <= max_tensors else refs[:max_tensors]
+
+
+MIN_STEPS_ALIVE = 3
+"""Graphs of this many earlier steps alive at once are a chain (one kept step is lingering, two a
+``prev``/``cur`` pair)."""
+
+_WINDOW = 8
+
+
+class GraphChains:
+    """Weak references to the sentinels of the last marked steps; :meth:`check` costs a few
+    dereferences per step and stops once a chain has been reported."""
+
+    def __init__(self, min_steps: int = MIN_STEPS_ALIVE, window: int = _WINDOW) -> None:
+        if min_steps < 2 or window < min_steps:
+            raise ValueError(f"GraphChains(min_steps={min_steps}, window={window}): need 2 <= min_steps <= window.")
+        self.min_steps = min_steps
+        self._marks: collections.deque[tuple[int, weakref.ref[Any]]] = collections.deque(maxlen=window)
+        self.reported = False
+
+    def mark(self, step: int, sentinel: Any) -> None:
+        """Step ``step``'s graph carries ``sentinel`` (it dies with the graph)."""
+        if not self.reported:
+            self._marks.append((step, weakref.ref(sentinel)))
+
+    def check(self, step: int) -> list[tuple[int, Any]] | None:
+        """At the start of ``step``: ``[(step, sentinel)]`` of the earlier graphs alive, oldest first,
+        the first time at least ``min_steps`` of them are; else None."""
+        if self.reported or len(self._marks) < self.min_steps:
+            return None
+        alive = []
+        for s, ref in self._marks:
+            if s < step:
+                sentinel = ref()
+                if sentinel is not None:
+                    alive.append((s, sentinel))
+        if len(alive) < self.min_steps:
+            return None
+        self.reported = True
+        self._marks.clear()
+        return alive
+
+
+def chain_finding(step: int, steps_alive: list[int], nbytes: int, holders: list[str]) -> Finding:
+    """The ``growth`` finding for a graph chain seen at the start of ``step``."""
+    shown = ", ".join(str(s) for s in steps_alive)
+    return Finding(
+        kind="growth",
+        key="growth",
+        step=step,
+        bytes=int(nbytes),
+        message=(
+            f"The autograd graphs of steps {shown} were all still alive when step {step} started "
+            f"({format_bytes(nbytes)} of tensors in them besides parameters): something links every step's "
+            "graph to the next and keeps them all, usually a running total without `.detach()` "
+            "(`self.total = self.total + loss`), an evaluation without `torch.no_grad()` summed into a "
+            "variable, or outputs kept with their graphs in a list. After `backward()` each graph is "
+            "small, but their number (nodes, saved tensors of graphs never backpropagated) grows every "
+            "step without bound. Accumulate `loss.detach()` or `loss.item()`, evaluate under "
+            "`torch.no_grad()`, keep `.detach()`ed outputs. The holders show the variable."
+        ),
+        holders=holders,
+        details={"evidence": "graph_chain", "graph_steps_alive": list(steps_alive), "graph_bytes": int(nbytes)},
+    )
