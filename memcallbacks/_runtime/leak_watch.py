@@ -16,14 +16,13 @@ from memcallbacks._base.config import MonitorConfig
 from memcallbacks._base.findings import Finding
 from memcallbacks._base.own_clock import own_time
 from memcallbacks.leaks.census import Census, take_census
-from memcallbacks.leaks.marks import chain_finding
 from memcallbacks.leaks.cycles import GarbageCollector
 from memcallbacks.leaks.garbage import cyclic_garbage_note
 from memcallbacks.leaks.frozen import visible_heap
 from memcallbacks.leaks.gc_watch import CollectionWatch
 from memcallbacks.leaks.growth import GrowthDetector
 from memcallbacks.leaks.holders import find_holders, group_paths
-from memcallbacks.leaks.lingering import LingeringDetector
+from memcallbacks.leaks.lingering import LingeringDetector, chain_finding
 from memcallbacks.leaks.roots import find_graph_root
 from memcallbacks.leaks.search_failure import holders_unavailable, search_or_note
 from memcallbacks.leaks.tensors import describe_tensor, graph_bytes

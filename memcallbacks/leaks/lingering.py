@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import weakref
 from typing import Any
 
@@ -9,18 +10,17 @@ import torch
 
 from memcallbacks._base.findings import Finding
 from memcallbacks._base.storage import storage_keys
-from memcallbacks._base.units import MiB
+from memcallbacks._base.units import MiB, format_bytes
 from memcallbacks.leaks.marks import (
-    GraphChains, OutputRef, Sentinel, alive_outputs, batch_weakrefs, mark_graphs, output_refs, storage_tensor,
+    OutputRef, Sentinel, alive_outputs, batch_weakrefs, mark_graphs, output_refs, storage_tensor,
 )
 from memcallbacks.leaks.roots import find_graph_root
 from memcallbacks.leaks.lingering_text import lingering_finding
 from memcallbacks.leaks.tensors import graph_freed, graph_tensors, is_parameter, iter_tensors
 
-__all__ = ["LingeringDetector"]
+__all__ = ["LingeringDetector", "GraphChains", "MIN_STEPS_ALIVE", "chain_finding"]
 
 _Tensor = torch.Tensor
-
 
 
 class LingeringDetector:
@@ -371,3 +371,72 @@ def _add_storages(t: Any, held: dict[Any, int], targets: list[torch.Tensor]) -> 
             new = True
     if new:
         targets.append(t)
+
+
+# ------------------------------------------------------------------ graph chains
+# ``self.total = self.total + loss`` links every step's graph to the next one. After ``backward()`` each
+# graph holds few bytes, so neither the lingering threshold nor the growth detector sees it early, but
+# the number of graphs grows without bound. A chain is reported as kind ``"growth"`` with the growth
+# detector's key: unbounded retention seen within a few steps; the detector's confirmation updates it.
+MIN_STEPS_ALIVE = 3
+"""Graphs of this many earlier steps alive at once are a chain (one kept step is lingering, two a
+``prev``/``cur`` pair)."""
+
+_WINDOW = 8
+
+
+class GraphChains:
+    """Weak references to the sentinels of the last marked steps; :meth:`check` costs a few
+    dereferences per step and stops once a chain has been reported."""
+
+    def __init__(self, min_steps: int = MIN_STEPS_ALIVE, window: int = _WINDOW) -> None:
+        if min_steps < 2 or window < min_steps:
+            raise ValueError(f"GraphChains(min_steps={min_steps}, window={window}): need 2 <= min_steps <= window.")
+        self.min_steps = min_steps
+        self._marks: collections.deque[tuple[int, weakref.ref[Any]]] = collections.deque(maxlen=window)
+        self.reported = False
+
+    def mark(self, step: int, sentinel: Any) -> None:
+        """Step ``step``'s graph carries ``sentinel`` (it dies with the graph)."""
+        if not self.reported:
+            self._marks.append((step, weakref.ref(sentinel)))
+
+    def check(self, step: int) -> list[tuple[int, Any]] | None:
+        """At the start of ``step``: ``[(step, sentinel)]`` of the earlier graphs alive, oldest first,
+        the first time at least ``min_steps`` of them are; else None."""
+        if self.reported or len(self._marks) < self.min_steps:
+            return None
+        alive = []
+        for s, ref in self._marks:
+            if s < step:
+                sentinel = ref()
+                if sentinel is not None:
+                    alive.append((s, sentinel))
+        if len(alive) < self.min_steps:
+            return None
+        self.reported = True
+        self._marks.clear()
+        return alive
+
+
+def chain_finding(step: int, steps_alive: list[int], nbytes: int, holders: list[str]) -> Finding:
+    """The ``growth`` finding for a graph chain seen at the start of ``step``."""
+    shown = ", ".join(str(s) for s in steps_alive)
+    return Finding(
+        kind="growth",
+        key="growth",
+        step=step,
+        bytes=int(nbytes),
+        message=(
+            f"The autograd graphs of steps {shown} were all still alive when step {step} started "
+            f"({format_bytes(nbytes)} of tensors in them besides parameters): something links every step's "
+            "graph to the next and keeps them all, usually a running total without `.detach()` "
+            "(`self.total = self.total + loss`), an evaluation without `torch.no_grad()` summed into a "
+            "variable, or outputs kept with their graphs in a list. After `backward()` each graph is "
+            "small, but their number (nodes, saved tensors of graphs never backpropagated) grows every "
+            "step without bound. Accumulate `loss.detach()` or `loss.item()`, evaluate under "
+            "`torch.no_grad()`, keep `.detach()`ed outputs. The holders show the variable."
+        ),
+        holders=holders,
+        details={"evidence": "graph_chain", "graph_steps_alive": list(steps_alive), "graph_bytes": int(nbytes)},
+    )

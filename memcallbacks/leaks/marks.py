@@ -2,34 +2,28 @@
 
 At a watched step's end the lingering detector keeps weak references to the batch's tensors and to
 the storages of the model's outputs, and puts a :class:`Sentinel` into ``grad_fn.metadata`` of the
-loss's graph (it dies exactly with the graph). :class:`GraphChains` keeps the sentinels of the last
-few marked steps: graphs of :data:`MIN_STEPS_ALIVE` steps alive at once are a chain.
+loss's graph (it dies exactly with the graph; ``lingering.GraphChains`` watches several of them).
 
 Storages, not tensors, are watched for outputs: frameworks hand the monitor ``.detach()``ed copies
 while the user keeps the original; both share one storage, whose Python object lives exactly as
-long as any tensor on it. A chain (``self.total = self.total + loss``) is reported as kind
-``"growth"`` with the growth detector's key: unbounded retention, seen within a few steps instead
-of after the growth warm-up; the detector's later confirmation updates the same finding.
+long as any tensor on it.
 """
 
 from __future__ import annotations
 
-import collections
 import logging
 import weakref
 from typing import Any
 
 import torch
 
-from memcallbacks._base.findings import Finding
-from memcallbacks._base.units import format_bytes
 from memcallbacks.leaks.tensors import describe_tensor, is_parameter, iter_tensors
 
 log = logging.getLogger(__name__)
 
 __all__ = [
     "METADATA_KEY", "Sentinel", "mark_graphs", "OutputRef", "output_refs", "alive_outputs", "batch_weakrefs",
-    "storage_tensor", "GraphChains", "MIN_STEPS_ALIVE", "chain_finding",
+    "storage_tensor",
 ]
 
 METADATA_KEY = "memcallbacks"
@@ -154,67 +148,3 @@ def batch_weakrefs(batch: Any, max_tensors: int) -> list[weakref.ref[torch.Tenso
                 if len(refs) >= max_tensors:
                     break
     return refs if len(refs) <= max_tensors else refs[:max_tensors]
-
-
-MIN_STEPS_ALIVE = 3
-"""Graphs of this many earlier steps alive at once are a chain (one kept step is lingering, two a
-``prev``/``cur`` pair)."""
-
-_WINDOW = 8
-
-
-class GraphChains:
-    """Weak references to the sentinels of the last marked steps; :meth:`check` costs a few
-    dereferences per step and stops once a chain has been reported."""
-
-    def __init__(self, min_steps: int = MIN_STEPS_ALIVE, window: int = _WINDOW) -> None:
-        if min_steps < 2 or window < min_steps:
-            raise ValueError(f"GraphChains(min_steps={min_steps}, window={window}): need 2 <= min_steps <= window.")
-        self.min_steps = min_steps
-        self._marks: collections.deque[tuple[int, weakref.ref[Any]]] = collections.deque(maxlen=window)
-        self.reported = False
-
-    def mark(self, step: int, sentinel: Any) -> None:
-        """Step ``step``'s graph carries ``sentinel`` (it dies with the graph)."""
-        if not self.reported:
-            self._marks.append((step, weakref.ref(sentinel)))
-
-    def check(self, step: int) -> list[tuple[int, Any]] | None:
-        """At the start of ``step``: ``[(step, sentinel)]`` of the earlier graphs alive, oldest first,
-        the first time at least ``min_steps`` of them are; else None."""
-        if self.reported or len(self._marks) < self.min_steps:
-            return None
-        alive = []
-        for s, ref in self._marks:
-            if s < step:
-                sentinel = ref()
-                if sentinel is not None:
-                    alive.append((s, sentinel))
-        if len(alive) < self.min_steps:
-            return None
-        self.reported = True
-        self._marks.clear()
-        return alive
-
-
-def chain_finding(step: int, steps_alive: list[int], nbytes: int, holders: list[str]) -> Finding:
-    """The ``growth`` finding for a graph chain seen at the start of ``step``."""
-    shown = ", ".join(str(s) for s in steps_alive)
-    return Finding(
-        kind="growth",
-        key="growth",
-        step=step,
-        bytes=int(nbytes),
-        message=(
-            f"The autograd graphs of steps {shown} were all still alive when step {step} started "
-            f"({format_bytes(nbytes)} of tensors in them besides parameters): something links every step's "
-            "graph to the next and keeps them all, usually a running total without `.detach()` "
-            "(`self.total = self.total + loss`), an evaluation without `torch.no_grad()` summed into a "
-            "variable, or outputs kept with their graphs in a list. After `backward()` each graph is "
-            "small, but their number (nodes, saved tensors of graphs never backpropagated) grows every "
-            "step without bound. Accumulate `loss.detach()` or `loss.item()`, evaluate under "
-            "`torch.no_grad()`, keep `.detach()`ed outputs. The holders show the variable."
-        ),
-        holders=holders,
-        details={"evidence": "graph_chain", "graph_steps_alive": list(steps_alive), "graph_bytes": int(nbytes)},
-    )
