@@ -40,7 +40,7 @@ STEP_PARAMS = 5
 DOC_LINE = 100
 # the modules a training step runs through: their functions keep to STEP_PARAMS positional parameters
 STEP_PATH = ("_runtime/session.py", "_runtime/schedule.py", "_runtime/sampling.py", "_runtime/checks.py",
-             "_runtime/leak_watch.py", "_runtime/model_hooks.py", "lightning.py", "accelerate.py", "transformers.py", "monitor.py")
+             "_runtime/model_hooks.py", "lightning.py", "accelerate.py", "transformers.py", "monitor.py")
 
 # the adapters: they translate a framework's events into the session's protocol and never reach into it
 ADAPTERS = ("lightning.py", "accelerate.py", "transformers.py", "monitor.py")

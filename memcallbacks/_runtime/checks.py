@@ -13,12 +13,18 @@ import logging
 from typing import Any, Callable
 from memcallbacks._base.config import MonitorConfig
 from memcallbacks._base.findings import Finding
-from memcallbacks._runtime.leak_watch import LeakWatch
 from memcallbacks._runtime.preflight_check import PreflightCheck
 from memcallbacks._runtime.sampling import MemoryEngine
 from memcallbacks._runtime.schedule import Schedule
 from memcallbacks.host.channel import HostChannel
+from memcallbacks._base.own_clock import own_time
+from memcallbacks.leaks.attribution import Attribution
 from memcallbacks.leaks.census import format_top_holders
+from memcallbacks.leaks.cycles import GarbageCollector
+from memcallbacks.leaks.frozen import visible_heap
+from memcallbacks.leaks.gc_watch import CollectionWatch
+from memcallbacks.leaks.growth import GrowthDetector
+from memcallbacks.leaks.lingering import LingeringDetector
 from memcallbacks.leaks.search_failure import search_or_note
 from memcallbacks._base.columns import ALLOCATED
 from memcallbacks._base.units import GiB, format_bytes
@@ -26,7 +32,7 @@ from memcallbacks.estimate.measure import estimate_for, hidden_state_bytes, meas
 from memcallbacks.leaks.tensors import batch_bytes
 from memcallbacks.oom.accounting import hold_reserve, release_reserve
 
-__all__ = ["StepChecks", "StateCheck"]
+__all__ = ["StepChecks", "LeakWatch", "StateCheck"]
 
 
 class StepChecks:
@@ -84,7 +90,7 @@ class StepChecks:
     ) -> None:
         """What the census and the theory check look at (see ``Session.attach``)."""
         if self.watch is not None:
-            self.watch.model, self.watch.optimizer = model, optimizer
+            self.watch.attribution.model, self.watch.attribution.optimizer = model, optimizer
         self.preflight.set_objects(model, optimizer, precision=precision, strategy=strategy, world_size=world_size)
         try:
             self.state.set_objects(
@@ -97,7 +103,7 @@ class StepChecks:
     def explain(self, batch: Any, ignore: list[Any]) -> Any:
         """Take a census now: live tensors by category, and who holds the suspicious ones."""
         watch = self.watch or LeakWatch(self.config, lambda: None, ignore=ignore)
-        return watch.census(batch)
+        return watch.attribution.census(batch)
 
     def allocated_now(self) -> int | None:
         # the watch's read where there is one: the same number as backend.current()[0], without the
@@ -118,7 +124,7 @@ class StepChecks:
             self.log.info("%s: no model-state estimate for this run (%s: %s); the rest of the monitor goes on.", self.owner, type(exc).__name__, exc)
             return None
         watch = self.watch
-        census = search_or_note(finding, lambda: watch.census(batch), None) if finding is not None and watch is not None else None
+        census = search_or_note(finding, lambda: watch.attribution.census(batch), None) if finding is not None and watch is not None else None
         if census is not None:  # a census that fails costs the holders only (the finding says why)
             finding.holders = format_top_holders(census, 5)  # type: ignore[union-attr]
             finding.details["census"] = {k: int(v) for k, v in census.bytes_by_category.items()}  # type: ignore[union-attr]
@@ -219,13 +225,174 @@ class StepChecks:
             except Exception:
                 self.log.exception("%s: could not stop its %s; continuing.", self.owner, what)
         if self.watch is not None:
-            self.watch.model = self.watch.optimizer = None
+            self.watch.attribution.model = self.watch.attribution.optimizer = None
         self.state.model = self.state.optimizer = None
         release_reserve()
         try:
             self.preflight.release()
         except Exception:
             self.log.exception("%s: could not release the pre-flight model copy; continuing.", self.owner)
+
+
+# ---------------------------------------------------------------------- the leak watch
+class LeakWatch:
+    """Per-step leak detection: lingering references, growth, Python's collections and the periodic
+    collection. Each method is cheap unless something is found; :attr:`attribution` names the holders."""
+
+    def __init__(
+        self,
+        config: MonitorConfig,
+        allocated_now: Callable[[], int | None],
+        ignore: list[Any],
+        *,
+        charge: Callable[[float], None] | None = None,
+        wake: Callable[[], None] | None = None,
+        schedule: Any = None,
+    ) -> None:
+        """``charge``: told the seconds the garbage-collection callback spends reading memory;
+        ``wake``: called when a large automatic collection makes the next step inspect the garbage;
+        ``schedule``: booked the seconds of each lingering check and of each census and holder search
+        (:class:`memcallbacks._runtime.schedule.Schedule`), so that the budget sees every part."""
+        self.config = config
+        self.schedule = schedule
+        self.lingering = (
+            LingeringDetector(min_bytes=config.lingering_min_bytes) if config.detect_leaks else None
+        )
+        self.growth = (
+            GrowthDetector(
+                warmup_steps=config.growth_warmup_steps,
+                min_rate_bytes=config.growth_min_bytes_per_step,
+                min_growth_bytes=config.growth_min_total_bytes,
+            )
+            if config.detect_leaks
+            else None
+        )
+        self.gc = (
+            GarbageCollector(
+                every_n_steps=config.gc_every_n_steps,
+                disable_automatic=config.gc_disable_automatic,
+                allocated_bytes=allocated_now,
+            )
+            if config.gc_every_n_steps
+            else None
+        )
+        # Python's automatic collections, measured through gc.callbacks (a `cycle` finding needs no
+        # configuration); off when the periodic collection has turned them off anyway
+        self.collections = (
+            CollectionWatch(allocated_now, min_bytes=config.lingering_min_bytes, charge=charge, wake=wake)
+            if config.detect_leaks and not config.gc_disable_automatic
+            else None
+        )
+        # who holds what is found: holder searches and censuses, booked as finding work
+        self.attribution = Attribution(config.census_time_budget_s, ignore, collections=self.collections,
+                                       book=schedule.book_finding if schedule is not None else None)
+        self.gc_results: list[dict[str, Any]] = []
+        self._last_scan: tuple[int, float] | None = None  # (step, seconds) of the last check that scanned the heap
+
+    def start(self) -> None:
+        if self.gc is not None:
+            self.gc.start()
+        if self.collections is not None:
+            self.collections.start()
+
+    def stop(self) -> None:
+        if self.gc is not None:
+            self.gc.stop()
+        if self.collections is not None:
+            self.collections.stop()
+
+    # ------------------------------------------------------------------ at step start, before the baseline
+    def check_lingering(self, step: int, batch: Any) -> list[Finding]:
+        if self.lingering is None:
+            return []
+        schedule = self.schedule
+        if schedule is None or not self.lingering.pending:
+            return self._check_lingering(step, batch)
+        t0, f0 = own_time(), schedule.booked_finding_s
+        scans = self.lingering.heap_scans
+        # a heap scan (a graph root no variable reaches) is taken when the budget has paid for the last one
+        last = self._last_scan
+        self.lingering.heap_allowed = last is None or schedule.affords(last[1], step - last[0])
+        try:
+            return self._check_lingering(step, batch)
+        finally:
+            spent = own_time() - t0 - (schedule.booked_finding_s - f0)
+            if self.lingering.heap_scans > scans:
+                schedule.heap_scans += self.lingering.heap_scans - scans
+                self._last_scan = (step, spent)
+            schedule.book_lingering(spent)
+
+    def _check_lingering(self, step: int, batch: Any) -> list[Finding]:
+        assert self.lingering is not None
+        found = []
+        finding = self.lingering.check(step, current_batch=batch)
+        if finding is not None:
+            lingering, attribution = self.lingering, self.attribution
+            finding.holders = search_or_note(finding, lambda: attribution.lingering_holders(lingering), [])
+            if not finding.holders and "holders_unavailable" not in finding.details:
+                search_or_note(finding, lambda: attribution.blame_garbage(finding, lingering), None)
+            found.append(finding)
+        chain = self.lingering.chains.check(step)
+        if chain is not None:
+            t0 = own_time()
+            try:
+                with visible_heap():
+                    finding = self.attribution.chain(step, chain)
+            finally:
+                if self.schedule is not None:
+                    self.schedule.book_finding(own_time() - t0)
+            if finding is not None:
+                found.append(finding)
+        return found
+
+    def before_baseline(self, step: int, batch: Any, *, lingering: bool = True) -> list[Finding]:
+        found: list[Finding] = self.check_lingering(step, batch) if lingering else []
+        collections = self.collections
+        if collections is not None and collections.due:
+            finding = self._inspect_collections(collections, step)
+            if finding is not None:
+                found.append(finding)
+        if self.gc is not None:
+            if collections is not None:
+                collections.own = True
+            try:
+                result = self.gc.maybe_collect(step)
+            finally:
+                if collections is not None:
+                    collections.own = False
+            if result is not None:
+                self.gc_results.append(
+                    {"step": step, "seconds": result.seconds, "collected": result.collected, "bytes_freed": result.bytes_freed}
+                )
+                if len(self.gc_results) > 1000:
+                    del self.gc_results[: len(self.gc_results) // 2]
+                finding = result.to_finding()
+                if finding is not None:
+                    found.append(finding)
+        return found
+
+    def _inspect_collections(self, collections: CollectionWatch, step: int) -> Finding | None:
+        try:
+            return collections.inspect(step)
+        except Exception:
+            log.debug("could not inspect the garbage", exc_info=True)
+            return None
+
+    # ------------------------------------------------------------------ on read steps, after the baseline
+    def after_baseline(self, step: int, baseline: int, batch: Any) -> list[Finding]:
+        """Feed one memory read (allocated bytes at the start of ``step``) to growth detection; the
+        growth finding, and its holders once the second census is due."""
+        if self.growth is None:
+            return []
+        finding = self.growth.update(step, baseline)
+        due = self.attribution.census_due
+        if finding is None and (due is None or step < due):
+            return []
+        return self.attribution.growth(step, finding, batch)
+
+    def end_step(self, step: int, batch: Any, loss: Any, outputs: Any = None) -> None:
+        if self.lingering is not None:
+            self.lingering.end_step(step, batch, loss, outputs)
 
 
 # ---------------------------------------------------------------------- the live theory check: the step-start baseline against params, grads and optimizer state

@@ -108,7 +108,7 @@ class RunEnd:
         from memcallbacks.oom.record import record_oom
 
         s, checks = self.session, self.session.checks
-        held = checks.watch if checks.watch is not None and checks.watch.model is not None else checks.state  # model, optimizer
+        held = checks.watch.attribution if checks.watch is not None and checks.watch.attribution.model is not None else checks.state  # model, optimizer
         peaks = s.engine.max_allocated, s.engine.max_reserved  # the explanation's own memory is not the run's
         with fake_steps():  # the remedies' fake optimizer steps are not this run's
             finding = record_oom(exc, event, engine=s.engine, model=held.model, optimizer=held.optimizer, precision=checks.state.precision,
@@ -153,7 +153,7 @@ class RunEnd:
             return
         t0 = own_time()
         try:
-            for finding in watch.finish():
+            for finding in watch.attribution.finish():  # a growth finding still waiting for its second census
                 s.add_finding(finding)
         except Exception:
             s.log.debug("the leak watch's last census failed", exc_info=True)

@@ -23,8 +23,6 @@ from memcallbacks import MemoryMonitor  # noqa: E402
 ROOT = Path(__file__).resolve().parents[2]
 PKG = str(Path(memcallbacks.__file__).parent) + "/"
 STEPS, LOG_EVERY = 110, 50  # logged steps 49 and 99; the run's end (step 109) is not one of them
-# Python's collection callback runs in whichever step a collection lands in
-ANY_STEP = {"leaks/gc_watch.py"}
 
 
 class _Tiny(L.LightningModule):
@@ -39,11 +37,12 @@ class _Tiny(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
 
-def _documented() -> set[str]:
+def _documented() -> tuple[set[str], set[str]]:
+    """The files every logged step enters, and those some steps also enter (docs/architecture.md)."""
     doc = (ROOT / "docs" / "architecture.md").read_text()
-    block = re.search(r"A logged step of a Lightning fit.*?```\n(.*?)```", doc, re.S)
+    block = re.search(r"A logged step of a Lightning fit.*?```\n(.*?)```.*?on some steps also these.*?```\n(.*?)```", doc, re.S)
     assert block is not None, "docs/architecture.md has no list of the files a logged step enters"
-    return set(block.group(1).split())
+    return set(block.group(1).split()), set(block.group(2).split())
 
 
 def test_logged_step_enters_the_documented_files(tmp_path: Path) -> None:
@@ -72,8 +71,8 @@ def test_logged_step_enters_the_documented_files(tmp_path: Path) -> None:
         sys.setprofile(None)
     logged = [s for s in files if (s + 1) % LOG_EVERY == 0]
     assert logged, "no logged step was followed"
-    entered = set().union(*(files[s] for s in logged)) - ANY_STEP
-    documented = _documented()
-    # every file a logged step enters is listed, and every listed file is one a logged step enters
-    assert entered - documented == set(), f"docs/architecture.md does not list {sorted(entered - documented)}"
-    assert documented - entered == set(), f"docs/architecture.md lists {sorted(documented - entered)}, which no logged step entered"
+    always, sometimes = _documented()
+    for step in logged:
+        # every file the step enters is listed, and it enters every file listed as entered always
+        assert files[step] - always - sometimes == set(), f"docs/architecture.md does not list {sorted(files[step] - always - sometimes)}"
+        assert always - files[step] == set(), f"docs/architecture.md lists {sorted(always - files[step])}, which step {step} did not enter"

@@ -314,7 +314,7 @@ def test_growth_finding_keeps_census_cost_and_holders_through_later_updates(tmp_
     """The holders and the census cost come with the second census; the growth updates after it carry
     only new rates, and the finding in the report keeps all of them."""
     from memcallbacks import Monitor
-    from memcallbacks._runtime.leak_watch import GROWTH_CENSUS_GAP
+    from memcallbacks.leaks.attribution import GROWTH_CENSUS_GAP
 
     gc.collect()
     model = KeepsActivations()

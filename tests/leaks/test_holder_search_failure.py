@@ -1,7 +1,7 @@
 """A holder search that fails costs the holders, not the finding nor the monitor; ``explain()`` says what failed.
 
 The fault is injected where the monitor calls into the heap walk (``find_holders`` and
-``take_census`` as ``memcallbacks._runtime.leak_watch`` imported them), raising the ``OSError`` that a
+``take_census`` as ``memcallbacks.leaks.attribution`` imported them), raising the ``OSError`` that a
 file-backed user object raised in the probe of issue 24. Everything else is a real loop.
 """
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-import memcallbacks._runtime.leak_watch as watch
+import memcallbacks.leaks.attribution as watch
 from memcallbacks import Monitor
 
 

@@ -113,9 +113,9 @@ def test_attach_sets_what_is_given_and_keeps_the_rest(tmp_path, sessions):
     tiny = Tiny()
     s.attach(model=tiny.model, optimizer=tiny.optimizer)
     assert s.checks.state.model is tiny.model and s.checks.state.optimizer is tiny.optimizer
-    assert s.checks.watch is not None and s.checks.watch.model is tiny.model and s.checks.watch.optimizer is tiny.optimizer
+    assert s.checks.watch is not None and s.checks.watch.attribution.model is tiny.model and s.checks.watch.attribution.optimizer is tiny.optimizer
     s.attach(log_fn=log_fn)  # the model is kept
-    assert s.checks.state.model is tiny.model and s.checks.watch.model is tiny.model and s.log_fn is log_fn
+    assert s.checks.state.model is tiny.model and s.checks.watch.attribution.model is tiny.model and s.log_fn is log_fn
 
 
 def test_attach_with_a_model_sets_the_training_objects_together(tmp_path, sessions):
