@@ -24,8 +24,10 @@ from memcallbacks import Monitor, MonitorConfig
 TEMP_MIB = 64
 CPU = dict(advanced={"cpu_mmap_threshold": 1 << 20}, sample_every_n_steps=1)
 # earlier tests' garbage (cycles holding tensors) freed by a collection inside a phase would lower
-# the RSS while a temporary raises it: collect before each test
-pytestmark = pytest.mark.usefixtures("collected_heap")
+# the RSS while a temporary raises it: collect before each test that compares a phase's bytes with a
+# planted size (the tests of rows, hooks, keys and arguments read no bytes; a full collection is ~0.4 s
+# a test in a full run's worker)
+measures_bytes = pytest.mark.usefixtures("collected_heap")
 CPU_KEYS = {
     "memory/allocated_GiB",
     "memory/reserved_GiB",
@@ -72,6 +74,7 @@ def above_start(history: pd.DataFrame, column: str) -> pd.Series:
 
 
 # ---------------------------------------------------------------------- phases
+@measures_bytes
 @pytest.mark.parametrize("mode", ["track", "step", "auto"])
 def test_forward_temporary_lands_in_peak_forward(tmp_path: Any, mode: str) -> None:
     model = TemporaryNet(forward_mib=TEMP_MIB)
@@ -94,6 +97,7 @@ def test_forward_temporary_lands_in_peak_forward(tmp_path: Any, mode: str) -> No
     assert report["summary"]["peak_forward_above_baseline_bytes"] >= 0.85 * TEMP_MIB * MIB
 
 
+@measures_bytes
 def test_backward_temporary_lands_in_peak_backward() -> None:
     model = TemporaryNet(backward_mib=TEMP_MIB)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -108,6 +112,7 @@ def test_backward_temporary_lands_in_peak_backward() -> None:
     assert (backward < 0.5 * TEMP_MIB).all(), backward.tolist()
 
 
+@measures_bytes
 def test_optimizer_state_creation_lands_in_peak_optimizer_on_step_zero() -> None:
     # 64 MiB of weights; SGD's momentum buffer (another 64 MiB) is created by the first step only
     model = nn.Linear(4096, 4096, bias=False)
@@ -128,6 +133,7 @@ def test_optimizer_state_creation_lands_in_peak_optimizer_on_step_zero() -> None
     assert (h["reserved"][1] - h["reserved"][0]) / MIB >= 0.85 * state_mib
 
 
+@measures_bytes
 def test_explicit_step_and_phase_without_model() -> None:
     monitor = Monitor(write_files=False, **CPU)
     for _ in range(2):
@@ -323,6 +329,7 @@ def test_track_without_optimizer_gives_a_row_per_item() -> None:
     assert list(h["micro_batches"]) == [1, 1, 1] and list(h["optimizer_steps"]) == [0, 0, 0]
 
 
+@measures_bytes
 def test_auto_mode_rows_per_optimizer_step() -> None:
     model = TemporaryNet(forward_mib=TEMP_MIB // 2)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
@@ -339,6 +346,7 @@ def test_auto_mode_rows_per_optimizer_step() -> None:
     assert (above_start(h, "peak_forward") >= 0.85 * TEMP_MIB / 2).all()
 
 
+@measures_bytes
 def test_evaluate_is_recorded_apart_from_training() -> None:
     model = TemporaryNet()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -355,6 +363,7 @@ def test_evaluate_is_recorded_apart_from_training() -> None:
 
 
 # ---------------------------------------------------------------------- logging
+@measures_bytes
 def test_log_fn_gets_documented_keys_on_logged_steps() -> None:
     calls: list[tuple[int, dict[str, float]]] = []
     model = TemporaryNet(forward_mib=TEMP_MIB // 2)
@@ -387,6 +396,7 @@ def test_prefix_renames_every_key() -> None:
 
 
 # ---------------------------------------------------------------------- failures and cleanup
+@measures_bytes
 def test_oom_inside_step_writes_report_and_propagates(tmp_path: Any) -> None:
     model = TemporaryNet()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)

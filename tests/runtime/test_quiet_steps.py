@@ -29,7 +29,10 @@ from test_watch_defaults import BATCH, DIM, LeakyCallback, Net, growth_step, lea
 
 SCRIPTS = Path(__file__).parents[1] / "scripts"
 
-pytestmark = pytest.mark.usefixtures("one_thread", "collected_heap")
+pytestmark = pytest.mark.usefixtures("one_thread")
+# Earlier tests' garbage collected before each test that runs a monitor in this process (its census would see it);
+# the cadence's arithmetic and the runs in processes of their own do not need it (a full collection is ~0.5 s a test)
+in_process_run = pytest.mark.usefixtures("collected_heap")
 
 
 # ---------------------------------------------------------------------- the cadence's arithmetic
@@ -187,6 +190,7 @@ def test_step_time_is_measured_across_quiet_steps():
 
 
 # ---------------------------------------------------------------------- the gc callback
+@in_process_run
 def test_gc_callback_reads_memory_only_on_collections_that_can_free():
     reads: list[int] = []
     charged: list[float] = []
@@ -206,6 +210,7 @@ def test_gc_callback_reads_memory_only_on_collections_that_can_free():
     assert len(reads) == 6 and watch.measured == 3 and watch.collections == 4
 
 
+@in_process_run
 def test_the_gc_watch_reads_nothing_while_the_run_end_files_are_written(tmp_path):
     import gc
 
@@ -246,6 +251,7 @@ class CountingMonitor(MemoryMonitor):
         session.boundary = boundary  # type: ignore[method-assign]
 
 
+@in_process_run
 def test_lightning_defaults_most_steps_are_quiet_and_every_step_is_counted(tmp_path):
     steps = 200
     CountingMonitor.boundaries = 0
@@ -273,6 +279,7 @@ def test_lightning_defaults_most_steps_are_quiet_and_every_step_is_counted(tmp_p
     assert {49, 99, 149, 199} <= {int(s) for s in mon.history["step"]}
 
 
+@in_process_run
 def test_lightning_defaults_find_a_leak_that_begins_late(tmp_path):
     class LateLeak(LeakyCallback):
         def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
@@ -379,6 +386,7 @@ def test_a_run_started_by_a_large_process_finds_a_late_leak_through_statm(tmp_pa
     assert cadence["rss_tripwire"] == ("rss" if expected_tripwire() else None), cadence
 
 
+@in_process_run
 def test_a_growth_finding_near_the_end_gets_its_holders_when_the_run_ends(tmp_path):
     kept: list[torch.Tensor] = []
     model = mlp()
@@ -399,6 +407,7 @@ def test_a_growth_finding_near_the_end_gets_its_holders_when_the_run_ends(tmp_pa
     del kept
 
 
+@in_process_run
 def test_a_plain_loops_quiet_steps_skip_the_optimizer_pre_hook(tmp_path, monkeypatch):
     """A plain loop's optimizer pre-hook has nothing to do on a quiet step (no phase is measured):
     its call (8-20 µs of cold caches after the step's compute) is skipped there, and made on every
