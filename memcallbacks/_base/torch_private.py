@@ -26,7 +26,19 @@ __all__ = [
     "saved_tensors_of",
     "node_metadata",
     "fsdp2_param_dtype",
+    "lazily_disabled",
 ]
+
+
+def lazily_disabled(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``torch.compiler.disable(fn)`` that imports ``torch._dynamo`` at its first call, not now.
+
+    ``torch.compiler.disable`` imports dynamo when it decorates: a second of every process's
+    ``import memcallbacks`` (torch 2.13 on CPU), for a path only a compiled model takes. torch's own
+    ``torch._disable_dynamo`` defers it (dynamo does not trace ``torch/_compile.py``: a call from a
+    compiled region breaks the graph and runs eagerly). ``torch.compiler.disable`` where it is gone."""
+    lazy = getattr(torch, "_disable_dynamo", None)
+    return lazy(fn) if callable(lazy) else torch.compiler.disable(fn)
 
 
 def cuda_stats_reader(index: int) -> Callable[[], dict[str, Any]]:

@@ -22,6 +22,7 @@ from typing import Any, Callable
 import torch
 
 from memcallbacks._base.errors import OutputDirError
+from memcallbacks._base.torch_private import lazily_disabled
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +132,7 @@ _PICKLED_NO_OP: tuple[Any, tuple[Any, ...]] = (getattr, (0, "__init__"))
 _is_compiling = torch.compiler.is_compiling
 
 
-@torch.compiler.disable
+@lazily_disabled
 def _run_eagerly(hook: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """A hook called from a ``torch.compile``d forward runs here, outside the trace (a graph break):
     the monitor reads the clock, allocator counters and autograd graphs, which dynamo cannot trace
