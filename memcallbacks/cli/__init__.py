@@ -9,24 +9,29 @@ from typing import Sequence
 
 __all__ = ["main", "build_parser"]
 
-# each module defines ``register(subparsers)``, adding its sub-command with ``set_defaults(func=...)``
-_SUBCOMMAND_MODULES = (
-    "memcallbacks.cli.estimate",
-    "memcallbacks.cli.preflight",
-    "memcallbacks.cli.report",
-    "memcallbacks.cli.compare",
-    "memcallbacks.cli.plot",
-    "memcallbacks.cli.snapshot",
-)
+# each module defines ``register(subparsers)``, adding its sub-commands with ``set_defaults(func=...)``
+_SUBCOMMAND_MODULES = {
+    "memcallbacks.cli.estimate": ("estimate",),
+    "memcallbacks.cli.preflight": ("preflight",),
+    "memcallbacks.cli.report": ("report",),
+    "memcallbacks.cli.compare": ("compare",),
+    "memcallbacks.cli.plot": ("plot",),
+    "memcallbacks.cli.snapshot": ("render", "summary"),
+}
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser of every sub-command, or with ``command`` only of the module that defines it: the
+    others' imports (torch, for ``estimate`` and ``preflight``) are a second that ``report`` need not wait."""
     from memcallbacks import __version__
 
     parser = argparse.ArgumentParser(prog="memcallbacks", description="Training-memory tools: estimates, reports, snapshots.")
     parser.add_argument("--version", action="version", version=f"memcallbacks {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in _SUBCOMMAND_MODULES:
+    known = any(command in commands for commands in _SUBCOMMAND_MODULES.values())
+    for name, commands in _SUBCOMMAND_MODULES.items():
+        if known and command not in commands:
+            continue
         try:
             module = importlib.import_module(name)
         except ModuleNotFoundError as exc:
@@ -38,8 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args, unknown = parser.parse_known_args(argv)
+    args_in = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(args_in[0] if args_in else None)
+    args, unknown = parser.parse_known_args(args_in)
     if unknown:  # one line naming them, as for every other bad input (argparse would print the usage first)
         command = f"memcallbacks {args.command}" if getattr(args, "command", None) else "memcallbacks"
         print(f"{command}: error: unrecognized arguments: {' '.join(unknown)} (see {command} --help)", file=sys.stderr)
