@@ -24,7 +24,7 @@ __all__ = [
     "StepKind", "Schedule", "BudgetGuard", "HookMeter", "Tripwire", "watch_reader", "rss_tripwire", "aligned_reads",
     "aligned_samples", "median", "LINGERING_EVERY_STEP_UNTIL", "MARK_EVERY_SAMPLES", "MEASURE_STEPS", "DENSE_READ_STEPS",
     "CONFIRM_STEPS", "TRIP_EVERY", "TRIP_MASK", "QUIET_FROM", "CHOOSE_EVERY", "MAX_INTERVAL", "MAX_READ_INTERVAL",
-    "READ_SHARE", "COLD_FACTOR", "CHEAP_HEAP_S", "LINGERING_SHARE", "CONTROL_STEPS", "MAX_BACKOFF", "PARTS",
+    "READ_SHARE", "COLD_FACTOR", "CHEAP_HEAP_S", "LINGERING_SHARE", "CONTROL_STEPS", "CONTROL_S", "MAX_BACKOFF", "PARTS",
 ]
 
 # Lingering references are checked after every one of the first steps, then after every
@@ -59,6 +59,9 @@ CHEAP_HEAP_S = 5e-6
 LINGERING_SHARE = 0.25
 # The budget's guard: own time over windows of at least this many steps after the first QUIET_FROM.
 CONTROL_STEPS = 32
+# ... and of at least this much step time: over a few tens of milliseconds (32 steps of 1.6 ms), one
+# read's cost or one time slice on a busy machine decides the rate, and a back-off is never undone.
+CONTROL_S = 0.25
 MAX_BACKOFF = 1024
 # what each part of the monitor's own time is called in report.json (summary.cadence.own_time_by_part_s)
 PARTS = ("read", "sample", "watch", "lingering", "tripwire", "gc", "findings", "hooks")
@@ -196,7 +199,8 @@ class HookMeter:
 
 
 class BudgetGuard:
-    """Over windows of at least :data:`CONTROL_STEPS` steps after the first ``QUIET_FROM``, the own
+    """Over windows of at least :data:`CONTROL_STEPS` steps and :data:`CONTROL_S` seconds of step time
+    after the first ``QUIET_FROM``, the own
     time measured (finding work excepted) against the budget; over it, the costliest part that has
     an interval (the lingering check, sampling, the reads) backs off: its interval doubles. Said
     once in the log; every back-off is in report.json. Picklable."""
@@ -215,14 +219,12 @@ class BudgetGuard:
         """One window's check: reads ``schedule``'s totals and widens its intervals."""
         start, own0, step0, parts0 = self.window
         steps = schedule.steps
-        if steps < start + CONTROL_STEPS:
+        elapsed = schedule.timed_s - step0
+        if steps < start + CONTROL_STEPS or elapsed < CONTROL_S:
             return
         own = schedule.own_s - schedule.finding_s
-        elapsed = schedule.timed_s - step0
         spent = {k: schedule.parts[k] - parts0.get(k, 0.0) for k in schedule.parts}
         self.window = (steps, own, schedule.timed_s, dict(schedule.parts))
-        if elapsed <= 0:
-            return
         rate = (own - own0) / elapsed
         if rate <= self.budget:
             return
