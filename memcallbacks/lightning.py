@@ -14,6 +14,7 @@ import functools
 import importlib
 import importlib.util
 import logging
+import operator
 from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
@@ -52,6 +53,10 @@ def _callback_bases() -> tuple[type, ...]:
             "is installed. Install one: pip install 'memcallbacks[lightning]'."
         )
     return tuple(bases)
+
+
+_BATCHES_THAT_STEPPED = operator.attrgetter("fit_loop.epoch_loop._batches_that_stepped")
+_GLOBAL_STEP = operator.attrgetter("global_step")
 
 
 class MemoryMonitor(KeywordCheck, SessionResults, *_callback_bases()):  # type: ignore[misc]
@@ -93,6 +98,7 @@ class MemoryMonitor(KeywordCheck, SessionResults, *_callback_bases()):  # type: 
         self._trainer: Any = None
         self._loss: Any = None  # this step's loss, held only until the step ends
         self._last_count = -1  # the count of the last step that was not quiet
+        self._batches = _BATCHES_THAT_STEPPED  # reads _log_step's count with no frame of ours (set at train start)
 
     # ------------------------------------------------------------------ helpers
     @staticmethod
@@ -131,6 +137,10 @@ class MemoryMonitor(KeywordCheck, SessionResults, *_callback_bases()):  # type: 
         self._automatic = bool(pl_module.automatic_optimization)
         self._stepped = False
         self._last_count = self._log_step(trainer) - 1
+        try:  # the quiet step's counter: Lightning's, or global_step where a version lacks it
+            self._batches(trainer)
+        except AttributeError:
+            self._batches = _GLOBAL_STEP
         attach_fit(self._session, trainer, pl_module)
         if not self._automatic and self._session.enabled:  # manual optimization: the optimizer's hooks bound its phase
             self._optimizer_hooks.install()
@@ -144,7 +154,7 @@ class MemoryMonitor(KeywordCheck, SessionResults, *_callback_bases()):  # type: 
             if session.kind is not None:  # a step is open: a further micro-batch of it (gradient accumulation)
                 session.micro_batch()
                 return
-            count = self._log_step(trainer)
+            count = self._batches(trainer)  # _log_step's count (a C getter: this runs on every quiet step)
             kind = self._step_kind(count)  # what the step is, decided once
             if kind is StepKind.QUIET:  # most steps of a long run: skipped by every hook, counted at the next other step
                 return
