@@ -22,7 +22,7 @@ import torch
 from memcallbacks._base.config import MonitorConfig, given_fields, resolve_config, settings_of
 from memcallbacks._base.options import AdvancedOptions, KeywordCheck, LeakOptions, SnapshotOptions
 from memcallbacks._base.columns import BACKWARD, FORWARD, OPTIMIZER, OTHER
-from memcallbacks._runtime.guard import UsageError, contain, entry_point, self_guarded
+from memcallbacks._runtime.guard import contain, entry_point, self_guarded
 from memcallbacks._runtime.results import SessionResults
 from memcallbacks._runtime.lightning_support import (
     ManualOptimizerHooks, add_eval_hooks, attach_fit, check_siblings, checkpoint_state, predict_step, start_session,
@@ -98,17 +98,20 @@ class MemoryMonitor(KeywordCheck, SessionResults, *_callback_bases()):  # type: 
         self._trainer: Any = None
         self._loss: Any = None  # this step's loss, held only until the step ends
         self._last_count = -1  # the count of the last step that was not quiet
-        self._batches = _BATCHES_THAT_STEPPED  # reads _log_step's count with no frame of ours (set at train start)
+        self._batches = _BATCHES_THAT_STEPPED  # _log_step's counter: a C getter, read on every quiet step
 
     # ------------------------------------------------------------------ helpers
-    @staticmethod
-    def _log_step(trainer: "pl.Trainer") -> int:
+    def _log_step(self, trainer: "pl.Trainer") -> int:
         """Batches that stepped so far: Lightning's own logging axis (``global_step`` counts every
-        optimizer's steps, so it moves by 2 per batch with two optimizers)."""
+        optimizer's steps, so it moves by 2 per batch with two optimizers). A Lightning without the
+        counter gets ``global_step`` from then on, in the quiet steps' gate too (:attr:`_batches`)."""
         try:
-            return int(trainer.fit_loop.epoch_loop._batches_that_stepped)
+            return int(self._batches(trainer))
+        except AttributeError:
+            self._batches = _GLOBAL_STEP
         except Exception:
-            return int(trainer.global_step)
+            pass
+        return int(trainer.global_step)
 
     def _emit(self, metrics: dict[str, float], step: int) -> None:
         trainer = self._trainer
@@ -136,11 +139,7 @@ class MemoryMonitor(KeywordCheck, SessionResults, *_callback_bases()):  # type: 
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._automatic = bool(pl_module.automatic_optimization)
         self._stepped = False
-        self._last_count = self._log_step(trainer) - 1
-        try:  # the quiet step's counter: Lightning's, or global_step where a version lacks it
-            self._batches(trainer)
-        except AttributeError:
-            self._batches = _GLOBAL_STEP
+        self._last_count = self._log_step(trainer) - 1  # also picks the quiet steps' counter
         attach_fit(self._session, trainer, pl_module)
         if not self._automatic and self._session.enabled:  # manual optimization: the optimizer's hooks bound its phase
             self._optimizer_hooks.install()
@@ -164,8 +163,6 @@ class MemoryMonitor(KeywordCheck, SessionResults, *_callback_bases()):  # type: 
                 predict_step(session, batch, pl_module, batch_idx, self._automatic)
             # one meaning of "step" in rows and findings: global_step
             session.begin_step(trainer.global_step, trainer.current_epoch, batch_idx, count=count, kind=kind, batch=batch)
-        except UsageError:
-            raise
         except Exception as exc:
             contain(self, exc, "on_train_batch_start")
 

@@ -62,7 +62,10 @@ def session_of(owner: Any) -> Any:
 
 
 def contain(owner: Any, exc: BaseException, where: str, *, unwinding: bool = False) -> None:
-    """Hand an internal error to the owner's session (log once, disable); never raises when ``unwinding``."""
+    """Hand an internal error to the owner's session (log once, disable); never raises when ``unwinding``.
+    A :class:`UsageError` is not internal: it is raised again, for the user to fix."""
+    if isinstance(exc, UsageError):
+        raise exc
     session = session_of(owner)
     try:
         if session is not None:
@@ -87,8 +90,6 @@ def entry_point(where: str, *, unwinding: bool = False) -> Callable[[F], F]:
         def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
             try:
                 return fn(self, *args, **kwargs)
-            except UsageError:
-                raise
             except Exception as exc:
                 contain(self, exc, where, unwinding=unwinding)
                 return None
