@@ -21,7 +21,6 @@ from memcallbacks._base.own_clock import own_time
 from memcallbacks.leaks.attribution import Attribution
 from memcallbacks.leaks.census import format_top_holders
 from memcallbacks.leaks.cycles import GarbageCollector
-from memcallbacks.leaks.frozen import visible_heap
 from memcallbacks.leaks.gc_watch import CollectionWatch
 from memcallbacks.leaks.growth import GrowthDetector
 from memcallbacks.leaks.lingering import LingeringDetector
@@ -247,12 +246,12 @@ class LeakWatch:
         *,
         charge: Callable[[float], None] | None = None,
         wake: Callable[[], None] | None = None,
-        schedule: Any = None,
+        schedule: Schedule | None = None,
     ) -> None:
         """``charge``: told the seconds the garbage-collection callback spends reading memory;
         ``wake``: called when a large automatic collection makes the next step inspect the garbage;
-        ``schedule``: booked the seconds of each lingering check and of each census and holder search
-        (:class:`memcallbacks._runtime.schedule.Schedule`), so that the budget sees every part."""
+        ``schedule``: booked the seconds of each lingering check and of each census and holder search,
+        so that the budget sees every part."""
         self.config = config
         self.schedule = schedule
         self.lingering = (
@@ -334,13 +333,7 @@ class LeakWatch:
             found.append(finding)
         chain = self.lingering.chains.check(step)
         if chain is not None:
-            t0 = own_time()
-            try:
-                with visible_heap():
-                    finding = self.attribution.chain(step, chain)
-            finally:
-                if self.schedule is not None:
-                    self.schedule.book_finding(own_time() - t0)
+            finding = self.attribution.chain(step, chain)  # booked as finding work there
             if finding is not None:
                 found.append(finding)
         return found

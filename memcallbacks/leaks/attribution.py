@@ -16,6 +16,7 @@ from typing import Any, Callable
 from memcallbacks._base.findings import Finding
 from memcallbacks._base.own_clock import own_time
 from memcallbacks.leaks.census import Census, take_census
+from memcallbacks.leaks.frozen import visible_heap
 from memcallbacks.leaks.garbage import cyclic_garbage_note
 from memcallbacks.leaks.gc_watch import CollectionWatch
 from memcallbacks.leaks.holders import find_holders, group_paths
@@ -110,7 +111,16 @@ class Attribution:
         finding.message = note.message(finding.message)
 
     def chain(self, step: int, chain: list[tuple[int, Any]]) -> Finding | None:
-        """The finding for graphs of several earlier steps alive at once, with the variable that links them."""
+        """The finding for graphs of several earlier steps alive at once, with the variable that links
+        them; its whole time booked once (the holder search inside included), over a visible heap."""
+        t0 = own_time()
+        try:
+            with visible_heap():
+                return self._chain(step, chain)
+        finally:
+            self._booked(t0)
+
+    def _chain(self, step: int, chain: list[tuple[int, Any]]) -> Finding | None:
         steps = [s for s, _ in chain]
         oldest = chain[0][1]
         del chain
@@ -125,7 +135,7 @@ class Attribution:
         if root is not None:
             nbytes = graph_bytes(root)
             try:
-                search = self.find_holders([root])
+                search = find_holders([root], time_budget_s=self.time_budget_s, ignore=self.ignore)  # booked by chain()
                 holders = [f"{p.path} -> autograd graphs of steps {steps[0]}..{steps[-1]} and on" for p in search.paths[:2]]
                 if not holders and self.garbage_note([root]) is not None:
                     return None  # graphs waiting in cyclic garbage, not a chain: the collection watch reports cycles
