@@ -19,7 +19,10 @@ from memcallbacks._base.backend import PEAK_RSS_HWM, PEAK_SAMPLED, MemoryBackend
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CpuBackend", "StatmReader", "HwmReader", "HWM_PINNED_SLACK", "heap_in_use_bytes", "host_rss_reader", "set_mmap_threshold", "load_malloc_trim"]
+__all__ = [
+    "CpuBackend", "StatmReader", "HwmReader", "HWM_PINNED_SLACK", "heap_in_use_bytes", "host_rss_reader", "set_mmap_threshold",
+    "load_malloc_trim", "Tripwire", "rss_tripwire",
+]
 
 # RUSAGE_THREAD skips summing CPU time over every thread (RUSAGE_SELF does); ru_maxrss is the
 # same process-wide high-water mark either way.
@@ -192,7 +195,7 @@ class CpuBackend(MemoryBackend):
     def resets_hwm(self) -> bool:
         """Whether ``getrusage``'s high-water mark is reset at every phase boundary and not pinned
         above the resident set: then it is the resident set's peak since the last sampled step, which the
-        RSS tripwire can read for a fraction of a ``statm`` read's cost (``schedule.rss_tripwire``)."""
+        RSS tripwire can read for a fraction of a ``statm`` read's cost (:func:`rss_tripwire`)."""
         return self.peak_source == PEAK_RSS_HWM and not self._use_status and sys.platform.startswith("linux")
 
     def heap(self) -> int | None:
@@ -375,3 +378,53 @@ def host_rss_reader() -> Callable[[], int]:
     return _PsutilReader()
 
 
+# ------------------------------------------------------------------ the RSS tripwire
+def rss_tripwire(read: Callable[[], int | None] | None, *, hwm_resets: bool = False) -> Tripwire | None:
+    """The cheap read the schedule checks between the watch's reads where that read is costly (glibc's heap): the
+    resident set, or its high-water mark where the backend resets it at every phase boundary
+    (``hwm_resets``; cheaper for the next step). None where the watch's read is cheap enough."""
+    if read is not heap_in_use_bytes:
+        return None
+    try:
+        rss = host_rss_reader()
+        rss()
+    except Exception:
+        return None
+    if not isinstance(rss, StatmReader):
+        return None  # psutil's read is too slow for it
+    if hwm_resets:
+        try:
+            hwm = HwmReader()
+            if hwm() > 0:
+                return Tripwire(hwm, "hwm")
+        except Exception:
+            pass
+    return Tripwire(rss, "rss")
+
+
+class Tripwire:
+    """The resident set (``source`` ``"rss"``) or its high-water mark (``"hwm"``), or 0 if the
+    kernel stops answering (which never trips, and never fails a step: the schedule checks it on
+    quiet steps, which do nothing else). Picklable, like the reader inside."""
+
+    __slots__ = ("_rss", "source")
+
+    def __init__(self, rss: Callable[[], int], source: str = "rss") -> None:
+        self._rss = rss
+        self.source = source
+
+    def __call__(self) -> int:
+        try:
+            return self._rss()
+        except Exception:
+            return 0
+
+    @property
+    def reader(self) -> Callable[[], int]:
+        return self._rss
+
+    def __getstate__(self) -> tuple[Callable[[], int], str]:
+        return self._rss, self.source
+
+    def __setstate__(self, state: tuple[Callable[[], int], str]) -> None:
+        self._rss, self.source = state

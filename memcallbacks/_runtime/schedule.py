@@ -17,11 +17,11 @@ import time
 from typing import Any, Callable
 
 from memcallbacks._base.config import MonitorConfig
-from memcallbacks._base.devices import HwmReader, StatmReader, heap_in_use_bytes, host_rss_reader
+from memcallbacks._base.cpu import Tripwire, heap_in_use_bytes, rss_tripwire
 from memcallbacks._base.own_clock import own_time, unwatch_collections, watch_collections
 
 __all__ = [
-    "StepKind", "Schedule", "BudgetGuard", "HookMeter", "Tripwire", "watch_reader", "rss_tripwire", "aligned_reads",
+    "StepKind", "Schedule", "BudgetGuard", "HookMeter", "watch_reader", "aligned_reads",
     "aligned_samples", "median", "LINGERING_EVERY_STEP_UNTIL", "MARK_EVERY_SAMPLES", "MEASURE_STEPS", "DENSE_READ_STEPS",
     "CONFIRM_STEPS", "TRIP_EVERY", "TRIP_MASK", "QUIET_FROM", "CHOOSE_EVERY", "MAX_INTERVAL", "MAX_READ_INTERVAL",
     "READ_SHARE", "COLD_FACTOR", "CHEAP_HEAP_S", "LINGERING_SHARE", "CONTROL_STEPS", "CONTROL_S", "MAX_BACKOFF", "PARTS",
@@ -124,57 +124,6 @@ def watch_reader(backend: Any) -> Callable[[], int | None]:
     if backend.kind == "cpu":
         return heap_in_use_bytes if heap_in_use_bytes() is not None else (lambda: backend.current()[0])
     return lambda: backend.current()[0]
-
-
-def rss_tripwire(read: Callable[[], int | None] | None, *, hwm_resets: bool = False) -> Tripwire | None:
-    """The cheap read checked between the watch's reads where that read is costly (glibc's heap): the
-    resident set, or its high-water mark where the backend resets it at every phase boundary
-    (``hwm_resets``; cheaper for the next step). None where the watch's read is cheap enough."""
-    if read is not heap_in_use_bytes:
-        return None
-    try:
-        rss = host_rss_reader()
-        rss()
-    except Exception:
-        return None
-    if not isinstance(rss, StatmReader):
-        return None  # psutil's read is too slow for it
-    if hwm_resets:
-        try:
-            hwm = HwmReader()
-            if hwm() > 0:
-                return Tripwire(hwm, "hwm")
-        except Exception:
-            pass
-    return Tripwire(rss, "rss")
-
-
-class Tripwire:
-    """The resident set (``source`` ``"rss"``) or its high-water mark (``"hwm"``), or 0 if the
-    kernel stops answering (which never trips, and never fails a step: the Lightning gate calls it
-    with no guard frame). Picklable, like the reader inside."""
-
-    __slots__ = ("_rss", "source")
-
-    def __init__(self, rss: Callable[[], int], source: str = "rss") -> None:
-        self._rss = rss
-        self.source = source
-
-    def __call__(self) -> int:
-        try:
-            return self._rss()
-        except Exception:
-            return 0
-
-    @property
-    def reader(self) -> Callable[[], int]:
-        return self._rss
-
-    def __getstate__(self) -> tuple[Callable[[], int], str]:
-        return self._rss, self.source
-
-    def __setstate__(self, state: tuple[Callable[[], int], str]) -> None:
-        self._rss, self.source = state
 
 
 class HookMeter:
@@ -377,7 +326,7 @@ class Schedule:
     def step_kind(self, count: int) -> StepKind:
         """What the step after ``count`` steps is. A planned quiet step checks the tripwire every
         :data:`TRIP_EVERY`-th step: a tripped one reads memory and ends the quiet stretch. Cannot
-        raise (the Lightning gate calls it with no guard frame)."""
+        raise (:class:`~memcallbacks._base.cpu.Tripwire` reads 0 when the kernel stops answering)."""
         if count < self.quiet_until:
             trip = self.trip
             if count & TRIP_MASK or trip is None or trip() < self.trip_at:

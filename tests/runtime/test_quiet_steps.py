@@ -22,6 +22,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 from helpers import MIB, flat_settings, trainer_kwargs
 from memcallbacks import MemoryMonitor, Monitor, MonitorConfig
+from memcallbacks._base import cpu
 from memcallbacks._runtime import schedule as C
 from schedule_feed import SteppedClock, feed
 from memcallbacks.leaks.gc_watch import CollectionWatch
@@ -60,7 +61,7 @@ def sampled(c: C.Schedule, count: int) -> bool:
 def trip(c: C.Schedule, count: int) -> None:
     """The resident set rose since the last read (a stand-in reader past ``trip_at``): the quiet step at
     ``count`` (a multiple of 4) checks the tripwire, which goes off."""
-    c.trip, c.trip_at, c.quiet_until = C.Tripwire(lambda: 1, "rss"), 0, count + 1
+    c.trip, c.trip_at, c.quiet_until = cpu.Tripwire(lambda: 1, "rss"), 0, count + 1
     assert c.step_kind(count) is not C.StepKind.QUIET
 
 
@@ -174,10 +175,10 @@ def test_the_tripwire_is_kept_for_costly_reads_only():
 
     if heap_in_use_bytes() is None:
         pytest.skip("no glibc mallinfo2: the watch reads RSS itself")
-    rss = C.rss_tripwire(heap_in_use_bytes)
+    rss = cpu.rss_tripwire(heap_in_use_bytes)
     assert rss is not None and rss() > 0
     assert pickle.loads(pickle.dumps(rss))() > 0  # spawn launchers pickle the callback that mirrors it
-    assert C.rss_tripwire(lambda: 0) is None and C.rss_tripwire(None) is None  # an allocator's counter: read every step
+    assert cpu.rss_tripwire(lambda: 0) is None and cpu.rss_tripwire(None) is None  # an allocator's counter: read every step
 
 
 def test_step_time_is_measured_across_quiet_steps():

@@ -23,7 +23,8 @@ import pytest
 
 from helpers import flat_settings
 from memcallbacks._base.devices import CpuBackend, StatmReader, heap_in_use_bytes
-from memcallbacks._runtime.schedule import Schedule, StepKind, Tripwire
+from memcallbacks._base.cpu import Tripwire
+from memcallbacks._runtime.schedule import Schedule, StepKind
 
 MIB = 1 << 20
 TRIP_BYTES = MIB  # 4 MiB (growth_min_total_bytes' default) // 4
