@@ -286,6 +286,7 @@ def preload(framework: str) -> None:
     import pandas  # noqa: F401
 
     import psutil  # noqa: F401  # the monitor's host reads
+    import torch._dynamo  # noqa: F401  # a process's first optimizer imports it: 2.4 s in each child otherwise
     from PIL import Image  # noqa: F401  # the plots' writer loads its formats on first use
 
     import memcallbacks.oom  # noqa: F401
