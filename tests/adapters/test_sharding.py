@@ -23,6 +23,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -37,10 +39,15 @@ from torch.utils.data import DataLoader
 from helpers import MIB, free_port, trainer_kwargs
 from memcallbacks import MemoryMonitor
 
-SCRIPTS = Path(__file__).parents[1] / "scripts"
+ROOT = Path(__file__).parents[2]
+SCRIPTS = ROOT / "tests" / "scripts"
 WORLD_SIZE = 2
 TOLERANCE = 0.02  # the issue's bound for model states
 FP32 = 4
+
+
+#: docs/theory.md shows this command; it runs here, as shown (tests/docs/test_docs_commands.py leaves it to this test)
+DOCUMENTED = "python tests/scripts/sharded_fit.py /tmp/sharded --runner lightning --strategy fsdp2"
 
 
 def run_sharded(out: Path, runner: str, strategy: str, *extra: str) -> list[dict[str, Any]]:
@@ -50,6 +57,19 @@ def run_sharded(out: Path, runner: str, strategy: str, *extra: str) -> list[dict
     proc = subprocess.run(cmd, cwd=str(out), env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD_SIZE)]
+
+
+def run_documented() -> tuple[Path, list[dict[str, Any]]]:
+    """The documented command, exactly as docs/theory.md shows it, from the project root with this environment's python."""
+    assert DOCUMENTED in (ROOT / "docs" / "theory.md").read_text(), "docs/theory.md no longer shows DOCUMENTED: update both"
+    out = Path(shlex.split(DOCUMENTED)[2])
+    shutil.rmtree(out, ignore_errors=True)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
+           "PATH": str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", "")}
+    env.pop("MASTER_PORT", None)
+    proc = subprocess.run(DOCUMENTED, shell=True, cwd=str(ROOT), env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return out, [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD_SIZE)]
 
 
 def theory_per_rank(record: dict[str, Any]) -> dict[str, int]:
@@ -121,7 +141,10 @@ CASES = [
 @pytest.mark.slow
 @pytest.mark.parametrize("runner, strategy", CASES)
 def test_theory_check_agrees_with_each_rank(tmp_path, runner, strategy):
-    records = run_sharded(tmp_path, runner, strategy)
+    if (runner, strategy) == ("lightning", "fsdp2"):
+        tmp_path, records = run_documented()
+    else:
+        records = run_sharded(tmp_path, runner, strategy)
     for rank, record in enumerate(records):
         assert (record["rank"], record["world_size"], record["warmup"]) == (rank, WORLD_SIZE, True)
         states = check_rank(record, strategy, "fp32")

@@ -5,7 +5,8 @@ inline code spans, and run in one scratch folder holding what they read: the sna
 name (copies of tests/data/cuda_like_snapshot.pickle) and ``examples/``. The commands that read the
 run the Lightning example writes (``memcallbacks report runs/example/version_0``) run in that
 example's test, right after it: under pytest-xdist another test may run on another worker, whose
-scratch folder has no run.
+scratch folder has no run. A command another test runs exactly as shown, checking what it wrote
+(``RUN_BY``), is left to that test.
 """
 
 from __future__ import annotations
@@ -35,6 +36,11 @@ EXEMPT = {
     "memcallbacks estimate": "the name of a command in prose, not a command line",
     "memcallbacks render": "the name of a command in prose, not a command line",
     "memcallbacks render: no such file: PATH": "an error message quoted in prose",
+}
+
+#: Run as shown by another test, which checks what they wrote (each named file holds the command): not run twice.
+RUN_BY = {
+    "python tests/scripts/sharded_fit.py /tmp/sharded --runner lightning --strategy fsdp2": "tests/adapters/test_sharding.py",
 }
 
 
@@ -95,7 +101,14 @@ def run_as_shown(scratch: Path, command: str) -> None:
     assert done.returncode == 0, f"{command!r} exited {done.returncode}:\n{done.stderr[-2000:]}"
 
 
-@pytest.mark.parametrize("command", [c for c in documented_commands() if c not in EXEMPT and not reads_runs(c)])
+def test_commands_run_by_other_tests_are_documented_and_run_there() -> None:
+    commands = documented_commands()
+    for command, test_file in RUN_BY.items():
+        assert command in commands, f"{command!r} is no longer documented: drop it from RUN_BY"
+        assert command in (ROOT / test_file).read_text(), f"{test_file} does not run {command!r}"
+
+
+@pytest.mark.parametrize("command", [c for c in documented_commands() if c not in EXEMPT and c not in RUN_BY and not reads_runs(c)])
 def test_documented_command_runs_as_shown(scratch: Path, command: str) -> None:
     run_as_shown(scratch, command)
     if command == WRITES_RUNS:  # then every command that reads its run, in the order the docs show them
