@@ -87,7 +87,10 @@ class HostChannel:
             return []
         self._named = True
         t0 = time.perf_counter()
-        result = explain_host_growth(before, step=step, time_budget_s=self.census_time_budget_s, min_entries=_MIN_ENTRIES)
+        # a run that ends fewer than _MIN_ENTRIES steps after the first census: a record a step gained one entry a step
+        gap = step - before.step if before.step is not None else _MIN_ENTRIES
+        result = explain_host_growth(before, step=step, time_budget_s=self.census_time_budget_s,
+                                     min_entries=min(_MIN_ENTRIES, max(1, gap)))
         self.census_seconds += time.perf_counter() - t0
         finding = result.finding(step)
         growth = self.growth.findings.get(finding.key)

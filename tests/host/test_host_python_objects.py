@@ -62,3 +62,28 @@ def test_256_kib_per_step_of_objects_is_found_within_40_steps_and_measured_truly
     assert f["first_step"] <= 40, f
     assert f["holders"] and "global SPECS (dict) grew by " in f["holders"][0] and "Spec objects" in f["holders"][0], f["holders"]
     within_20_percent_of_the_truth(out, 64)
+
+
+RUN_ENDS_SOON = """
+from memcallbacks.host.channel import HostChannel
+KEPT = []
+channel, found_at = HostChannel(device_is_host=False), None
+for step in range(400):
+    KEPT.append({f"model.layers.{i}.w": float(step) + i for i in range(6500)})  # one 1 MiB record a step
+    if found_at is None and any(f.key == "host_growth" for f in channel.on_read(step)):
+        found_at = step  # the first census is taken here; the second is due 16 steps later
+    if found_at is not None and step == found_at + 3:
+        break
+print(repr(([f.holders for f in channel.finish()], found_at, step)))
+"""
+
+
+def test_a_run_that_ends_soon_after_the_first_census_still_names_the_record_a_step(tmp_path):
+    # the run ends 3 steps after the first census: the record a step gained 3 entries, fewer than a candidate needed
+    # 16 steps apart, and a framework's list of 12 tuples (3.4 KiB, no root) was named instead
+    proc = subprocess.run([sys.executable, "-c", RUN_ENDS_SOON], capture_output=True, text=True, timeout=300, cwd=str(tmp_path),
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[2])})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (holders,), found_at, ended = eval(proc.stdout.strip().splitlines()[-1])
+    assert found_at is not None and ended == found_at + 3
+    assert holders and holders[0].startswith("module __main__: global KEPT (list) grew by 3 dict objects"), holders
