@@ -86,7 +86,6 @@ def test_one_rank_apart_is_named_and_a_spread_is_not():
         find_imbalance(ranks, min_bytes=-1)
 
 
-@pytest.mark.xfail(strict=False, reason="known: named a step late (41 for 40) in a loaded -n 2 run after the host merge; issue 32")
 def test_a_plain_monitor_at_defaults_names_the_rank_whose_host_memory_grew(tmp_path):
     """The same 2-rank run watched by ``Monitor`` at defaults: the leaking rank finds its own
     host growth (with the holder), rank zero hears of it while the run goes, and rank zero's run-end

@@ -222,9 +222,7 @@ def clear_seen_batches():
 
 
 @pytest.mark.parametrize("case", list(ZOO))
-def test_planted_leak_is_found_once_with_its_kind_and_holder(tmp_path, caplog, clear_seen_batches, case, request):
-    if case == "a dict cache keyed by step":  # a false host_growth beside the true growth, under load (issue 32)
-        request.applymarker(pytest.mark.xfail(strict=False, reason="known: a host_growth beside the device growth under load; issue 32"))
+def test_planted_leak_is_found_once_with_its_kind_and_holder(tmp_path, caplog, clear_seen_batches, case):
     cls, steps, dim, monitor_kwargs, kind, key, holder = ZOO[case]
     caplog.set_level(logging.WARNING, logger="memcallbacks")
     monitor, trainer = monitored_fit(tmp_path, cls(), vector_loader(dim=dim), steps=steps, monitor_kwargs=monitor_kwargs)
