@@ -3,12 +3,15 @@
 Workers are found as the ``multiprocessing`` children of this process that a live DataLoader
 iterator lists in its ``_workers`` (torch starts every worker as a ``multiprocessing`` process
 running ``torch.utils.data._utils.worker._worker_loop``, whatever the start method); the worker id
-is its index there. Each read is
-``/proc/<pid>/smaps_rollup`` per worker (USS = private clean + private dirty; PSS), 1-6 ms a
-worker, so reads are spaced: the watch's whole cost stays within ``max_overhead`` of the wall time,
-and a read is ``min_interval_s`` or ``max_gap_steps`` after the last (a 5 ms read of 2 workers every
-1 s is 1%). A worker that grew past twice its parent's Dataset grows inside itself (a cache in
-``__getitem__``), which copy on access cannot explain.
+is its index there. Each worker's minor page faults (``/proc/<pid>/stat``, a few µs) are counted at
+every update on a small share of the budget; its USS and PSS (``/proc/<pid>/smaps_rollup``, 9-22 ms a
+worker: the kernel walks its page tables) are read when the faults since the last read could have
+made half of ``min_growth_bytes`` private (finding work, apart from the budget, backing off where
+faults bring no growth), and otherwise within ``max_overhead`` of the wall time, ``min_interval_s``
+or ``max_gap_steps`` after the last read. A worker grows when it keeps what it faults (copy on access,
+a cache); one that maps and unmaps large batches faults far more than it keeps. A worker that grew
+past twice its parent's Dataset grows inside itself (a cache in ``__getitem__``), which copy on
+access cannot explain.
 Non-persistent workers are started again every epoch: a new set of pids is a new *generation*,
 and each worker's growth is measured over its own life.
 """
@@ -184,12 +187,12 @@ class WorkerWatch:
     say it may have grown (or on a time budget); a ``worker_growth`` finding when workers' private
     memory grows step over step by ``min_growth_bytes`` or more."""
 
-    def __init__(self, *, min_interval_s: float = 0.5, max_overhead: float = 0.01, min_growth_bytes: int = 8 * MiB,
+    def __init__(self, *, min_interval_s: float = 0.5, max_overhead: float = 0.005, min_growth_bytes: int = 8 * MiB,
                  max_reads: int = 512, max_gap_steps: int = 32) -> None:
         checks = (
             ("max_gap_steps", max_gap_steps, max_gap_steps >= 1, "use 1 or more steps, e.g. 32"),
             ("min_interval_s", min_interval_s, min_interval_s >= 0, "use 0 or more seconds, e.g. 0.5"),
-            ("max_overhead", max_overhead, 0 < max_overhead <= 1, "use a fraction of the wall time in (0, 1], e.g. 0.01"),
+            ("max_overhead", max_overhead, 0 < max_overhead <= 1, "use a fraction of the wall time in (0, 1], e.g. 0.005"),
             ("min_growth_bytes", min_growth_bytes, min_growth_bytes > 0, "use a positive byte count, e.g. 8 * 2**20"),
             ("max_reads", max_reads, max_reads >= 4, "use 4 or more, e.g. 512"),
         )
