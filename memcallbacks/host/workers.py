@@ -255,9 +255,9 @@ class WorkerWatch:
             self.seconds += t1 - t0
             return None
         for w, why in read:
-            c0 = time.thread_time()  # CPU time (the kernel's walk included): not inflated by preemption
+            c0, w0 = time.thread_time(), time.perf_counter()  # CPU time (the kernel's walk included): not inflated by preemption
             self._read(w, step)
-            cost = min(time.thread_time() - c0, time.perf_counter() - t1)
+            cost = min(time.thread_time() - c0, time.perf_counter() - w0)
             if why == "free":
                 self.fault_reads += 1
                 self.finding_seconds += cost
@@ -327,9 +327,9 @@ class WorkerWatch:
         self.uss_reads += 1
 
     def _due(self, step: int, now: float) -> bool:
-        """A read of every worker now keeps the watch's budgeted cost (discovery, faults, Dataset sizes,
-        reads) within ``max_overhead`` of the wall time since its first update, and it is
-        ``min_interval_s`` after the last one or ``max_gap_steps`` steps after it."""
+        """A read of every worker now keeps the watch's budgeted cost (discovery, faults, budgeted reads)
+        within ``max_overhead`` of the wall time since its first update, and it is ``min_interval_s``
+        after the last one or ``max_gap_steps`` steps after it."""
         if not self._affords(now):
             return False
         return now - self._last_time >= self.min_interval_s or step - (self._last_step or 0) >= self.max_gap_steps
