@@ -144,13 +144,15 @@ class StepChecks:
 
     def host_read(self, step: int) -> list[Finding]:
         """The host channel at a step that is not quiet (docs/host.md): its read is part of the
-        step's own time; a census after suspicion is reported apart, with the other censuses."""
+        step's own time; a census after suspicion, or a worker read its faults asked for, is reported apart
+        (finding work), with the other censuses."""
         host = self.host
         if host is None:
             return []
-        census_s = host.census_seconds
+        finding_s = host.finding_seconds
         found = host.on_read(step)
-        self.schedule.book_finding(host.census_seconds - census_s)  # split out of the step's charge, as the watch's censuses
+        # censuses and the worker reads their faults asked for: split out of the step's charge, as the watch's censuses
+        self.schedule.book_finding(host.finding_seconds - finding_s)
         return found
 
     # ------------------------------------------------------------------ what the session asks

@@ -3,9 +3,9 @@
 ``on_read(step)`` at step start: the host read and growth test; on the first open ``host_growth``
 the first host census, and ``census_gap`` steps later (at the first read from then on) the second,
 whose finding names the types and holders and merges into the growth finding (same key); the
-DataLoader workers on their own time budget. ``finish()`` at run end names a growth still waiting
-for its second census. Nothing here may break a run: an error is logged at debug level and turns
-the channel off.
+DataLoader workers' page faults, and their USS when the faults ask for it or the time budget allows.
+``finish()`` at run end names a growth still waiting for its second census. Nothing here may break
+a run: an error is logged at debug level and turns the channel off.
 """
 
 from __future__ import annotations
@@ -43,13 +43,20 @@ class HostChannel:
         self.census_time_budget_s = census_time_budget_s
         self.enabled = True
         self.seconds = 0.0
-        """Time in reads, the growth test and the worker reads (the per-step cost)."""
+        """Time in reads, the growth test and the worker reads (the per-step cost; the worker reads their
+        faults asked for outside the budget are finding work, :attr:`finding_seconds`)."""
         self.census_seconds = 0.0
         """Time in censuses (after suspicion only)."""
         self._before: HostCensus | None = None
         self._due: int | None = None
         self._named = False
         self._last_step = 0
+
+    @property
+    def finding_seconds(self) -> float:
+        """Work after suspicion, apart from the per-step cost: censuses, and the worker reads their page
+        faults asked for outside the budget."""
+        return self.census_seconds + self.workers.finding_seconds
 
     def on_read(self, step: int) -> list[Finding]:
         if not self.enabled:
@@ -66,8 +73,9 @@ class HostChannel:
         self._last_step = step
         out: list[Finding] = []
         finding = self.growth.update(self.reader.read(step))
+        confirm = self.workers.finding_seconds
         workers = self.workers.update(step)
-        self.seconds += time.perf_counter() - t0
+        self.seconds += time.perf_counter() - t0 - (self.workers.finding_seconds - confirm)
         if finding is not None:
             out.append(finding)
             if finding.key == "host_growth" and finding.details.get("open") and self._before is None and not self._named:
@@ -128,3 +136,4 @@ class HostChannel:
 
     def close(self) -> None:
         self.reader.close()
+        self.workers.close()

@@ -9,7 +9,10 @@ them) — docs/host.md has the table:
   grows with the Python heap: ~1 µs at 24 k blocks, ~70 µs at 0.6 M, ~200 µs at 1.8 M (about
   1 µs per 1 MiB arena). :class:`HostReader` reads it on a stride chosen from its measured cost.
 * ``/proc/self/smaps_rollup`` (USS, PSS): the kernel walks every mapping's page tables, 1-6 ms
-  on a 300 MiB process. For DataLoader workers (:mod:`memcallbacks.host.workers`), on a time budget.
+  on a 300 MiB process, 9-22 ms on a DataLoader worker of one. For DataLoader workers
+  (:mod:`memcallbacks.host.workers`), when their page faults ask for it or on a time budget.
+* ``/proc/<pid>/stat`` (minor page faults): ~14 µs, ~3 µs through a kept-open descriptor. A
+  DataLoader worker's faults, on a small share of the workers' budget.
 * ``sys._debugmallocstats()`` (pymalloc's arena bytes, exact): ~1 ms and it prints to fd 2: for a
   census, never per step. ``psutil.Process().memory_info()``: ~35 µs; ``memory_full_info()``
   (USS): ~7 ms.
@@ -29,12 +32,14 @@ from memcallbacks._base.cpu import StatmReader
 
 __all__ = [
     "BYTES_PER_BLOCK",
+    "FaultCounter",
     "HostReader",
     "HostReading",
     "StatmReader",
     "measure_costs",
     "pymalloc_arena_bytes",
     "pymalloc_bytes",
+    "minor_faults",
     "python_object_blocks",
     "smaps_rollup",
 ]
@@ -91,6 +96,58 @@ def smaps_rollup(pid: int | str = "self") -> dict[str, int] | None:
         return None
     out["uss"] = out.get("private_clean", 0) + out.get("private_dirty", 0)
     return out
+
+
+PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def _minflt(data: bytes) -> int:
+    # the command name (field 2) is in parentheses and may hold spaces: count the fields after its ')'
+    return int(data[data.rindex(b")") + 2:].split()[7])
+
+
+def minor_faults(pid: int | str = "self") -> int | None:
+    """Minor page faults of process ``pid`` so far (``/proc/<pid>/stat`` field 10, ``minflt``; ~14 µs
+    against 9-22 ms for a DataLoader worker's ``smaps_rollup``); None when it cannot be read.
+
+    A forked worker's first write to a page it shares with its parent is a minor fault that makes the
+    page private (copy on write), so faults times the page size bound how much could have become
+    private since the last count. Memory mapped and unmapped again faults too: evidence, not proof."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            return _minflt(fh.read())
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class FaultCounter:
+    """:func:`minor_faults` of several processes through kept-open descriptors (``os.pread``: ~3 µs a
+    process warm, ~35 µs after a training step, against ~14-40 µs opening the file each time)."""
+
+    def __init__(self) -> None:
+        self._fds: dict[int, int] = {}
+
+    def read(self, pids: list[int]) -> dict[int, int | None]:
+        """Each pid's minor faults (None: gone or unreadable); descriptors of pids not asked for are closed."""
+        for pid in [p for p in self._fds if p not in pids]:
+            os.close(self._fds.pop(pid))
+        out: dict[int, int | None] = {}
+        for pid in pids:
+            try:
+                fd = self._fds.get(pid)
+                if fd is None:
+                    fd = self._fds[pid] = os.open(f"/proc/{pid}/stat", os.O_RDONLY)
+                out[pid] = _minflt(os.pread(fd, 1024, 0))
+            except (OSError, ValueError, IndexError):
+                out[pid] = None
+        return out
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    __del__ = close
 
 
 _ARENAS = re.compile(rb"(\d+) arenas \* (\d+) bytes/arena")

@@ -3,12 +3,15 @@
 Workers are found as the ``multiprocessing`` children of this process that a live DataLoader
 iterator lists in its ``_workers`` (torch starts every worker as a ``multiprocessing`` process
 running ``torch.utils.data._utils.worker._worker_loop``, whatever the start method); the worker id
-is its index there. Each read is
-``/proc/<pid>/smaps_rollup`` per worker (USS = private clean + private dirty; PSS), 1-6 ms a
-worker, so reads are spaced: the watch's whole cost stays within ``max_overhead`` of the wall time,
-and a read is ``min_interval_s`` or ``max_gap_steps`` after the last (a 5 ms read of 2 workers every
-1 s is 1%). A worker that grew past twice its parent's Dataset grows inside itself (a cache in
-``__getitem__``), which copy on access cannot explain.
+is its index there. Each worker's minor page faults (``/proc/<pid>/stat``, a few µs) are counted at
+every update on a small share of the budget; its USS and PSS (``/proc/<pid>/smaps_rollup``, 9-22 ms a
+worker: the kernel walks its page tables) are read when the faults since the last read could have
+made half of ``min_growth_bytes`` private (finding work, apart from the budget, backing off where
+faults bring no growth), and otherwise within ``max_overhead`` of the wall time, ``min_interval_s``
+or ``max_gap_steps`` after the last read. A worker grows when it keeps what it faults (copy on access,
+a cache); one that maps and unmaps large batches faults far more than it keeps. A worker that grew
+past twice its parent's Dataset grows inside itself (a cache in ``__getitem__``), which copy on
+access cannot explain.
 Non-persistent workers are started again every epoch: a new set of pids is a new *generation*,
 and each worker's growth is measured over its own life.
 """
@@ -25,7 +28,7 @@ from typing import Any
 from memcallbacks._base.findings import Finding
 from memcallbacks._base.units import MiB, format_bytes
 from memcallbacks.host.holders import deep_size
-from memcallbacks.host.readers import smaps_rollup
+from memcallbacks.host.readers import PAGE_SIZE, FaultCounter, smaps_rollup
 
 __all__ = ["WorkerInfo", "WorkerWatch", "dataloader_workers"]
 
@@ -121,10 +124,34 @@ class _Track:
     generation: int
     reads: list[tuple[int, int, int]] = field(default_factory=list)
     """(step, uss, pss)"""
+    faults: int | None = None
+    """Minor faults at the last USS read."""
+    first_faults: int | None = None
+    """...and at the first (the baseline)."""
+    threshold: int = 0
+    """Faulted bytes since the last USS read that make the next one due (doubled by each miss)."""
+    misses: int = 0
+    """Reads the faults asked for that showed no growth."""
+    reported: bool = False
+    """In a finding: its reads are the budget's again."""
 
     @property
     def growth(self) -> int:
         return self.reads[-1][1] - self.reads[0][1] if self.reads else 0
+
+    def kept_share(self) -> float | None:
+        """USS growth over the bytes faulted since the baseline: ~0.9 for copy on access (every fault
+        makes a page private) and for a cache (every fault is kept); a few percent where batches are
+        mapped and unmapped. None without fault counts."""
+        if self.faults is None or self.first_faults is None:
+            return None
+        faulted = (self.faults - self.first_faults) * PAGE_SIZE
+        return self.growth / faulted if faulted > 0 else None
+
+    def keeps(self) -> bool:
+        """The worker keeps what it faults in (or its faults are not counted)."""
+        share = self.kept_share()
+        return share is None or share >= _KEPT_SHARE
 
     def rising(self) -> bool:
         """Growth step over step: most read-to-read changes are rises and the last read is the highest seen."""
@@ -133,16 +160,39 @@ class _Track:
         return len(ys) >= 3 and rises >= 0.6 * (len(ys) - 1) and ys[-1] >= max(ys) - MiB
 
 
-class WorkerWatch:
-    """Reads every DataLoader worker's USS/PSS on a time budget; a ``worker_growth`` finding when
-    workers' private memory grows step over step by ``min_growth_bytes`` or more."""
+_WARMUP_STEPS = 10
+"""A worker's baseline read is this many steps after it was first seen: its first batches (2 a worker
+in flight at start) map and keep tens of MiB (22-41 -> 56-88 MiB in 2 steps with batches of
+64x3x224x224 floats), which is not growth."""
 
-    def __init__(self, *, min_interval_s: float = 0.5, max_overhead: float = 0.01, min_growth_bytes: int = 8 * MiB,
+_KEPT_SHARE = 0.8
+"""A worker grows when its USS growth is this share or more of the bytes it faulted since its baseline.
+Measured: copy on access 0.96-1.4, a cache filled in ``__getitem__`` 0.97-1.0; batches of 64x3x224x224
+floats 0.12-0.79 while the worker warms up (its USS swings by a batch), a few percent after."""
+
+_FAULT_FRACTION = 2
+"""A USS read is due when the worker's faults since its last one could have made ``min_growth_bytes``
+/ this private: a copy-on-access growth of 8 MiB is seen in 3 reads after the baseline."""
+
+_FAULT_SHARE = 0.5
+"""Counting the workers' faults may take this share of ``max_overhead`` (the reads and discovery the rest)."""
+
+_FREE_MISSES = 2
+"""Reads asked for by faults that showed no growth, per worker, before the faults need the budget too
+(a worker whose allocator maps and unmaps memory faults without growing)."""
+
+
+class WorkerWatch:
+    """Reads every DataLoader worker's minor page faults at each update and its USS/PSS when the faults
+    say it may have grown (or on a time budget); a ``worker_growth`` finding when workers' private
+    memory grows step over step by ``min_growth_bytes`` or more."""
+
+    def __init__(self, *, min_interval_s: float = 0.5, max_overhead: float = 0.005, min_growth_bytes: int = 8 * MiB,
                  max_reads: int = 512, max_gap_steps: int = 32) -> None:
         checks = (
             ("max_gap_steps", max_gap_steps, max_gap_steps >= 1, "use 1 or more steps, e.g. 32"),
             ("min_interval_s", min_interval_s, min_interval_s >= 0, "use 0 or more seconds, e.g. 0.5"),
-            ("max_overhead", max_overhead, 0 < max_overhead <= 1, "use a fraction of the wall time in (0, 1], e.g. 0.01"),
+            ("max_overhead", max_overhead, 0 < max_overhead <= 1, "use a fraction of the wall time in (0, 1], e.g. 0.005"),
             ("min_growth_bytes", min_growth_bytes, min_growth_bytes > 0, "use a positive byte count, e.g. 8 * 2**20"),
             ("max_reads", max_reads, max_reads >= 4, "use 4 or more, e.g. 512"),
         )
@@ -163,21 +213,63 @@ class WorkerWatch:
         self._held: dict[int, int | None] = {}  # id(Dataset) -> its deep size (None: past the walk's budget)
         self.generation = 0
         self._pids: frozenset[int] = frozenset()
+        self._faults: dict[int, int | None] = {}  # pid -> minor faults at this update
+        self._seen: dict[int, int] = {}  # pid -> the step it was first seen at
+        self._counter = FaultCounter()
         self.reads = 0
+        """Updates that read USS (one or more workers)."""
+        self.uss_reads = 0
+        """Workers' ``smaps_rollup`` reads."""
+        self.fault_reads = 0
+        """...of which the faults asked for (the others: a worker's first sight, the time budget)."""
         self.seconds = 0.0
         """Time spent finding and reading workers."""
         self.last_read_s = 0.0
         self.charged = 0.0
-        """What the budget counts: finding the workers and sizing their Datasets (wall time), and each read's
-        CPU time (the kernel's page-table walk; a read preempted on a busy machine is not a slow read)."""
+        """What the budget counts: finding the workers and counting their faults (wall time),
+        and each budgeted or first-sight read's CPU time (the kernel's page-table walk; a read preempted on
+        a busy machine is not a slow read)."""
+        self.fault_s = 0.0
+        """Time counting the workers' faults (part of :attr:`charged`)."""
+        self.finding_seconds = 0.0
+        """Finding work, like a census after suspicion: the reads the faults asked for outside the budget
+        (CPU time; at most ``_FREE_MISSES`` per worker find nothing) and sizing a grown worker's Dataset."""
 
     def update(self, step: int, *, force: bool = False) -> Finding | None:
-        """Read the workers if the time budget allows (or ``force``); a Finding while they grow."""
+        """Count the workers' faults; read the USS of those whose faults ask for it, or of all when the time
+        budget allows (or ``force``); a Finding while they grow."""
         now = time.monotonic()
-        if not force and not self._due(step, now):
-            return None
-        self._last_time, self._last_step = now, step
+        if self._started is None:
+            self._started = now
+        due = force or self._due(step, now)
+        if not due and self.fault_s > _FAULT_SHARE * self.max_overhead * (now - self._started):
+            return None  # faults counted recently enough (~15 µs a worker: every few steps of a 2 ms loop)
         t0 = time.perf_counter()
+        workers = self._workers()
+        if due:
+            self._last_time, self._last_step = now, step
+        read = [(w, why) for w in workers if (why := self._why(w, step, due, now)) is not None]
+        t1 = time.perf_counter()
+        self.charged += t1 - t0
+        if not read:
+            self.seconds += t1 - t0
+            return None
+        for w, why in read:
+            c0, w0 = time.thread_time(), time.perf_counter()  # CPU time (the kernel's walk included): not inflated by preemption
+            self._read(w, step)
+            cost = min(time.thread_time() - c0, time.perf_counter() - w0)
+            if why == "free":
+                self.fault_reads += 1
+                self.finding_seconds += cost
+            else:
+                self.charged += cost
+            self.last_read_s = cost * len(workers)  # what the next read of every worker will cost
+        self.seconds += time.perf_counter() - t0
+        self.reads += 1
+        return self._check(step)
+
+    def _workers(self) -> list[WorkerInfo]:
+        """The live workers, a new generation noted, exited ones that did not grow dropped, faults counted."""
         workers = dataloader_workers(self._known, self._datasets)
         for pid in [p for p in self._datasets if p not in self._known]:
             del self._datasets[pid]
@@ -189,34 +281,62 @@ class WorkerWatch:
         dead = [pid for pid, t in self.tracks.items() if pid not in pids and t.growth < self.min_growth_bytes]
         for pid in dead[: max(0, len(dead) - _KEEP_DEAD)]:  # epochs of non-persistent workers: keep the memory bounded
             del self.tracks[pid]
-        t1, c1 = time.perf_counter(), time.thread_time()  # CPU time (the kernel's walk included): not inflated by preemption
-        for w in workers:
-            rollup = smaps_rollup(w.pid)
-            if rollup is None:
-                continue
-            track = self.tracks.get(w.pid)
-            if track is None:
-                track = self.tracks[w.pid] = _Track(w, self.generation)
-            if len(track.reads) >= self.max_reads:
-                del track.reads[1:len(track.reads) // 2 + 1]  # keep the first read (the baseline) and recent ones
-            track.reads.append((step, rollup["uss"], rollup["pss"]))
-        t2 = time.perf_counter()
-        self.seconds += t2 - t0
-        self.last_read_s = min(t2 - t1, time.thread_time() - c1)
-        self.charged += (t1 - t0) + self.last_read_s
-        self.reads += 1
-        return self._check(step) if workers else None
+        for pid in [p for p in self._seen if p not in pids]:
+            del self._seen[pid]
+        c0 = time.thread_time()  # CPU time: a count preempted on a busy machine must not stop the counts for seconds
+        self._faults = self._counter.read([w.pid for w in workers])
+        self.fault_s += time.thread_time() - c0
+        return workers
+
+    def _why(self, w: WorkerInfo, step: int, due: bool, now: float) -> str | None:
+        """Why worker ``w`` is read now: ``"first"`` (its baseline), ``"free"`` (its faults, outside the
+        budget), ``"budget"`` (the time budget, or its faults where the budget pays); None: not now."""
+        track = self.tracks.get(w.pid)
+        if track is None or not track.reads:
+            # the baseline once the worker has warmed up: its first batches map and keep tens of MiB
+            return "first" if step - self._seen.setdefault(w.pid, step) >= _WARMUP_STEPS else None
+        faults, last = self._faults.get(w.pid), track.faults
+        if faults is None or last is None or (faults - last) * PAGE_SIZE < track.threshold:
+            return "budget" if due else None
+        if not track.reported and track.misses < _FREE_MISSES:
+            return "free"
+        return "budget" if due or self._affords(now) else None
+
+    def _affords(self, now: float) -> bool:
+        return self.charged + self.last_read_s <= self.max_overhead * (now - (self._started or now))
+
+    def _read(self, w: WorkerInfo, step: int) -> None:
+        rollup = smaps_rollup(w.pid)
+        if rollup is None:
+            return
+        track = self.tracks.get(w.pid)
+        if track is None:
+            track = self.tracks[w.pid] = _Track(w, self.generation, threshold=self.min_growth_bytes // _FAULT_FRACTION)
+        faults = self._faults.get(w.pid)
+        if track.reads and faults is not None and track.faults is not None:
+            faulted = (faults - track.faults) * PAGE_SIZE
+            if faulted >= track.threshold and rollup["uss"] - track.reads[-1][1] < faulted // 2:
+                track.misses += 1  # faults without growth (memory mapped and unmapped): ask for twice as many
+                track.threshold *= 2
+        if len(track.reads) >= self.max_reads:
+            del track.reads[1:len(track.reads) // 2 + 1]  # keep the first read (the baseline) and recent ones
+        track.reads.append((step, rollup["uss"], rollup["pss"]))
+        track.faults = faults
+        if len(track.reads) == 1:
+            track.first_faults = faults
+        self.uss_reads += 1
 
     def _due(self, step: int, now: float) -> bool:
-        """A read now keeps the watch's whole cost (discovery, Dataset sizes, reads) within ``max_overhead``
-        of the wall time since its first read, and it is ``min_interval_s`` after the last one or
-        ``max_gap_steps`` steps after it (a fast loop's 200 steps may last a second or two)."""
-        if self._started is None:
-            self._started = now
-            return True
-        if self.charged + self.last_read_s > self.max_overhead * (now - self._started):
+        """A read of every worker now keeps the watch's budgeted cost (discovery, faults, budgeted reads)
+        within ``max_overhead`` of the wall time since its first update, and it is ``min_interval_s``
+        after the last one or ``max_gap_steps`` steps after it."""
+        if not self._affords(now):
             return False
         return now - self._last_time >= self.min_interval_s or step - (self._last_step or 0) >= self.max_gap_steps
+
+    def close(self) -> None:
+        """Close the descriptors the fault counts keep open."""
+        self._counter.close()
 
     def live(self) -> list[_Track]:
         return [t for pid, t in self.tracks.items() if pid in self._pids]
@@ -244,7 +364,7 @@ class WorkerWatch:
             size = deep_size([dataset], budget=_DATASET_BUDGET, by_type=seen)
             self._held[key] = None if sum(c for c, _ in seen.values()) >= _DATASET_BUDGET else size
             self.seconds += time.perf_counter() - t0
-            self.charged += time.perf_counter() - t0
+            self.finding_seconds += time.perf_counter() - t0  # after a worker grew: finding work
         return self._held[key]
 
     def _inside(self, grown: list[_Track]) -> int | None:
@@ -258,9 +378,11 @@ class WorkerWatch:
         return None
 
     def _check(self, step: int) -> Finding | None:
-        grown = [t for t in self.tracks.values() if t.growth >= self.min_growth_bytes and t.rising()]
+        grown = [t for t in self.tracks.values() if t.growth >= self.min_growth_bytes and t.rising() and t.keeps()]
         if not grown:
             return None
+        for t in grown:
+            t.reported = True  # named: its further reads are the budget's
         totals = self.totals()
         per = "; ".join(
             f"worker {t.info.worker_id} (pid {t.info.pid}{', epoch set ' + str(t.generation) if self.generation > 1 else ''}): "
@@ -295,7 +417,8 @@ class WorkerWatch:
                 "workers": [
                     {"pid": t.info.pid, "worker_id": t.info.worker_id, "generation": t.generation, "dataset": t.info.dataset,
                      "first_uss_bytes": t.reads[0][1], "uss_bytes": t.reads[-1][1], "pss_bytes": t.reads[-1][2],
-                     "growth_bytes": t.growth, "first_step": t.reads[0][0], "reads": len(t.reads)}
+                     "growth_bytes": t.growth, "first_step": t.reads[0][0], "reads": len(t.reads),
+                     "kept_share": None if t.kept_share() is None else round(t.kept_share() or 0.0, 3)}
                     for t in grown
                 ],
                 "total_uss_bytes": totals["uss_bytes"],
@@ -312,4 +435,5 @@ class WorkerWatch:
         return {"host_worker_uss_bytes": float(totals["uss_bytes"])} if totals["workers"] else {}
 
     def summary(self) -> dict[str, Any]:
-        return {**self.totals(), "generations": self.generation, "reads": self.reads, "seconds": round(self.seconds, 4)}
+        return {**self.totals(), "generations": self.generation, "reads": self.reads, "uss_reads": self.uss_reads,
+                "fault_reads": self.fault_reads, "seconds": round(self.seconds, 4), "finding_seconds": round(self.finding_seconds, 4)}
