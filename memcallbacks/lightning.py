@@ -159,7 +159,9 @@ class MemoryMonitor(KeywordCheck, SessionResults, *_callback_bases()):  # type: 
                 return
             session.count_quiet(count - self._last_count - 1)
             self._last_count = count
-            if session.preflight_due:  # preflight=True: this batch's step predicted on fake tensors, before it starts
+            # preflight=True: this batch's step predicted on fake tensors, before it starts (the setting read first: no
+            # property call at every step of a run without it)
+            if session.config.preflight and session.preflight_due:
                 predict_step(session, batch, pl_module, batch_idx, self._automatic)
             # one meaning of "step" in rows and findings: global_step
             session.begin_step(trainer.global_step, trainer.current_epoch, batch_idx, count=count, kind=kind, batch=batch)

@@ -98,6 +98,7 @@ class StepChecks:
         except Exception as exc:
             self.log.info("%s: model-state estimate unavailable (%s)", self.owner, exc)
             self.state.model = None
+            self.state.wanted = False
 
     def explain(self, batch: Any, ignore: list[Any]) -> Any:
         """Take a census now: live tensors by category, and who holds the suspicious ones."""
@@ -119,7 +120,7 @@ class StepChecks:
         try:
             finding = self.state.check(step, baseline, self.engine.start_allocated, self.engine.backend.kind, batch)  # type: ignore[union-attr]
         except Exception as exc:
-            self.state.done = True
+            self.state.wanted = False
             self.log.info("%s: no model-state estimate for this run (%s: %s); the rest of the monitor goes on.", self.owner, type(exc).__name__, exc)
             return None
         watch = self.watch
@@ -150,7 +151,8 @@ class StepChecks:
             return []
         census_s = host.census_seconds
         found = host.on_read(step)
-        self.schedule.book_finding(host.census_seconds - census_s)  # split out of the step's charge, as the watch's censuses
+        if host.census_seconds != census_s:  # split out of the step's charge, as the watch's censuses
+            self.schedule.book_finding(host.census_seconds - census_s)
         return found
 
     # ------------------------------------------------------------------ what the session asks
@@ -160,10 +162,10 @@ class StepChecks:
         lingering = self.watch.lingering if self.watch is not None else None
         return lingering is not None and lingering.wants_mark
 
-    def host_figures(self) -> dict[str, float] | None:
-        """The host channel's figures for the logs and the per-rank comparison (None without one)."""
+    def host_figures(self) -> dict[str, float]:
+        """The host channel's figures for the logs and the per-rank comparison (none without one)."""
         host = self.host
-        return {**host.growth.figures(), **host.workers.figures()} if host is not None else None
+        return {**host.growth.figures(), **host.workers.figures()} if host is not None else {}
 
     def logged_keys(self, row: list[Any] | None, *, findings: int, overhead: float, capacity: float | None, snap: Any) -> dict[str, float]:
         """The keys a logged step adds to the engine's: findings, overhead, pre-flight, theory, snapshots,
@@ -177,15 +179,18 @@ class StepChecks:
             extra.update(self.preflight.metrics(row))
         if capacity is not None:
             extra[f"{p}/capacity_GiB"] = float(capacity or 0) / GiB
-        if config.estimate_model_states:
+        if config.estimate_model_states:  # the step-start baseline against the theory check's expected level
             state = self.state
-            unexplained = state.unexplained(float(row[ALLOCATED])) if row is not None else None
-            extra[f"{p}/expected_GiB"] = state.expected_states / GiB if state.expected_level is not None else nan
-            extra[f"{p}/unexplained_GiB"] = unexplained / GiB if unexplained is not None else nan
+            baseline = float(row[ALLOCATED]) if row is not None else nan
+            known = state.expected_level is not None
+            extra[f"{p}/expected_GiB"] = state.expected_states / GiB if known else nan
+            extra[f"{p}/unexplained_GiB"] = (
+                (baseline - state.expected_level - state.batch_bytes) / GiB if known and baseline == baseline else nan  # type: ignore[operator]
+            )
         if snap is not None or config.auto_snapshot:
             extra[f"{p}/snapshots"] = float(len(snap.records)) if snap is not None else nan
         if config.watch_host:  # off: no host keys at all (rather than NaN columns)
-            host = self.host_figures() or {}
+            host = self.host_figures()
             for key, name in (("host_python_bytes", "host_python_GiB"), ("host_private_bytes", "host_private_GiB"),
                               ("host_worker_uss_bytes", "host_workers_GiB")):
                 value = host.get(key)
@@ -226,6 +231,7 @@ class StepChecks:
         if self.watch is not None:
             self.watch.attribution.model = self.watch.attribution.optimizer = None
         self.state.model = self.state.optimizer = None
+        self.state.wanted = False
         release_reserve()
         try:
             self.preflight.release()
@@ -383,10 +389,6 @@ class LeakWatch:
             return []
         return self.attribution.growth(step, finding, batch)
 
-    def end_step(self, step: int, batch: Any, loss: Any, outputs: Any = None) -> None:
-        if self.lingering is not None:
-            self.lingering.end_step(step, batch, loss, outputs)
-
 
 # ---------------------------------------------------------------------- the live theory check: the step-start baseline against params, grads and optimizer state
 class StateCheck:
@@ -399,7 +401,9 @@ class StateCheck:
         self.precision: str | None = None
         self.strategy: str | None = None
         self.world_size: int | None = None
-        self.done = False
+        # the check is still to run (estimate_model_states, a model, not done yet): a field, read at
+        # every step that is not quiet
+        self.wanted = False
         self.expected_level: float | None = None  # allocated bytes the baseline should show, batch excluded
         self.expected_states = 0
         self.batch_bytes = 0
@@ -417,18 +421,15 @@ class StateCheck:
         the check by the change in model size."""
         self.model, self.optimizer = model, optimizer
         self.precision, self.strategy, self.world_size = precision, strategy, world_size
-        self.done = False
+        self.wanted = False
         if model is not None:
             # what already existed when measuring started (params, and state of a resumed run)
             self._start_states = measure_model_states(model, optimizer).get("total", 0) + hidden_state_bytes(model)
             self._start_allocated = allocated_now() if allocated_now is not None else None
-
-    @property
-    def wanted(self) -> bool:
-        return self.config.estimate_model_states and not self.done and self.model is not None
+            self.wanted = self.config.estimate_model_states
 
     def check(self, step: int, baseline: int, start_allocated: int, device_kind: str, batch: Any) -> Finding | None:
-        self.done = True
+        self.wanted = False
         model, optimizer = self.model, self.optimizer
         grads_alive = any(p.grad is not None for p in model.parameters())
         est = estimate_for(
@@ -479,8 +480,3 @@ class StateCheck:
             "a previous batch, or other models on the device. The census below says which categories hold it."
         )
         return Finding(kind="unexplained", step=step, message=message, bytes=unexplained, details=dict(self.info))
-
-    def unexplained(self, baseline: float) -> float | None:
-        if self.expected_level is None or baseline != baseline:
-            return None
-        return baseline - self.expected_level - self.batch_bytes

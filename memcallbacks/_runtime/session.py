@@ -402,7 +402,7 @@ class Session:
                 found.append(finding)
         for finding in found:
             self.add_finding(finding)
-        engine.add_own_time(spent + own_time() - t1 - schedule.step_read_s)
+        row[MONITOR_TIME_S] += spent + own_time() - t1 - schedule.step_read_s  # the open row: the engine's own
 
     def count_quiet(self, steps: int) -> None:
         """``steps`` quiet steps an adapter skipped without calling :meth:`begin_step` (Lightning)."""
@@ -454,7 +454,7 @@ class Session:
                 self.emit(metrics, self.current_step if log_step is None else log_step)
             except Exception as exc:
                 self.fail(exc, "logging")
-        if self.schedule.share_due(self.current_count):  # a collective: each rank's news reach rank zero
+        if self.schedule.shares and self.schedule.share_due(self.current_count):  # a collective: each rank's news reach rank zero
             t0 = own_time()
             try:
                 self.sink.share_with_rank_zero(self.engine.rank, self.engine.device, self.current_step)
@@ -474,9 +474,11 @@ class Session:
         # lingering references: every step at first (leaky loops leak from step 1), then after every
         # mark_every-th sampled step (a check costs the next step its quietness)
         watch = checks.watch
-        if watch is not None and (self.leaves_marks or checks.lingering_wants_mark):
+        lingering = watch.lingering if watch is not None else None
+        if watch is not None and (self.leaves_marks or lingering is not None and lingering.wants_mark):
             t0 = own_time()
-            watch.end_step(self.current_step, batch, loss, outputs)
+            if lingering is not None:
+                lingering.end_step(self.current_step, batch, loss, outputs)
             if row is not None:
                 row[MONITOR_TIME_S] += own_time() - t0
             self.samples_unmarked = 0
