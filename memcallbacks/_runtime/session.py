@@ -283,8 +283,7 @@ class Session:
 
     @property
     def preflight_due(self) -> bool:
-        """``preflight=True`` and the prediction has not run yet in this fit (``PreflightCheck.due``,
-        read here as its two fields: asked at every step's start)."""
+        """``preflight=True`` and the prediction has not run yet in this fit (``PreflightCheck.due``'s two fields)."""
         return self.checks.preflight.status == "waiting" and self.engine.enabled
 
     def run_preflight(self, batch: Any, **kwargs: Any) -> None:
