@@ -39,6 +39,16 @@ LogFn = Callable[[dict[str, float], int], None]
 _KEEP: Any = object()  # attach(): a part not given keeps its current value
 
 
+def _trackers_have_news(trackers: Trackers, version: int) -> bool:
+    """Whether a logged step calls the trackers: a logger was added, the findings changed since they
+    were told (``version``), or a tracker is still to set up or to show findings. Asked here, from the
+    trackers' fields: a logged step of a run whose loggers are not trackers makes no call into them."""
+    try:
+        return trackers.waiting or version != trackers.told or trackers.looked != list(trackers.source() or [])
+    except Exception:
+        return True  # Trackers.on_log's own look says why, at debug level
+
+
 class Session:
     """One process's monitor state: the schedule and own time (:attr:`schedule`), the measurements
     (:attr:`engine`), the checks (:attr:`checks`), the findings and the run's end (:attr:`ending`).
@@ -522,8 +532,7 @@ class Session:
         """Hand the ``log_keys`` part of ``metrics`` to the loggers (rank zero); every rank reduced all of them."""
         if self.log_fn is None or self.engine.rank != 0:
             return
-        keep = self.config.logged_keys
-        shown = metrics
+        keep, shown = self.config.logged_keys, metrics
         if keep is not None:  # a loop, not a comprehension: no frame per logged step
             shown = {}
             for key in metrics:
@@ -531,8 +540,9 @@ class Session:
                     shown[key] = metrics[key]
         if shown:
             self.log_fn(shown, step)
-            if self.trackers is not None and self.config.log_to_trackers:
-                self.trackers.on_log(self.sink.kept.findings, self.dashboard)
+            trackers, kept = self.trackers, self.sink.kept
+            if trackers is not None and self.config.log_to_trackers and _trackers_have_news(trackers, kept.version):
+                trackers.on_log(kept.findings, self.dashboard, version=kept.version)
 
     # ------------------------------------------------------------------ evaluation loops
     def pause(self, count: int | None = None) -> None:

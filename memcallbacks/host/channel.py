@@ -55,31 +55,28 @@ class HostChannel:
         if not self.enabled:
             return []
         try:
-            return self._on_read(step)
+            t0 = time.perf_counter()
+            self._last_step = step
+            out: list[Finding] = []
+            finding = self.growth.update(self.reader.read(step))
+            workers = self.workers.update(step)
+            self.seconds += time.perf_counter() - t0
+            if finding is not None:
+                out.append(finding)
+                if finding.key == "host_growth" and finding.details.get("open") and self._before is None and not self._named:
+                    t1 = time.perf_counter()
+                    self._before = take_host_census(step=step, time_budget_s=self.census_time_budget_s, min_container_len=_MIN_ENTRIES)
+                    self.census_seconds += time.perf_counter() - t1
+                    self._due = step + self.census_gap
+            if self._due is not None and step >= self._due:
+                out += self._name(step)
+            if workers is not None:
+                out.append(workers)
+            return out
         except Exception:
             log.debug("the host channel failed; it is off for the rest of the run", exc_info=True)
             self.enabled = False
             return []
-
-    def _on_read(self, step: int) -> list[Finding]:
-        t0 = time.perf_counter()
-        self._last_step = step
-        out: list[Finding] = []
-        finding = self.growth.update(self.reader.read(step))
-        workers = self.workers.update(step)
-        self.seconds += time.perf_counter() - t0
-        if finding is not None:
-            out.append(finding)
-            if finding.key == "host_growth" and finding.details.get("open") and self._before is None and not self._named:
-                t1 = time.perf_counter()
-                self._before = take_host_census(step=step, time_budget_s=self.census_time_budget_s, min_container_len=_MIN_ENTRIES)
-                self.census_seconds += time.perf_counter() - t1
-                self._due = step + self.census_gap
-        if self._due is not None and step >= self._due:
-            out += self._name(step)
-        if workers is not None:
-            out.append(workers)
-        return out
 
     def _name(self, step: int) -> list[Finding]:
         before, self._before, self._due = self._before, None, None

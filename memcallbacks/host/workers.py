@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import gc
 import multiprocessing
+import operator
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -65,8 +66,13 @@ def dataloader_workers(known: dict[int, WorkerInfo | None] | None = None, datase
     worker), so the search runs only when new children appear (an epoch of non-persistent
     workers). ``datasets`` (when given) gets a weak reference to each new worker's Dataset, by pid."""
     known = {} if known is None else known
-    children = [p.pid for p in multiprocessing.active_children() if p.pid is not None]
-    new = {pid for pid in children if pid not in known}
+    children: list[int] = []  # loops, not comprehensions: this runs at each of the watch's reads
+    new: set[int] = set()
+    for child in multiprocessing.active_children():
+        if child.pid is not None:
+            children.append(child.pid)
+            if child.pid not in known:
+                new.add(child.pid)
     if new:
         found: dict[int, WorkerInfo] = {}
         for young in (True, False):  # the young generations first; the whole heap only if they did not hold it
@@ -83,10 +89,17 @@ def dataloader_workers(known: dict[int, WorkerInfo | None] | None = None, datase
             if pid not in known:
                 known[pid] = found.get(pid)
     live = set(children)
-    for pid in [p for p in known if p not in live]:
-        del known[pid]
-    return sorted((w for pid, w in known.items() if w is not None),
-                  key=lambda w: (w.worker_id if w.worker_id is not None else 1 << 30, w.pid))
+    workers: list[WorkerInfo] = []
+    for pid, worker in list(known.items()):
+        if pid not in live:
+            del known[pid]
+        elif worker is not None:
+            workers.append(worker)
+    workers.sort(key=lambda w: (w.worker_id if w.worker_id is not None else 1 << 30, w.pid))
+    return workers
+
+
+_PID = operator.attrgetter("pid")
 
 
 def _weak(obj: Any) -> Any:
@@ -179,14 +192,18 @@ class WorkerWatch:
         self._last_time, self._last_step = now, step
         t0 = time.perf_counter()
         workers = dataloader_workers(self._known, self._datasets)
-        for pid in [p for p in self._datasets if p not in self._known]:
-            del self._datasets[pid]
-        pids = frozenset(w.pid for w in workers)
+        for pid in list(self._datasets):
+            if pid not in self._known:
+                del self._datasets[pid]
+        pids = frozenset(map(_PID, workers))
         if pids and pids != self._pids and not pids & self._pids:
             self.generation += 1  # a fresh set of workers: a new epoch of non-persistent workers
         if pids:
             self._pids = pids
-        dead = [pid for pid, t in self.tracks.items() if pid not in pids and t.growth < self.min_growth_bytes]
+        dead = []
+        for pid, track in self.tracks.items():
+            if pid not in pids and track.growth < self.min_growth_bytes:
+                dead.append(pid)
         for pid in dead[: max(0, len(dead) - _KEEP_DEAD)]:  # epochs of non-persistent workers: keep the memory bounded
             del self.tracks[pid]
         t1, c1 = time.perf_counter(), time.thread_time()  # CPU time (the kernel's walk included): not inflated by preemption

@@ -5,12 +5,16 @@ from __future__ import annotations
 import collections
 import copy
 import math
+import operator
 from dataclasses import dataclass
 
 from memcallbacks._base.findings import Finding
 from memcallbacks._base.units import KiB, MiB, format_bytes
 
 __all__ = ["GrowthDetector", "RiseTracker", "RAISE_MAX_GAPS", "SETTLE_MIN_GAPS", "settled_finding", "thinned_rate"]
+
+# a window's (step, floor, ceiling) blocks: their steps and floors, read by C getters
+_STEP, _FLOOR = operator.itemgetter(0), operator.itemgetter(1)
 
 # ---------------------------------------------------------------- the lifecycle: raised, settled, re-opened
 # when the floor last rose (RiseTracker), when a growth has stopped, and the settled finding
@@ -464,11 +468,11 @@ class GrowthDetector:
         return None
 
     def _test_window(self, window: list[tuple[int, int, int]]) -> _Trend | None:
-        ys = [b[1] for b in window]
+        ys = list(map(_FLOOR, window))  # builtins, not comprehensions: this runs at every read
         # Cheap gate first: the floor must have risen by the minimum growth inside the window.
         if ys[-1] - min(ys) < self.min_growth_bytes or ys[-1] <= ys[0]:
             return None
-        xs = [b[0] for b in window]
+        xs = list(map(_STEP, window))
         n = len(ys)
         s = 0
         slopes = []
