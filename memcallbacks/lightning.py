@@ -201,7 +201,8 @@ class MemoryMonitor(KeywordCheck, SessionResults, *_callback_bases()):  # type: 
         try:
             loss, self._loss = self._loss, None
             if self._stepped or not self._automatic:
-                log_step = self._log_step(trainer) if session.kind is StepKind.LOGGED else None
+                # _log_step's counter, which on_train_start made one that works (a C getter, no call of ours)
+                log_step = int(self._batches(trainer)) if session.kind is StepKind.LOGGED else None
                 session.end_step(OPTIMIZER if self._automatic else OTHER, log_step=log_step, batch=batch, loss=loss, outputs=outputs)
             else:  # accumulating gradients: the step goes on with the next batch
                 session.boundary(OTHER)

@@ -190,7 +190,8 @@ class StepChecks:
         if snap is not None or config.auto_snapshot:
             extra[f"{p}/snapshots"] = float(len(snap.records)) if snap is not None else nan
         if config.watch_host:  # off: no host keys at all (rather than NaN columns)
-            host = self.host_figures()
+            channel = self.host  # its figures as host_figures() gives them
+            host = {**channel.growth.figures(), **channel.workers.figures()} if channel is not None else {}
             for key, name in (("host_python_bytes", "host_python_GiB"), ("host_private_bytes", "host_private_GiB"),
                               ("host_worker_uss_bytes", "host_workers_GiB")):
                 value = host.get(key)
@@ -308,41 +309,40 @@ class LeakWatch:
 
     # ------------------------------------------------------------------ at step start, before the baseline
     def check_lingering(self, step: int, batch: Any) -> list[Finding]:
-        if self.lingering is None:
+        """The lingering check on the previous step's marks, then the graph chains. A check with marks
+        to look at is timed and booked with the schedule (its holder searches as finding work)."""
+        lingering, schedule = self.lingering, self.schedule
+        if lingering is None:
             return []
-        schedule = self.schedule
-        if schedule is None or not self.lingering.pending:
-            return self._check_lingering(step, batch)
-        t0, f0 = own_time(), schedule.booked_finding_s
-        scans = self.lingering.heap_scans
-        # a heap scan (a graph root no variable reaches) is taken when the budget has paid for the last one
-        last = self._last_scan
-        self.lingering.heap_allowed = last is None or schedule.affords(last[1], step - last[0])
+        timed = schedule is not None and lingering.pending
+        if timed:
+            t0, f0 = own_time(), schedule.booked_finding_s  # type: ignore[union-attr]
+            scans = lingering.heap_scans
+            # a heap scan (a graph root no variable reaches) is taken when the budget has paid for the last one
+            last = self._last_scan
+            lingering.heap_allowed = last is None or schedule.affords(last[1], step - last[0])  # type: ignore[union-attr]
         try:
-            return self._check_lingering(step, batch)
-        finally:
-            spent = own_time() - t0 - (schedule.booked_finding_s - f0)
-            if self.lingering.heap_scans > scans:
-                schedule.heap_scans += self.lingering.heap_scans - scans
-                self._last_scan = (step, spent)
-            schedule.book_lingering(spent)
-
-    def _check_lingering(self, step: int, batch: Any) -> list[Finding]:
-        assert self.lingering is not None
-        found = []
-        finding = self.lingering.check(step, current_batch=batch)
-        if finding is not None:
-            lingering, attribution = self.lingering, self.attribution
-            finding.holders = search_or_note(finding, lambda: attribution.lingering_holders(lingering), [])
-            if not finding.holders and "holders_unavailable" not in finding.details:
-                search_or_note(finding, lambda: attribution.blame_garbage(finding, lingering), None)
-            found.append(finding)
-        chain = self.lingering.chains.check(step)
-        if chain is not None:
-            finding = self.attribution.chain(step, chain)  # booked as finding work there
+            found = []
+            finding = lingering.check(step, current_batch=batch)
             if finding is not None:
+                attribution = self.attribution
+                finding.holders = search_or_note(finding, lambda: attribution.lingering_holders(lingering), [])
+                if not finding.holders and "holders_unavailable" not in finding.details:
+                    search_or_note(finding, lambda: attribution.blame_garbage(finding, lingering), None)
                 found.append(finding)
-        return found
+            chain = lingering.chains.check(step)
+            if chain is not None:
+                finding = self.attribution.chain(step, chain)  # booked as finding work there
+                if finding is not None:
+                    found.append(finding)
+            return found
+        finally:
+            if timed:
+                spent = own_time() - t0 - (schedule.booked_finding_s - f0)  # type: ignore[union-attr]
+                if lingering.heap_scans > scans:
+                    schedule.heap_scans += lingering.heap_scans - scans  # type: ignore[union-attr]
+                    self._last_scan = (step, spent)
+                schedule.book_lingering(spent)  # type: ignore[union-attr]
 
     def before_baseline(self, step: int, batch: Any, *, lingering: bool = True) -> list[Finding]:
         found: list[Finding] = self.check_lingering(step, batch) if lingering else []

@@ -464,7 +464,10 @@ class Schedule:
         now = self.clock()
         anchor = self._anchor
         if anchor is not None and count > anchor[0]:
-            self._time_steps(count - anchor[0], now - anchor[1])
+            steps = count - anchor[0]  # quiet steps between give their mean
+            self._step_times.append((now - anchor[1]) / steps)
+            self.timed_s += now - anchor[1]
+            self.steps += steps
             if self.trip_cost_s and count > anchor[0] + 1:  # the quiet steps between that checked the tripwire
                 checks = (count - 1) // TRIP_EVERY - anchor[0] // TRIP_EVERY
                 self.trip_checks += checks
@@ -479,19 +482,16 @@ class Schedule:
             self._next_choice = count + CHOOSE_EVERY
             self.choose()
 
-    def _time_steps(self, steps: int, elapsed: float) -> None:
-        self._step_times.append(elapsed / steps)
-        self.timed_s += elapsed
-        self.steps += steps
-
     def pause(self, count: int | None = None, at: float | None = None) -> None:
         """Evaluation or a checkpoint between steps: the time to the next step's start is not step
         time. ``count``: the steps done by now, timed from the last start to ``at`` (default: now)."""
         anchor = self._anchor
         if anchor is not None and count is not None and count > anchor[0]:
             end = self.clock() if at is None else at
-            if end > anchor[1]:
-                self._time_steps(count - anchor[0], end - anchor[1])
+            if end > anchor[1]:  # timed as step_started times the steps
+                self._step_times.append((end - anchor[1]) / (count - anchor[0]))
+                self.timed_s += end - anchor[1]
+                self.steps += count - anchor[0]
         self._anchor = None
 
     # ------------------------------------------------------------------ own time
