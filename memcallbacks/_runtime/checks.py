@@ -165,7 +165,7 @@ class StepChecks:
     def host_figures(self) -> dict[str, float]:
         """The host channel's figures for the logs and the per-rank comparison (none without one)."""
         host = self.host
-        return {**host.growth.figures(), **host.workers.figures()} if host is not None else {}
+        return {**host.growth.figures(), **host.workers.figures} if host is not None else {}
 
     def logged_keys(self, row: list[Any] | None, *, findings: int, overhead: float, capacity: float | None, snap: Any) -> dict[str, float]:
         """The keys a logged step adds to the engine's: findings, overhead, pre-flight, theory, snapshots,
@@ -191,7 +191,7 @@ class StepChecks:
             extra[f"{p}/snapshots"] = float(len(snap.records)) if snap is not None else nan
         if config.watch_host:  # off: no host keys at all (rather than NaN columns)
             channel = self.host  # its figures as host_figures() gives them
-            host = {**channel.growth.figures(), **channel.workers.figures()} if channel is not None else {}
+            host = {**channel.growth.figures(), **channel.workers.figures} if channel is not None else {}
             for key, name in (("host_python_bytes", "host_python_GiB"), ("host_private_bytes", "host_private_GiB"),
                               ("host_worker_uss_bytes", "host_workers_GiB")):
                 value = host.get(key)

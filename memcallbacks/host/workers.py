@@ -168,8 +168,12 @@ class WorkerWatch:
         self.max_reads = max_reads
         self.max_gap_steps = max_gap_steps
         self._started: float | None = None
-        self._last_time = -float("inf")
-        self._last_step: int | None = None
+        self.last_time = -float("inf")
+        """When the last read was taken (``time.monotonic``), and at which step (None: none yet)."""
+        self.last_step: int | None = None
+        self.figures: dict[str, float] = {}
+        """The live workers' host cost for the logs and the per-rank gather (kept at each read: read at
+        every logged step)."""
         self.tracks: dict[int, _Track] = {}
         self._known: dict[int, WorkerInfo | None] = {}
         self._datasets: dict[int, Any] = {}  # pid -> weak reference to the worker's Dataset (in this process)
@@ -184,12 +188,13 @@ class WorkerWatch:
         """What the budget counts: finding the workers and sizing their Datasets (wall time), and each read's
         CPU time (the kernel's page-table walk; a read preempted on a busy machine is not a slow read)."""
 
-    def update(self, step: int, *, force: bool = False) -> Finding | None:
-        """Read the workers if the time budget allows (or ``force``); a Finding while they grow."""
-        now = time.monotonic()
+    def update(self, step: int, *, force: bool = False, now: float | None = None) -> Finding | None:
+        """Read the workers if the time budget allows (or ``force``); a Finding while they grow.
+        ``now``: ``time.monotonic()`` as the caller read it (default: read here)."""
+        now = time.monotonic() if now is None else now
         if not force and not self._due(step, now):
             return None
-        self._last_time, self._last_step = now, step
+        self.last_time, self.last_step = now, step
         t0 = time.perf_counter()
         workers = dataloader_workers(self._known, self._datasets)
         for pid in list(self._datasets):
@@ -222,7 +227,10 @@ class WorkerWatch:
         self.last_read_s = min(t2 - t1, time.thread_time() - c1)
         self.charged += (t1 - t0) + self.last_read_s
         self.reads += 1
-        return self._check(step) if workers else None
+        found = self._check(step) if workers else None
+        totals = self.totals()
+        self.figures = {"host_worker_uss_bytes": float(totals["uss_bytes"])} if totals["workers"] else {}
+        return found
 
     def _due(self, step: int, now: float) -> bool:
         """A read now keeps the watch's whole cost (discovery, Dataset sizes, reads) within ``max_overhead``
@@ -233,7 +241,7 @@ class WorkerWatch:
             return True
         if self.charged + self.last_read_s > self.max_overhead * (now - self._started):
             return False
-        return now - self._last_time >= self.min_interval_s or step - (self._last_step or 0) >= self.max_gap_steps
+        return now - self.last_time >= self.min_interval_s or step - (self.last_step or 0) >= self.max_gap_steps
 
     def live(self) -> list[_Track]:
         return [t for pid, t in self.tracks.items() if pid in self._pids]
@@ -322,11 +330,6 @@ class WorkerWatch:
                 "watch_cost_s": round(self.seconds, 4),
             },
         )
-
-    def figures(self) -> dict[str, float]:
-        """Workers' host cost for the per-rank gather."""
-        totals = self.totals()
-        return {"host_worker_uss_bytes": float(totals["uss_bytes"])} if totals["workers"] else {}
 
     def summary(self) -> dict[str, Any]:
         return {**self.totals(), "generations": self.generation, "reads": self.reads, "seconds": round(self.seconds, 4)}
