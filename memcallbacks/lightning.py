@@ -157,7 +157,8 @@ class MemoryMonitor(KeywordCheck, SessionResults, *_callback_bases()):  # type: 
             kind = self._step_kind(count)  # what the step is, decided once
             if kind is StepKind.QUIET:  # most steps of a long run: skipped by every hook, counted at the next other step
                 return
-            session.count_quiet(count - self._last_count - 1)
+            if count - self._last_count > 1:  # quiet steps skipped since the last other one
+                session.count_quiet(count - self._last_count - 1)
             self._last_count = count
             # preflight=True: this batch's step predicted on fake tensors, before it starts (the setting read first: no
             # property call at every step of a run without it)

@@ -132,16 +132,23 @@ class StepChecks:
 
     def detect_growth(self, count: int, batch: Any, value: int | None = None) -> list[Finding]:
         """Growth detection fed with ``value`` (a sampled step's baseline) or, on the steps the schedule
-        reads memory, with the watch's own read."""
-        schedule = self.schedule
-        if self.watch is None or schedule.read is None:
+        reads memory, with the watch's own read: the growth finding, and its holders once the second
+        census is due."""
+        schedule, watch = self.schedule, self.watch
+        if watch is None or schedule.read is None:
             return []
         if value is None:
             value = schedule.take_read(count)
             if value is None:
                 return []
         schedule.after_read(count, value)
-        return self.watch.after_baseline(count, value, batch)
+        if watch.growth is None:
+            return []
+        finding = watch.growth.update(count, value)
+        due = watch.attribution.census_due
+        if finding is None and (due is None or count < due):
+            return []
+        return watch.attribution.growth(count, finding, batch)
 
     def host_read(self, step: int) -> list[Finding]:
         """The host channel at a step that is not quiet (docs/host.md): its read is part of the
@@ -377,17 +384,6 @@ class LeakWatch:
             log.debug("could not inspect the garbage", exc_info=True)
             return None
 
-    # ------------------------------------------------------------------ on read steps, after the baseline
-    def after_baseline(self, step: int, baseline: int, batch: Any) -> list[Finding]:
-        """Feed one memory read (allocated bytes at the start of ``step``) to growth detection; the
-        growth finding, and its holders once the second census is due."""
-        if self.growth is None:
-            return []
-        finding = self.growth.update(step, baseline)
-        due = self.attribution.census_due
-        if finding is None and (due is None or step < due):
-            return []
-        return self.attribution.growth(step, finding, batch)
 
 
 # ---------------------------------------------------------------------- the live theory check: the step-start baseline against params, grads and optimizer state
