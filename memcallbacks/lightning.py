@@ -157,9 +157,12 @@ class MemoryMonitor(KeywordCheck, SessionResults, *_callback_bases()):  # type: 
             kind = self._step_kind(count)  # what the step is, decided once
             if kind is StepKind.QUIET:  # most steps of a long run: skipped by every hook, counted at the next other step
                 return
-            session.count_quiet(count - self._last_count - 1)
+            if count - self._last_count > 1:  # quiet steps skipped since the last other one
+                session.count_quiet(count - self._last_count - 1)
             self._last_count = count
-            if session.preflight_due:  # preflight=True: this batch's step predicted on fake tensors, before it starts
+            # preflight=True: this batch's step predicted on fake tensors, before it starts (the setting read first: no
+            # property call at every step of a run without it)
+            if session.config.preflight and session.preflight_due:
                 predict_step(session, batch, pl_module, batch_idx, self._automatic)
             # one meaning of "step" in rows and findings: global_step
             session.begin_step(trainer.global_step, trainer.current_epoch, batch_idx, count=count, kind=kind, batch=batch)
@@ -199,7 +202,8 @@ class MemoryMonitor(KeywordCheck, SessionResults, *_callback_bases()):  # type: 
         try:
             loss, self._loss = self._loss, None
             if self._stepped or not self._automatic:
-                log_step = self._log_step(trainer) if session.kind is StepKind.LOGGED else None
+                # _log_step's counter, which on_train_start made one that works (a C getter, no call of ours)
+                log_step = int(self._batches(trainer)) if session.kind is StepKind.LOGGED else None
                 session.end_step(OPTIMIZER if self._automatic else OTHER, log_step=log_step, batch=batch, loss=loss, outputs=outputs)
             else:  # accumulating gradients: the step goes on with the next batch
                 session.boundary(OTHER)

@@ -165,6 +165,11 @@ class CpuBackend(MemoryBackend):
         self.close()
         self._generation = _fork_generation
         self.peak_source = PEAK_SAMPLED
+        # Whether ``getrusage``'s high-water mark is reset at every phase boundary and not pinned above
+        # the resident set: then it is the resident set's peak since the last sampled step, which the
+        # RSS tripwire reads for a fraction of a ``statm`` read's cost (:func:`rss_tripwire`). A field,
+        # not a property: the schedule reads it after every sampled step.
+        self.resets_hwm = False
         if not sys.platform.startswith("linux"):
             return
         try:
@@ -172,6 +177,7 @@ class CpuBackend(MemoryBackend):
             os.write(self._clear_fd, b"5")
             self._status_fd = os.open("/proc/self/status", os.O_RDONLY)
             self.peak_source = PEAK_RSS_HWM
+            self.resets_hwm = not self._use_status
         except OSError as exc:
             log.info("memcallbacks: /proc/self/clear_refs is not writable (%s); CPU peaks are sampled at phase boundaries.", exc)
             self.close()
@@ -190,13 +196,6 @@ class CpuBackend(MemoryBackend):
             peak = resource.getrusage(_RUSAGE_THREAD).ru_maxrss * 1024
         os.write(self._clear_fd, b"5")  # type: ignore[arg-type]
         return peak
-
-    @property
-    def resets_hwm(self) -> bool:
-        """Whether ``getrusage``'s high-water mark is reset at every phase boundary and not pinned
-        above the resident set: then it is the resident set's peak since the last sampled step, which the
-        RSS tripwire can read for a fraction of a ``statm`` read's cost (:func:`rss_tripwire`)."""
-        return self.peak_source == PEAK_RSS_HWM and not self._use_status and sys.platform.startswith("linux")
 
     def heap(self) -> int | None:
         """The heap in use (``mallinfo2``), its time folded into :attr:`heap_cost_s`; None off glibc >= 2.33."""
@@ -232,6 +231,7 @@ class CpuBackend(MemoryBackend):
                 if after > rss + HWM_PINNED_SLACK:
                     log.debug("getrusage maxrss is pinned (%d > rss %d); reading VmHWM instead", after, rss)
                     self._use_status = True
+                    self.resets_hwm = False
         else:
             rss = self._rss()
             peak = max(self._previous_rss, rss)

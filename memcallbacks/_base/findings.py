@@ -181,9 +181,12 @@ class FindingLog:
         """After :meth:`add`: the stored finding when the add changed its state (settled, re-opened)."""
         self.open_problems = 0
         """Open problems: findings neither settled nor advice (counted when one is added or changes state)."""
+        self.version = 0
+        """Moves at every add and clear: a reader that saw this version has seen every finding as it is."""
 
     def add(self, finding: Finding) -> bool:
         """Record ``finding``; True when its key is new."""
+        self.version += 1
         old = self._by_key.get(finding.key)
         self.changed = None
         if old is None:
@@ -236,6 +239,7 @@ class FindingLog:
         return [f.to_dict() for f in self._by_key.values()]
 
     def clear(self) -> None:
+        self.version += 1
         self._by_key.clear()
         self.dropped = 0
         self.open_problems = 0

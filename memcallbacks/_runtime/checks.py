@@ -33,6 +33,8 @@ from memcallbacks.oom.accounting import hold_reserve, release_reserve
 
 __all__ = ["StepChecks", "LeakWatch", "StateCheck"]
 
+log = logging.getLogger(__name__)
+
 
 class StepChecks:
     """The leak watch (:attr:`watch`), the host channel (:attr:`host`), the live theory check
@@ -98,6 +100,7 @@ class StepChecks:
         except Exception as exc:
             self.log.info("%s: model-state estimate unavailable (%s)", self.owner, exc)
             self.state.model = None
+            self.state.wanted = False
 
     def explain(self, batch: Any, ignore: list[Any]) -> Any:
         """Take a census now: live tensors by category, and who holds the suspicious ones."""
@@ -119,7 +122,7 @@ class StepChecks:
         try:
             finding = self.state.check(step, baseline, self.engine.start_allocated, self.engine.backend.kind, batch)  # type: ignore[union-attr]
         except Exception as exc:
-            self.state.done = True
+            self.state.wanted = False
             self.log.info("%s: no model-state estimate for this run (%s: %s); the rest of the monitor goes on.", self.owner, type(exc).__name__, exc)
             return None
         watch = self.watch
@@ -131,16 +134,23 @@ class StepChecks:
 
     def detect_growth(self, count: int, batch: Any, value: int | None = None) -> list[Finding]:
         """Growth detection fed with ``value`` (a sampled step's baseline) or, on the steps the schedule
-        reads memory, with the watch's own read."""
-        schedule = self.schedule
-        if self.watch is None or schedule.read is None:
+        reads memory, with the watch's own read: the growth finding, and its holders once the second
+        census is due."""
+        schedule, watch = self.schedule, self.watch
+        if watch is None or schedule.read is None:
             return []
         if value is None:
             value = schedule.take_read(count)
             if value is None:
                 return []
         schedule.after_read(count, value)
-        return self.watch.after_baseline(count, value, batch)
+        if watch.growth is None:
+            return []
+        finding = watch.growth.update(count, value)
+        due = watch.attribution.census_due
+        if finding is None and (due is None or count < due):
+            return []
+        return watch.attribution.growth(count, finding, batch)
 
     def host_read(self, step: int) -> list[Finding]:
         """The host channel at a step that is not quiet (docs/host.md): its read is part of the
@@ -151,8 +161,8 @@ class StepChecks:
             return []
         finding_s = host.finding_seconds
         found = host.on_read(step)
-        # censuses and the worker reads their faults asked for: split out of the step's charge, as the watch's censuses
-        self.schedule.book_finding(host.finding_seconds - finding_s)
+        if host.finding_seconds != finding_s:  # censuses and the worker reads their faults asked for: split out of the step's charge
+            self.schedule.book_finding(host.finding_seconds - finding_s)
         return found
 
     # ------------------------------------------------------------------ what the session asks
@@ -162,10 +172,10 @@ class StepChecks:
         lingering = self.watch.lingering if self.watch is not None else None
         return lingering is not None and lingering.wants_mark
 
-    def host_figures(self) -> dict[str, float] | None:
-        """The host channel's figures for the logs and the per-rank comparison (None without one)."""
+    def host_figures(self) -> dict[str, float]:
+        """The host channel's figures for the logs and the per-rank comparison (none without one)."""
         host = self.host
-        return {**host.growth.figures(), **host.workers.figures()} if host is not None else None
+        return {**host.growth.figures(), **host.workers.figures} if host is not None else {}
 
     def logged_keys(self, row: list[Any] | None, *, findings: int, overhead: float, capacity: float | None, snap: Any) -> dict[str, float]:
         """The keys a logged step adds to the engine's: findings, overhead, pre-flight, theory, snapshots,
@@ -179,15 +189,19 @@ class StepChecks:
             extra.update(self.preflight.metrics(row))
         if capacity is not None:
             extra[f"{p}/capacity_GiB"] = float(capacity or 0) / GiB
-        if config.estimate_model_states:
+        if config.estimate_model_states:  # the step-start baseline against the theory check's expected level
             state = self.state
-            unexplained = state.unexplained(float(row[ALLOCATED])) if row is not None else None
-            extra[f"{p}/expected_GiB"] = state.expected_states / GiB if state.expected_level is not None else nan
-            extra[f"{p}/unexplained_GiB"] = unexplained / GiB if unexplained is not None else nan
+            baseline = float(row[ALLOCATED]) if row is not None else nan
+            known = state.expected_level is not None
+            extra[f"{p}/expected_GiB"] = state.expected_states / GiB if known else nan
+            extra[f"{p}/unexplained_GiB"] = (
+                (baseline - state.expected_level - state.batch_bytes) / GiB if known and baseline == baseline else nan  # type: ignore[operator]
+            )
         if snap is not None or config.auto_snapshot:
             extra[f"{p}/snapshots"] = float(len(snap.records)) if snap is not None else nan
         if config.watch_host:  # off: no host keys at all (rather than NaN columns)
-            host = self.host_figures() or {}
+            channel = self.host  # its figures as host_figures() gives them
+            host = {**channel.growth.figures(), **channel.workers.figures} if channel is not None else {}
             for key, name in (("host_python_bytes", "host_python_GiB"), ("host_private_bytes", "host_private_GiB"),
                               ("host_worker_uss_bytes", "host_workers_GiB")):
                 value = host.get(key)
@@ -228,6 +242,7 @@ class StepChecks:
         if self.watch is not None:
             self.watch.attribution.model = self.watch.attribution.optimizer = None
         self.state.model = self.state.optimizer = None
+        self.state.wanted = False
         release_reserve()
         try:
             self.preflight.release()
@@ -304,41 +319,40 @@ class LeakWatch:
 
     # ------------------------------------------------------------------ at step start, before the baseline
     def check_lingering(self, step: int, batch: Any) -> list[Finding]:
-        if self.lingering is None:
+        """The lingering check on the previous step's marks, then the graph chains. A check with marks
+        to look at is timed and booked with the schedule (its holder searches as finding work)."""
+        lingering, schedule = self.lingering, self.schedule
+        if lingering is None:
             return []
-        schedule = self.schedule
-        if schedule is None or not self.lingering.pending:
-            return self._check_lingering(step, batch)
-        t0, f0 = own_time(), schedule.booked_finding_s
-        scans = self.lingering.heap_scans
-        # a heap scan (a graph root no variable reaches) is taken when the budget has paid for the last one
-        last = self._last_scan
-        self.lingering.heap_allowed = last is None or schedule.affords(last[1], step - last[0])
+        timed = schedule is not None and lingering.pending
+        if timed:
+            t0, f0 = own_time(), schedule.booked_finding_s  # type: ignore[union-attr]
+            scans = lingering.heap_scans
+            # a heap scan (a graph root no variable reaches) is taken when the budget has paid for the last one
+            last = self._last_scan
+            lingering.heap_allowed = last is None or schedule.affords(last[1], step - last[0])  # type: ignore[union-attr]
         try:
-            return self._check_lingering(step, batch)
-        finally:
-            spent = own_time() - t0 - (schedule.booked_finding_s - f0)
-            if self.lingering.heap_scans > scans:
-                schedule.heap_scans += self.lingering.heap_scans - scans
-                self._last_scan = (step, spent)
-            schedule.book_lingering(spent)
-
-    def _check_lingering(self, step: int, batch: Any) -> list[Finding]:
-        assert self.lingering is not None
-        found = []
-        finding = self.lingering.check(step, current_batch=batch)
-        if finding is not None:
-            lingering, attribution = self.lingering, self.attribution
-            finding.holders = search_or_note(finding, lambda: attribution.lingering_holders(lingering), [])
-            if not finding.holders and "holders_unavailable" not in finding.details:
-                search_or_note(finding, lambda: attribution.blame_garbage(finding, lingering), None)
-            found.append(finding)
-        chain = self.lingering.chains.check(step)
-        if chain is not None:
-            finding = self.attribution.chain(step, chain)  # booked as finding work there
+            found = []
+            finding = lingering.check(step, current_batch=batch)
             if finding is not None:
+                attribution = self.attribution
+                finding.holders = search_or_note(finding, lambda: attribution.lingering_holders(lingering), [])
+                if not finding.holders and "holders_unavailable" not in finding.details:
+                    search_or_note(finding, lambda: attribution.blame_garbage(finding, lingering), None)
                 found.append(finding)
-        return found
+            chain = lingering.chains.check(step)
+            if chain is not None:
+                finding = self.attribution.chain(step, chain)  # booked as finding work there
+                if finding is not None:
+                    found.append(finding)
+            return found
+        finally:
+            if timed:
+                spent = own_time() - t0 - (schedule.booked_finding_s - f0)  # type: ignore[union-attr]
+                if lingering.heap_scans > scans:
+                    schedule.heap_scans += lingering.heap_scans - scans  # type: ignore[union-attr]
+                    self._last_scan = (step, spent)
+                schedule.book_lingering(spent)  # type: ignore[union-attr]
 
     def before_baseline(self, step: int, batch: Any, *, lingering: bool = True) -> list[Finding]:
         found: list[Finding] = self.check_lingering(step, batch) if lingering else []
@@ -373,21 +387,6 @@ class LeakWatch:
             log.debug("could not inspect the garbage", exc_info=True)
             return None
 
-    # ------------------------------------------------------------------ on read steps, after the baseline
-    def after_baseline(self, step: int, baseline: int, batch: Any) -> list[Finding]:
-        """Feed one memory read (allocated bytes at the start of ``step``) to growth detection; the
-        growth finding, and its holders once the second census is due."""
-        if self.growth is None:
-            return []
-        finding = self.growth.update(step, baseline)
-        due = self.attribution.census_due
-        if finding is None and (due is None or step < due):
-            return []
-        return self.attribution.growth(step, finding, batch)
-
-    def end_step(self, step: int, batch: Any, loss: Any, outputs: Any = None) -> None:
-        if self.lingering is not None:
-            self.lingering.end_step(step, batch, loss, outputs)
 
 
 # ---------------------------------------------------------------------- the live theory check: the step-start baseline against params, grads and optimizer state
@@ -401,7 +400,9 @@ class StateCheck:
         self.precision: str | None = None
         self.strategy: str | None = None
         self.world_size: int | None = None
-        self.done = False
+        # the check is still to run (estimate_model_states, a model, not done yet): a field, read at
+        # every step that is not quiet
+        self.wanted = False
         self.expected_level: float | None = None  # allocated bytes the baseline should show, batch excluded
         self.expected_states = 0
         self.batch_bytes = 0
@@ -419,18 +420,15 @@ class StateCheck:
         the check by the change in model size."""
         self.model, self.optimizer = model, optimizer
         self.precision, self.strategy, self.world_size = precision, strategy, world_size
-        self.done = False
+        self.wanted = False
         if model is not None:
             # what already existed when measuring started (params, and state of a resumed run)
             self._start_states = measure_model_states(model, optimizer).get("total", 0) + hidden_state_bytes(model)
             self._start_allocated = allocated_now() if allocated_now is not None else None
-
-    @property
-    def wanted(self) -> bool:
-        return self.config.estimate_model_states and not self.done and self.model is not None
+            self.wanted = self.config.estimate_model_states
 
     def check(self, step: int, baseline: int, start_allocated: int, device_kind: str, batch: Any) -> Finding | None:
-        self.done = True
+        self.wanted = False
         model, optimizer = self.model, self.optimizer
         grads_alive = any(p.grad is not None for p in model.parameters())
         est = estimate_for(
@@ -481,8 +479,3 @@ class StateCheck:
             "a previous batch, or other models on the device. The census below says which categories hold it."
         )
         return Finding(kind="unexplained", step=step, message=message, bytes=unexplained, details=dict(self.info))
-
-    def unexplained(self, baseline: float) -> float | None:
-        if self.expected_level is None or baseline != baseline:
-            return None
-        return baseline - self.expected_level - self.batch_bytes

@@ -89,7 +89,10 @@ def aligned_reads(every: int, log_every: int) -> int:
 
 def _divisor_from(every: int, log_every: int) -> int:
     """The smallest divisor of ``log_every`` at or above ``every`` (at most ``log_every`` itself)."""
-    return next(d for d in range(every, log_every + 1) if log_every % d == 0)
+    divisor = every
+    while log_every % divisor:  # a loop, not a generator: no extra frame when the intervals are chosen
+        divisor += 1
+    return divisor
 
 
 def aligned_samples(every: int, log_every: int) -> int:
@@ -102,15 +105,8 @@ def aligned_samples(every: int, log_every: int) -> int:
     return every if divisor == log_every and 2 * every <= log_every else divisor
 
 
-def _ceil(x: float) -> int:
-    """``math.ceil``, blind to a last-digit rounding of the measurements (300.0000000001 is 300)."""
-    return math.ceil(x * (1 - 1e-9))
-
-
-def lower_quartile(values: Any) -> float:
-    """The value a quarter of the way up ``values`` (NaN for none): noise only makes steps slower."""
-    ordered = sorted(values)
-    return ordered[(len(ordered) - 1) // 4] if ordered else math.nan
+# the intervals' ceilings are blind to a last-digit rounding of the measurements (300.0000000001 is 300)
+_CEIL_SLACK = 1 - 1e-9
 
 
 def median(values: Any) -> float:
@@ -171,12 +167,15 @@ class BudgetGuard:
         elapsed = schedule.timed_s - step0
         if steps < start + CONTROL_STEPS or elapsed < CONTROL_S:
             return
-        own = schedule.own_s - schedule.finding_s
-        spent = {k: schedule.parts[k] - parts0.get(k, 0.0) for k in schedule.parts}
-        self.window = (steps, own, schedule.timed_s, dict(schedule.parts))
+        parts = schedule.parts
+        own = schedule.own_s - parts["findings"]  # finding work excepted (finding_s)
+        self.window = (steps, own, schedule.timed_s, dict(parts))
         rate = (own - own0) / elapsed
         if rate <= self.budget:
             return
+        spent = {}
+        for key, seconds in parts.items():
+            spent[key] = seconds - parts0.get(key, 0.0)
         # the parts whose interval the guard can widen (logged steps are sampled whatever the interval)
         controllable = {"lingering": spent["lingering"]}
         if schedule.read_every < self.max_interval:
@@ -465,7 +464,10 @@ class Schedule:
         now = self.clock()
         anchor = self._anchor
         if anchor is not None and count > anchor[0]:
-            self._time_steps(count - anchor[0], now - anchor[1])
+            steps = count - anchor[0]  # quiet steps between give their mean
+            self._step_times.append((now - anchor[1]) / steps)
+            self.timed_s += now - anchor[1]
+            self.steps += steps
             if self.trip_cost_s and count > anchor[0] + 1:  # the quiet steps between that checked the tripwire
                 checks = (count - 1) // TRIP_EVERY - anchor[0] // TRIP_EVERY
                 self.trip_checks += checks
@@ -480,19 +482,16 @@ class Schedule:
             self._next_choice = count + CHOOSE_EVERY
             self.choose()
 
-    def _time_steps(self, steps: int, elapsed: float) -> None:
-        self._step_times.append(elapsed / steps)
-        self.timed_s += elapsed
-        self.steps += steps
-
     def pause(self, count: int | None = None, at: float | None = None) -> None:
         """Evaluation or a checkpoint between steps: the time to the next step's start is not step
         time. ``count``: the steps done by now, timed from the last start to ``at`` (default: now)."""
         anchor = self._anchor
         if anchor is not None and count is not None and count > anchor[0]:
             end = self.clock() if at is None else at
-            if end > anchor[1]:
-                self._time_steps(count - anchor[0], end - anchor[1])
+            if end > anchor[1]:  # timed as step_started times the steps
+                self._step_times.append((end - anchor[1]) / (count - anchor[0]))
+                self.timed_s += end - anchor[1]
+                self.steps += count - anchor[0]
         self._anchor = None
 
     # ------------------------------------------------------------------ own time
@@ -560,7 +559,10 @@ class Schedule:
     def choose(self) -> None:
         """Pick the read and sample intervals that keep the monitor within the budget: the reads may
         take :data:`READ_SHARE` of it, the logged steps what they cost, sampling what is left."""
-        step = lower_quartile(self._step_times)  # steps a busy machine slowed do not buy more reads
+        # the lower quartile of the step times: noise only makes steps slower, and the steps a busy
+        # machine slowed do not buy more reads
+        times = sorted(self._step_times)
+        step = times[(len(times) - 1) // 4] if times else math.nan
         if not step > 0:
             return
         self.step_s = step
@@ -570,13 +572,15 @@ class Schedule:
         costs = self._check_costs
         if costs:  # a lingering check every mark_every sampled steps, at its mean cost, within its share
             check = COLD_FACTOR * sum(costs) / len(costs)
-            every = max(MARK_EVERY_SAMPLES, _ceil(check / (allowed * LINGERING_SHARE) / max(1, self.sample_every)))
+            every = max(MARK_EVERY_SAMPLES, math.ceil(check / (allowed * LINGERING_SHARE) / max(1, self.sample_every) * _CEIL_SLACK))
             self.mark_every = min(MAX_INTERVAL, every * self.guard.backoff["lingering"])
             allowed -= check / (self.mark_every * max(1, self.sample_every))
-        watch = median(self._watch_costs) if self._watch_costs else 0.0
-        if self._read_costs:
-            read = COLD_FACTOR * (median(self._read_costs) + watch)
-            every = max(1, min(MAX_READ_INTERVAL, _ceil(read / (allowed * READ_SHARE))))
+        # the medians of the costs, sorted here (choose runs every CHOOSE_EVERY steps): no frame per median
+        watches, reads, samples = self._watch_costs, self._read_costs, self._sample_costs
+        watch = sorted(watches)[len(watches) // 2] if watches else 0.0
+        if reads:
+            read = COLD_FACTOR * (sorted(reads)[len(reads) // 2] + watch)
+            every = max(1, min(MAX_READ_INTERVAL, math.ceil(read / (allowed * READ_SHARE) * _CEIL_SLACK)))
             every = min(MAX_INTERVAL, every * self.guard.backoff["read"])
             if self.logs:  # reads in phase with the logged steps, whose baseline is a read
                 every = aligned_reads(every, self.log_every)
@@ -584,12 +588,12 @@ class Schedule:
             else:
                 allowed -= read / every
             self.read_every = every
-        if self.explicit or not self._sample_costs:
+        if self.explicit or not samples:
             return
-        sample = COLD_FACTOR * median(self._sample_costs)
+        sample = COLD_FACTOR * sorted(samples)[len(samples) // 2]
         if self.logs:
             allowed -= sample / self.log_every
-        every = max(1, min(MAX_INTERVAL, MAX_INTERVAL if allowed <= 0 else _ceil(sample / allowed)))
+        every = max(1, min(MAX_INTERVAL, MAX_INTERVAL if allowed <= 0 else math.ceil(sample / allowed * _CEIL_SLACK)))
         every = min(MAX_INTERVAL, every * self.guard.backoff["sample"])
         if self.logs:  # samples in phase with the logged steps, as the reads
             every = aligned_samples(every, self.log_every)

@@ -39,6 +39,16 @@ LogFn = Callable[[dict[str, float], int], None]
 _KEEP: Any = object()  # attach(): a part not given keeps its current value
 
 
+def _trackers_have_news(trackers: Trackers, version: int) -> bool:
+    """Whether a logged step calls the trackers: a logger was added, the findings changed since they
+    were told (``version``), or a tracker is still to set up or to show findings. Asked here, from the
+    trackers' fields: a logged step of a run whose loggers are not trackers makes no call into them."""
+    try:
+        return trackers.waiting or version != trackers.told or trackers.looked != list(trackers.source() or [])
+    except Exception:
+        return True  # Trackers.on_log's own look says why, at debug level
+
+
 class Session:
     """One process's monitor state: the schedule and own time (:attr:`schedule`), the measurements
     (:attr:`engine`), the checks (:attr:`checks`), the findings and the run's end (:attr:`ending`).
@@ -283,8 +293,7 @@ class Session:
 
     @property
     def preflight_due(self) -> bool:
-        """``preflight=True`` and the prediction has not run yet in this fit (``PreflightCheck.due``,
-        read here as its two fields: asked at every step's start)."""
+        """``preflight=True`` and the prediction has not run yet in this fit (``PreflightCheck.due``'s two fields)."""
         return self.checks.preflight.status == "waiting" and self.engine.enabled
 
     def run_preflight(self, batch: Any, **kwargs: Any) -> None:
@@ -402,7 +411,7 @@ class Session:
                 found.append(finding)
         for finding in found:
             self.add_finding(finding)
-        engine.add_own_time(spent + own_time() - t1 - schedule.step_read_s)
+        row[MONITOR_TIME_S] += spent + own_time() - t1 - schedule.step_read_s  # the open row: the engine's own
 
     def count_quiet(self, steps: int) -> None:
         """``steps`` quiet steps an adapter skipped without calling :meth:`begin_step` (Lightning)."""
@@ -454,7 +463,7 @@ class Session:
                 self.emit(metrics, self.current_step if log_step is None else log_step)
             except Exception as exc:
                 self.fail(exc, "logging")
-        if self.schedule.share_due(self.current_count):  # a collective: each rank's news reach rank zero
+        if self.schedule.shares and self.schedule.share_due(self.current_count):  # a collective: each rank's news reach rank zero
             t0 = own_time()
             try:
                 self.sink.share_with_rank_zero(self.engine.rank, self.engine.device, self.current_step)
@@ -474,9 +483,11 @@ class Session:
         # lingering references: every step at first (leaky loops leak from step 1), then after every
         # mark_every-th sampled step (a check costs the next step its quietness)
         watch = checks.watch
-        if watch is not None and (self.leaves_marks or checks.lingering_wants_mark):
+        lingering = watch.lingering if watch is not None else None
+        if watch is not None and (self.leaves_marks or lingering is not None and lingering.wants_mark):
             t0 = own_time()
-            watch.end_step(self.current_step, batch, loss, outputs)
+            if lingering is not None:
+                lingering.end_step(self.current_step, batch, loss, outputs)
             if row is not None:
                 row[MONITOR_TIME_S] += own_time() - t0
             self.samples_unmarked = 0
@@ -521,8 +532,7 @@ class Session:
         """Hand the ``log_keys`` part of ``metrics`` to the loggers (rank zero); every rank reduced all of them."""
         if self.log_fn is None or self.engine.rank != 0:
             return
-        keep = self.config.logged_keys
-        shown = metrics
+        keep, shown = self.config.logged_keys, metrics
         if keep is not None:  # a loop, not a comprehension: no frame per logged step
             shown = {}
             for key in metrics:
@@ -530,8 +540,9 @@ class Session:
                     shown[key] = metrics[key]
         if shown:
             self.log_fn(shown, step)
-            if self.trackers is not None and self.config.log_to_trackers:
-                self.trackers.on_log(self.sink.kept.findings, self.dashboard)
+            trackers, kept = self.trackers, self.sink.kept
+            if trackers is not None and self.config.log_to_trackers and _trackers_have_news(trackers, kept.version):
+                trackers.on_log(kept.findings, self.dashboard, version=kept.version)
 
     # ------------------------------------------------------------------ evaluation loops
     def pause(self, count: int | None = None) -> None:

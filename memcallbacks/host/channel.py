@@ -47,47 +47,44 @@ class HostChannel:
         faults asked for outside the budget are finding work, :attr:`finding_seconds`)."""
         self.census_seconds = 0.0
         """Time in censuses (after suspicion only)."""
+        self.finding_seconds = 0.0
+        """Work after suspicion, apart from the per-step cost: censuses, and the worker reads their page
+        faults asked for outside the budget (kept at each read)."""
         self._before: HostCensus | None = None
         self._due: int | None = None
         self._named = False
         self._last_step = 0
 
-    @property
-    def finding_seconds(self) -> float:
-        """Work after suspicion, apart from the per-step cost: censuses, and the worker reads their page
-        faults asked for outside the budget."""
-        return self.census_seconds + self.workers.finding_seconds
-
     def on_read(self, step: int) -> list[Finding]:
         if not self.enabled:
             return []
         try:
-            return self._on_read(step)
+            t0 = time.perf_counter()
+            self._last_step = step
+            out: list[Finding] = []
+            finding = self.growth.update(self.reader.read(step))
+            watch, workers, now, confirm = self.workers, None, time.monotonic(), self.workers.finding_seconds
+            # the workers' own test of whether an update would do anything, read here: no call then
+            if now >= watch.next_update_s or step - (watch.last_step or 0) >= watch.max_gap_steps:
+                workers = watch.update(step, now=now)
+            self.seconds += time.perf_counter() - t0 - (watch.finding_seconds - confirm)
+            if finding is not None:
+                out.append(finding)
+                if finding.key == "host_growth" and finding.details.get("open") and self._before is None and not self._named:
+                    t1 = time.perf_counter()
+                    self._before = take_host_census(step=step, time_budget_s=self.census_time_budget_s, min_container_len=_MIN_ENTRIES)
+                    self.census_seconds += time.perf_counter() - t1
+                    self._due = step + self.census_gap
+            if self._due is not None and step >= self._due:
+                out += self._name(step)
+            if workers is not None:
+                out.append(workers)
+            self.finding_seconds = self.census_seconds + watch.finding_seconds
+            return out
         except Exception:
             log.debug("the host channel failed; it is off for the rest of the run", exc_info=True)
             self.enabled = False
             return []
-
-    def _on_read(self, step: int) -> list[Finding]:
-        t0 = time.perf_counter()
-        self._last_step = step
-        out: list[Finding] = []
-        finding = self.growth.update(self.reader.read(step))
-        confirm = self.workers.finding_seconds
-        workers = self.workers.update(step)
-        self.seconds += time.perf_counter() - t0 - (self.workers.finding_seconds - confirm)
-        if finding is not None:
-            out.append(finding)
-            if finding.key == "host_growth" and finding.details.get("open") and self._before is None and not self._named:
-                t1 = time.perf_counter()
-                self._before = take_host_census(step=step, time_budget_s=self.census_time_budget_s, min_container_len=_MIN_ENTRIES)
-                self.census_seconds += time.perf_counter() - t1
-                self._due = step + self.census_gap
-        if self._due is not None and step >= self._due:
-            out += self._name(step)
-        if workers is not None:
-            out.append(workers)
-        return out
 
     def _name(self, step: int) -> list[Finding]:
         before, self._before, self._due = self._before, None, None
@@ -100,6 +97,7 @@ class HostChannel:
         result = explain_host_growth(before, step=step, time_budget_s=self.census_time_budget_s,
                                      min_entries=min(_MIN_ENTRIES, max(1, gap)))
         self.census_seconds += time.perf_counter() - t0
+        self.finding_seconds = self.census_seconds + self.workers.finding_seconds
         finding = result.finding(step)
         growth = self.growth.findings.get(finding.key)
         if growth is not None:

@@ -1,6 +1,6 @@
 """Per rank: which rank's host or device memory stands apart from the others' (imbalance).
 
-Each rank contributes a flat dict of figures (``HostGrowth.figures()``, ``WorkerWatch.figures()``,
+Each rank contributes a flat dict of figures (``HostGrowth.figures()``, ``WorkerWatch.figures``,
 device figures such as ``peak_allocated_bytes``), gathered to rank zero in the collective the run
 end already makes (:func:`gather_figures` is that collective for callers that have none).
 :func:`find_imbalance` compares each rank with the median of the *other* ranks, so a single rank

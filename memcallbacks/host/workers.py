@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import gc
 import multiprocessing
+import operator
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -68,8 +69,13 @@ def dataloader_workers(known: dict[int, WorkerInfo | None] | None = None, datase
     worker), so the search runs only when new children appear (an epoch of non-persistent
     workers). ``datasets`` (when given) gets a weak reference to each new worker's Dataset, by pid."""
     known = {} if known is None else known
-    children = [p.pid for p in multiprocessing.active_children() if p.pid is not None]
-    new = {pid for pid in children if pid not in known}
+    children: list[int] = []  # loops, not comprehensions: this runs at each of the watch's reads
+    new: set[int] = set()
+    for child in multiprocessing.active_children():
+        if child.pid is not None:
+            children.append(child.pid)
+            if child.pid not in known:
+                new.add(child.pid)
     if new:
         found: dict[int, WorkerInfo] = {}
         for young in (True, False):  # the young generations first; the whole heap only if they did not hold it
@@ -86,10 +92,17 @@ def dataloader_workers(known: dict[int, WorkerInfo | None] | None = None, datase
             if pid not in known:
                 known[pid] = found.get(pid)
     live = set(children)
-    for pid in [p for p in known if p not in live]:
-        del known[pid]
-    return sorted((w for pid, w in known.items() if w is not None),
-                  key=lambda w: (w.worker_id if w.worker_id is not None else 1 << 30, w.pid))
+    workers: list[WorkerInfo] = []
+    for pid, worker in list(known.items()):
+        if pid not in live:
+            del known[pid]
+        elif worker is not None:
+            workers.append(worker)
+    workers.sort(key=lambda w: (w.worker_id if w.worker_id is not None else 1 << 30, w.pid))
+    return workers
+
+
+_PID = operator.attrgetter("pid")
 
 
 def _weak(obj: Any) -> Any:
@@ -205,8 +218,15 @@ class WorkerWatch:
         self.max_reads = max_reads
         self.max_gap_steps = max_gap_steps
         self._started: float | None = None
-        self._last_time = -float("inf")
-        self._last_step: int | None = None
+        self.last_time = -float("inf")
+        """When the last read was taken (``time.monotonic``), and at which step (None: none yet)."""
+        self.last_step: int | None = None
+        self.next_update_s = -float("inf")
+        """Before this ``time.monotonic()``, an update without ``force`` would do nothing unless
+        ``max_gap_steps`` steps passed since :attr:`last_step`: a caller may skip the call."""
+        self.figures: dict[str, float] = {}
+        """The live workers' host cost for the logs and the per-rank gather (kept at each read: read at
+        every logged step)."""
         self.tracks: dict[int, _Track] = {}
         self._known: dict[int, WorkerInfo | None] = {}
         self._datasets: dict[int, Any] = {}  # pid -> weak reference to the worker's Dataset (in this process)
@@ -235,24 +255,27 @@ class WorkerWatch:
         """Finding work, like a census after suspicion: the reads the faults asked for outside the budget
         (CPU time; at most ``_FREE_MISSES`` per worker find nothing) and sizing a grown worker's Dataset."""
 
-    def update(self, step: int, *, force: bool = False) -> Finding | None:
+    def update(self, step: int, *, force: bool = False, now: float | None = None) -> Finding | None:
         """Count the workers' faults; read the USS of those whose faults ask for it, or of all when the time
-        budget allows (or ``force``); a Finding while they grow."""
-        now = time.monotonic()
+        budget allows (or ``force``); a Finding while they grow. ``now``: ``time.monotonic()`` as the
+        caller read it (default: read here). The caller may skip calls before :attr:`next_update_s`."""
+        now = time.monotonic() if now is None else now
         if self._started is None:
             self._started = now
         due = force or self._due(step, now)
         if not due and self.fault_s > _FAULT_SHARE * self.max_overhead * (now - self._started):
+            self._plan_next(now)
             return None  # faults counted recently enough (~15 µs a worker: every few steps of a 2 ms loop)
         t0 = time.perf_counter()
         workers = self._workers()
         if due:
-            self._last_time, self._last_step = now, step
+            self.last_time, self.last_step = now, step
         read = [(w, why) for w in workers if (why := self._why(w, step, due, now)) is not None]
         t1 = time.perf_counter()
         self.charged += t1 - t0
         if not read:
             self.seconds += t1 - t0
+            self._plan_next(now, bool(workers))
             return None
         for w, why in read:
             c0, w0 = time.thread_time(), time.perf_counter()  # CPU time (the kernel's walk included): not inflated by preemption
@@ -266,19 +289,36 @@ class WorkerWatch:
             self.last_read_s = cost * len(workers)  # what the next read of every worker will cost
         self.seconds += time.perf_counter() - t0
         self.reads += 1
-        return self._check(step)
+        found = self._check(step)
+        totals = self.totals()
+        self.figures = {"host_worker_uss_bytes": float(totals["uss_bytes"])} if totals["workers"] else {}
+        self._plan_next(now, bool(workers))
+        return found
+
+    def _plan_next(self, now: float, watching: bool = True) -> None:
+        """:attr:`next_update_s`: when the faults' share of the budget next pays for a count, or, with no
+        worker to watch, the next look for one (``min_interval_s`` on)."""
+        if not watching:
+            self.next_update_s = now + self.min_interval_s
+            return
+        started = self._started if self._started is not None else now
+        self.next_update_s = started + self.fault_s / (_FAULT_SHARE * self.max_overhead)
 
     def _workers(self) -> list[WorkerInfo]:
         """The live workers, a new generation noted, exited ones that did not grow dropped, faults counted."""
         workers = dataloader_workers(self._known, self._datasets)
-        for pid in [p for p in self._datasets if p not in self._known]:
-            del self._datasets[pid]
-        pids = frozenset(w.pid for w in workers)
+        for pid in list(self._datasets):
+            if pid not in self._known:
+                del self._datasets[pid]
+        pids = frozenset(map(_PID, workers))
         if pids and pids != self._pids and not pids & self._pids:
             self.generation += 1  # a fresh set of workers: a new epoch of non-persistent workers
         if pids:
             self._pids = pids
-        dead = [pid for pid, t in self.tracks.items() if pid not in pids and t.growth < self.min_growth_bytes]
+        dead = []
+        for pid, track in self.tracks.items():
+            if pid not in pids and track.growth < self.min_growth_bytes:
+                dead.append(pid)
         for pid in dead[: max(0, len(dead) - _KEEP_DEAD)]:  # epochs of non-persistent workers: keep the memory bounded
             del self.tracks[pid]
         for pid in [p for p in self._seen if p not in pids]:
@@ -332,7 +372,7 @@ class WorkerWatch:
         after the last one or ``max_gap_steps`` steps after it."""
         if not self._affords(now):
             return False
-        return now - self._last_time >= self.min_interval_s or step - (self._last_step or 0) >= self.max_gap_steps
+        return now - self.last_time >= self.min_interval_s or step - (self.last_step or 0) >= self.max_gap_steps
 
     def close(self) -> None:
         """Close the descriptors the fault counts keep open."""
@@ -428,11 +468,6 @@ class WorkerWatch:
                 "watch_cost_s": round(self.seconds, 4),
             },
         )
-
-    def figures(self) -> dict[str, float]:
-        """Workers' host cost for the per-rank gather."""
-        totals = self.totals()
-        return {"host_worker_uss_bytes": float(totals["uss_bytes"])} if totals["workers"] else {}
 
     def summary(self) -> dict[str, Any]:
         return {**self.totals(), "generations": self.generation, "reads": self.reads, "uss_reads": self.uss_reads,

@@ -5,12 +5,16 @@ from __future__ import annotations
 import collections
 import copy
 import math
+import operator
 from dataclasses import dataclass
 
 from memcallbacks._base.findings import Finding
 from memcallbacks._base.units import KiB, MiB, format_bytes
 
 __all__ = ["GrowthDetector", "RiseTracker", "RAISE_MAX_GAPS", "SETTLE_MIN_GAPS", "settled_finding", "thinned_rate"]
+
+# a window's (step, floor, ceiling) blocks: their steps and floors, read by C getters
+_STEP, _FLOOR = operator.itemgetter(0), operator.itemgetter(1)
 
 # ---------------------------------------------------------------- the lifecycle: raised, settled, re-opened
 # when the floor last rose (RiseTracker), when a growth has stopped, and the settled finding
@@ -43,7 +47,7 @@ class RiseTracker:
     asks of a read): a leak does, a full cache creeping by a few KiB between reads does not.
     """
 
-    __slots__ = ("min_rate_bytes", "anchor", "anchor_step", "last_rise", "start", "_ranges", "_last_add", "read_gap")
+    __slots__ = ("min_rate_bytes", "anchor", "anchor_step", "last_rise", "start", "_ranges", "_last_add", "read_gap", "tolerance")
 
     def __init__(self, min_rate_bytes: int) -> None:
         self.min_rate_bytes = min_rate_bytes
@@ -54,12 +58,9 @@ class RiseTracker:
         self._ranges: collections.deque[int] = collections.deque(maxlen=16)
         self._last_add: int | None = None
         self.read_gap = 1  # steps between the last two closed blocks: nothing is known in between
-
-    @property
-    def tolerance(self) -> float:
-        ranges = sorted(self._ranges)
-        noise = ranges[len(ranges) // 2] if ranges else 0
-        return max(2.0 * noise, float(self.min_rate_bytes))
+        # a rise is a floor above the anchor by twice the noise (the median within-block range), and at
+        # least min_rate_bytes: kept as the ranges change, not sorted again at every block
+        self.tolerance = float(min_rate_bytes)
 
     def add(self, step: int, lo: int, spread: int, reads: int = 2) -> None:
         """One closed block: its last step, its minimum, its range and the reads it holds."""
@@ -68,6 +69,8 @@ class RiseTracker:
         self._last_add = step
         if reads > 1:
             self._ranges.append(spread)
+            ranges = sorted(self._ranges)
+            self.tolerance = max(2.0 * ranges[len(ranges) // 2], float(self.min_rate_bytes))
         if self.anchor is None:
             self.anchor, self.anchor_step = lo, step
             return
@@ -464,11 +467,11 @@ class GrowthDetector:
         return None
 
     def _test_window(self, window: list[tuple[int, int, int]]) -> _Trend | None:
-        ys = [b[1] for b in window]
+        ys = list(map(_FLOOR, window))  # builtins, not comprehensions: this runs at every read
         # Cheap gate first: the floor must have risen by the minimum growth inside the window.
         if ys[-1] - min(ys) < self.min_growth_bytes or ys[-1] <= ys[0]:
             return None
-        xs = [b[0] for b in window]
+        xs = list(map(_STEP, window))
         n = len(ys)
         s = 0
         slopes = []

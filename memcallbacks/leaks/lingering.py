@@ -83,6 +83,9 @@ class LingeringDetector:
         self.wants_mark = False
         """A check could not tell yet (outputs alive, no outputs of two steps before to compare): the
         step that follows should leave marks too, so that the next check can tell."""
+        self.pending = False
+        """``end_step`` left references for the next ``check`` to look at (a field: the session asks
+        after every step that is not quiet)."""
         self.occurrences: dict[str, int] = {}
         """How many step starts saw something alive, by situation (``"seen:batch+graph"``,
         ``"seen:graph"``, ...); ``"retained:batch"`` counts measured steps whose previous batch
@@ -107,20 +110,18 @@ class LingeringDetector:
                 except Exception:
                     pass
         self._output_refs = output_refs(outputs, exclude) if outputs is not None else []
-        graphs = [t for t in [loss, *iter_tensors(outputs, max_items=64)] if isinstance(t, _Tensor) and t.grad_fn is not None] if outputs is not None else (
-            [loss] if isinstance(loss, _Tensor) and loss.grad_fn is not None else []
-        )
+        self.pending = bool(self._batch_refs) or bool(self._output_refs)
+        graphs = []  # the loss's and the outputs' graphs (a loop: no comprehension frame at every marked step)
+        for t in [loss, *iter_tensors(outputs, max_items=64)] if outputs is not None else [loss]:
+            if isinstance(t, _Tensor) and t.grad_fn is not None:
+                graphs.append(t)
         if not graphs:
             return
         sentinel = mark_graphs(step, graphs)
         self._sentinel_ref = weakref.ref(sentinel)
+        self.pending = True
         self._loss_ref = weakref.ref(graphs[0])
         self.chains.mark(step, sentinel)
-
-    @property
-    def pending(self) -> bool:
-        """``end_step`` left references for the next ``check`` to look at."""
-        return bool(self._batch_refs) or self._sentinel_ref is not None or bool(self._output_refs)
 
     def check(self, step: int, current_batch: Any = None) -> Finding | None:
         """At the start of ``step``: a Finding if the previous step's batch, graph or outputs are alive.
@@ -138,6 +139,7 @@ class LingeringDetector:
         self._batch_refs = []
         self._output_refs = []
         self._sentinel_ref = None
+        self.pending = False
         sentinel = sref() if sref is not None else None
         any_alive = sentinel is not None
         if not any_alive:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 from collections.abc import Mapping
 from typing import Any, Iterable, Iterator
 
@@ -27,7 +28,7 @@ __all__ = [
 def describe_tensor(t: Any) -> str:
     """``"256x512 float32"`` (plus ``" on cuda:0"`` off the CPU); never raises."""
     try:
-        shape = "x".join(str(int(s)) for s in t.shape) or "scalar"
+        shape = "x".join(map(str, map(int, t.shape))) or "scalar"  # builtins: no generator frame
         dtype = str(t.dtype).replace("torch.", "")
         dev = t.device
         where = "" if dev.type == "cpu" else f" on {dev}"
@@ -45,7 +46,10 @@ def iter_tensors(obj: Any, *, max_depth: int = 8, max_items: int = 100_000) -> I
     tp = type(obj)
     if tp is dict or tp is list or tp is tuple:  # fast path: a flat batch of tensors
         values = obj.values() if tp is dict else obj
-        if all(isinstance(v, Tensor) for v in values):
+        for v in values:  # a loop, not all(<generator>): this runs at every step that leaves marks
+            if not isinstance(v, Tensor):
+                break
+        else:
             yield from values
             return
     elif isinstance(obj, Tensor):
@@ -74,7 +78,7 @@ def iter_tensors(obj: Any, *, max_depth: int = 8, max_items: int = 100_000) -> I
                 children = [getattr(item, f.name, None) for f in dataclasses.fields(item)]
             else:
                 continue
-            stack.extend((c, depth + 1) for c in reversed(list(children)))
+            stack.extend(zip(reversed(list(children)), itertools.repeat(depth + 1)))
         except Exception:
             continue
 

@@ -83,7 +83,13 @@ class Trackers:
     """Every recognised tracker of one run (rank zero), driven by :class:`~memcallbacks._runtime.session.Session`."""
 
     def __init__(self, source: Callable[[], Iterable[Any]], *, owner: str = "memcallbacks", logger: logging.Logger | None = None) -> None:
-        self._source = source
+        self.source = source
+        self.looked: list[Any] | None = None
+        """The logger objects at the last look (None: not looked yet)."""
+        self.waiting = False
+        """A tracker is not set up yet, or has findings it did not show yet: the next on_log has work."""
+        self.told = -1
+        """The findings' version (``FindingLog.version``) the last :meth:`on_log` was given (-1: none)."""
         self._seen: set[int] = set()
         self._trackers: list[Tracker] = []
         self._failed: set[int] = set()
@@ -98,10 +104,11 @@ class Trackers:
     def _refresh(self) -> None:
         """Pick up trackers created since the last look (``init_trackers`` after the monitor)."""
         try:
-            objects = list(self._source() or [])
+            objects = list(self.source() or [])
         except Exception:
             self.log.debug("%s: could not list the run's loggers", self.owner, exc_info=True)
             return
+        self.looked = objects
         for obj in objects:
             if id(obj) in self._seen:
                 continue
@@ -124,9 +131,12 @@ class Trackers:
             )
             return None
 
-    def on_log(self, findings: list[Finding], dashboard: Dashboard) -> None:
-        """On a logged step: set up dashboards not set up yet, and show findings not shown yet."""
+    def on_log(self, findings: list[Finding], dashboard: Dashboard, *, version: int = -1) -> None:
+        """On a logged step: set up dashboards not set up yet, and show findings not shown yet.
+        ``version``: the findings' (``FindingLog.version``), kept in :attr:`told`."""
         self._refresh()
+        self.told = version
+        waiting = False
         for tracker in self._trackers:
             if not tracker.started:
                 tracker.started = bool(self._call(tracker, "set up the memory dashboard", lambda t=tracker: t.start(dashboard)))
@@ -134,6 +144,9 @@ class Trackers:
             if new and tracker.started:
                 if self._call(tracker, "show the memory findings", lambda t=tracker, n=new: t.findings(n, dashboard)):
                     tracker.shown.update(shown_key(f) for f in new)
+                    new = []
+            waiting = waiting or not tracker.started or bool(new)
+        self.waiting = waiting
 
     def finish(self, outputs: RunOutputs, dashboard: Dashboard) -> None:
         """At the end of the run: dashboards and findings not shown yet, then the files."""

@@ -78,7 +78,7 @@ def test_persistent_workers_copy_on_access_is_found_with_its_fix():
     assert "pytorch/pytorch#13246" in f.message and "NumPy arrays or tensors" in f.message and "Records" in f.message
     assert f.details["cause"] == "copy_on_access"
     assert f.details["read_cost_s"] > 0 and watch.seconds > 0
-    assert watch.figures()["host_worker_uss_bytes"] == f.details["total_uss_bytes"]
+    assert watch.figures["host_worker_uss_bytes"] == f.details["total_uss_bytes"]
     del loader
 
 
