@@ -10,13 +10,10 @@ one the monitor runs (``gc_every_n_steps``) is its own and stays counted (:func:
 from __future__ import annotations
 
 import contextlib
-import functools
 import gc
-import itertools
-import operator
 import threading
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 __all__ = ["own_time", "counted_collection", "watch_collections", "unwatch_collections"]
 
@@ -41,13 +38,9 @@ def _on_collection(phase: str, info: dict[str, Any]) -> None:
             _gc_s[thread] = _gc_s.get(thread, 0.0) + _thread_time() - start
 
 
-# Seconds on the monitor's clock; the difference of two reads on one thread is what the code between
-# cost. It is ``_thread_time() - _gc_s.get(_ident(), 0.0)`` composed of C callables (the next value
-# of a map over two endless call-iterators, evaluated left to right as the expression is): a busy
-# step reads it some 17 times, and a Python function there was a frame and a file the step entered.
-own_time: Callable[[], float] = functools.partial(
-    next, map(operator.sub, iter(_thread_time, None), map(_gc_s.get, iter(_ident, None), itertools.repeat(0.0)))
-)
+def own_time() -> float:
+    """Seconds on the monitor's clock; the difference of two reads on one thread is what the code between cost."""
+    return _thread_time() - _gc_s.get(_ident(), 0.0)
 
 
 def watch_collections() -> bool:
