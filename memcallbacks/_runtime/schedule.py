@@ -105,8 +105,9 @@ def aligned_samples(every: int, log_every: int) -> int:
     return every if divisor == log_every and 2 * every <= log_every else divisor
 
 
-# the intervals' ceilings are blind to a last-digit rounding of the measurements (300.0000000001 is 300)
-_CEIL_SLACK = 1 - 1e-9
+def _ceil(x: float) -> int:
+    """``math.ceil``, blind to a last-digit rounding of the measurements (300.0000000001 is 300)."""
+    return math.ceil(x * (1 - 1e-9))
 
 
 def median(values: Any) -> float:
@@ -464,10 +465,7 @@ class Schedule:
         now = self.clock()
         anchor = self._anchor
         if anchor is not None and count > anchor[0]:
-            steps = count - anchor[0]  # quiet steps between give their mean
-            self._step_times.append((now - anchor[1]) / steps)
-            self.timed_s += now - anchor[1]
-            self.steps += steps
+            self._time_steps(count - anchor[0], now - anchor[1])  # quiet steps between give their mean
             if self.trip_cost_s and count > anchor[0] + 1:  # the quiet steps between that checked the tripwire
                 checks = (count - 1) // TRIP_EVERY - anchor[0] // TRIP_EVERY
                 self.trip_checks += checks
@@ -488,11 +486,14 @@ class Schedule:
         anchor = self._anchor
         if anchor is not None and count is not None and count > anchor[0]:
             end = self.clock() if at is None else at
-            if end > anchor[1]:  # timed as step_started times the steps
-                self._step_times.append((end - anchor[1]) / (count - anchor[0]))
-                self.timed_s += end - anchor[1]
-                self.steps += count - anchor[0]
+            if end > anchor[1]:
+                self._time_steps(count - anchor[0], end - anchor[1])
         self._anchor = None
+
+    def _time_steps(self, steps: int, elapsed: float) -> None:
+        self._step_times.append(elapsed / steps)
+        self.timed_s += elapsed
+        self.steps += steps
 
     # ------------------------------------------------------------------ own time
     def book_lingering(self, seconds: float) -> None:
@@ -572,15 +573,14 @@ class Schedule:
         costs = self._check_costs
         if costs:  # a lingering check every mark_every sampled steps, at its mean cost, within its share
             check = COLD_FACTOR * sum(costs) / len(costs)
-            every = max(MARK_EVERY_SAMPLES, math.ceil(check / (allowed * LINGERING_SHARE) / max(1, self.sample_every) * _CEIL_SLACK))
+            every = max(MARK_EVERY_SAMPLES, _ceil(check / (allowed * LINGERING_SHARE) / max(1, self.sample_every)))
             self.mark_every = min(MAX_INTERVAL, every * self.guard.backoff["lingering"])
             allowed -= check / (self.mark_every * max(1, self.sample_every))
-        # the medians of the costs, sorted here (choose runs every CHOOSE_EVERY steps): no frame per median
         watches, reads, samples = self._watch_costs, self._read_costs, self._sample_costs
-        watch = sorted(watches)[len(watches) // 2] if watches else 0.0
+        watch = median(watches) if watches else 0.0
         if reads:
-            read = COLD_FACTOR * (sorted(reads)[len(reads) // 2] + watch)
-            every = max(1, min(MAX_READ_INTERVAL, math.ceil(read / (allowed * READ_SHARE) * _CEIL_SLACK)))
+            read = COLD_FACTOR * (median(reads) + watch)
+            every = max(1, min(MAX_READ_INTERVAL, _ceil(read / (allowed * READ_SHARE))))
             every = min(MAX_INTERVAL, every * self.guard.backoff["read"])
             if self.logs:  # reads in phase with the logged steps, whose baseline is a read
                 every = aligned_reads(every, self.log_every)
@@ -590,10 +590,10 @@ class Schedule:
             self.read_every = every
         if self.explicit or not samples:
             return
-        sample = COLD_FACTOR * sorted(samples)[len(samples) // 2]
+        sample = COLD_FACTOR * median(samples)
         if self.logs:
             allowed -= sample / self.log_every
-        every = max(1, min(MAX_INTERVAL, MAX_INTERVAL if allowed <= 0 else math.ceil(sample / allowed * _CEIL_SLACK)))
+        every = max(1, min(MAX_INTERVAL, MAX_INTERVAL if allowed <= 0 else _ceil(sample / allowed)))
         every = min(MAX_INTERVAL, every * self.guard.backoff["sample"])
         if self.logs:  # samples in phase with the logged steps, as the reads
             every = aligned_samples(every, self.log_every)

@@ -39,16 +39,6 @@ LogFn = Callable[[dict[str, float], int], None]
 _KEEP: Any = object()  # attach(): a part not given keeps its current value
 
 
-def _trackers_have_news(trackers: Trackers, version: int) -> bool:
-    """Whether a logged step calls the trackers: a logger was added, the findings changed since they
-    were told (``version``), or a tracker is still to set up or to show findings. Asked here, from the
-    trackers' fields: a logged step of a run whose loggers are not trackers makes no call into them."""
-    try:
-        return trackers.waiting or version != trackers.told or trackers.looked != list(trackers.source() or [])
-    except Exception:
-        return True  # Trackers.on_log's own look says why, at debug level
-
-
 class Session:
     """One process's monitor state: the schedule and own time (:attr:`schedule`), the measurements
     (:attr:`engine`), the checks (:attr:`checks`), the findings and the run's end (:attr:`ending`).
@@ -411,7 +401,7 @@ class Session:
                 found.append(finding)
         for finding in found:
             self.add_finding(finding)
-        row[MONITOR_TIME_S] += spent + own_time() - t1 - schedule.step_read_s  # the open row: the engine's own
+        engine.add_own_time(spent + own_time() - t1 - schedule.step_read_s)
 
     def count_quiet(self, steps: int) -> None:
         """``steps`` quiet steps an adapter skipped without calling :meth:`begin_step` (Lightning)."""
@@ -483,11 +473,10 @@ class Session:
         # lingering references: every step at first (leaky loops leak from step 1), then after every
         # mark_every-th sampled step (a check costs the next step its quietness)
         watch = checks.watch
-        lingering = watch.lingering if watch is not None else None
-        if watch is not None and (self.leaves_marks or lingering is not None and lingering.wants_mark):
+        if watch is not None and (self.leaves_marks or checks.lingering_wants_mark):
             t0 = own_time()
-            if lingering is not None:
-                lingering.end_step(self.current_step, batch, loss, outputs)
+            if watch.lingering is not None:
+                watch.lingering.end_step(self.current_step, batch, loss, outputs)
             if row is not None:
                 row[MONITOR_TIME_S] += own_time() - t0
             self.samples_unmarked = 0
@@ -541,7 +530,7 @@ class Session:
         if shown:
             self.log_fn(shown, step)
             trackers, kept = self.trackers, self.sink.kept
-            if trackers is not None and self.config.log_to_trackers and _trackers_have_news(trackers, kept.version):
+            if trackers is not None and self.config.log_to_trackers and trackers.has_news(kept.version):
                 trackers.on_log(kept.findings, self.dashboard, version=kept.version)
 
     # ------------------------------------------------------------------ evaluation loops

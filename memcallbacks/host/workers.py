@@ -458,7 +458,7 @@ class WorkerWatch:
                     {"pid": t.info.pid, "worker_id": t.info.worker_id, "generation": t.generation, "dataset": t.info.dataset,
                      "first_uss_bytes": t.reads[0][1], "uss_bytes": t.reads[-1][1], "pss_bytes": t.reads[-1][2],
                      "growth_bytes": t.growth, "first_step": t.reads[0][0], "reads": len(t.reads),
-                     "kept_share": None if t.kept_share() is None else round(t.kept_share() or 0.0, 3)}
+                     "kept_share": None if (share := t.kept_share()) is None else round(share, 3)}
                     for t in grown
                 ],
                 "total_uss_bytes": totals["uss_bytes"],

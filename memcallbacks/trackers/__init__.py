@@ -131,6 +131,15 @@ class Trackers:
             )
             return None
 
+    def has_news(self, version: int) -> bool:
+        """Whether a logged step has work for :meth:`on_log`: a logger was added, the findings changed
+        since they were told (``version``, ``FindingLog.version``), or a tracker is still to set up or to
+        show findings."""
+        try:
+            return self.waiting or version != self.told or self.looked != list(self.source() or [])
+        except Exception:
+            return True  # on_log's own look says why, at debug level
+
     def on_log(self, findings: list[Finding], dashboard: Dashboard, *, version: int = -1) -> None:
         """On a logged step: set up dashboards not set up yet, and show findings not shown yet.
         ``version``: the findings' (``FindingLog.version``), kept in :attr:`told`."""
