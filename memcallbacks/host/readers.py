@@ -39,7 +39,6 @@ __all__ = [
     "measure_costs",
     "pymalloc_arena_bytes",
     "pymalloc_bytes",
-    "minor_faults",
     "python_object_blocks",
     "smaps_rollup",
 ]
@@ -106,23 +105,14 @@ def _minflt(data: bytes) -> int:
     return int(data[data.rindex(b")") + 2:].split()[7])
 
 
-def minor_faults(pid: int | str = "self") -> int | None:
-    """Minor page faults of process ``pid`` so far (``/proc/<pid>/stat`` field 10, ``minflt``; ~14 µs
-    against 9-22 ms for a DataLoader worker's ``smaps_rollup``); None when it cannot be read.
+class FaultCounter:
+    """Minor page faults of several processes so far (``/proc/<pid>/stat`` field 10, ``minflt``) through
+    kept-open descriptors (``os.pread``: ~3 µs a process warm, ~35 µs after a training step, against
+    ~14-40 µs opening the file each time and 9-22 ms for a DataLoader worker's ``smaps_rollup``).
 
     A forked worker's first write to a page it shares with its parent is a minor fault that makes the
     page private (copy on write), so faults times the page size bound how much could have become
     private since the last count. Memory mapped and unmapped again faults too: evidence, not proof."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            return _minflt(fh.read())
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-class FaultCounter:
-    """:func:`minor_faults` of several processes through kept-open descriptors (``os.pread``: ~3 µs a
-    process warm, ~35 µs after a training step, against ~14-40 µs opening the file each time)."""
 
     def __init__(self) -> None:
         self._fds: dict[int, int] = {}
