@@ -8,6 +8,8 @@ import logging
 import os
 import socket
 import struct
+import subprocess
+import sys
 import time
 import zlib
 from pathlib import Path
@@ -244,6 +246,17 @@ def announced(caplog: Any) -> list[logging.LogRecord]:
 
 
 # ---------------------------------------------------------------------- processes
+def run_as_shown(command: str, cwd: str | os.PathLike[str], *, env: dict[str, str] | None = None,
+                 timeout: float = 300) -> subprocess.CompletedProcess:
+    """A command line as the docs show it, through the shell, with this environment's ``python`` and
+    ``memcallbacks`` first on ``PATH`` and the project importable; it must exit 0."""
+    base = dict(os.environ if env is None else env)
+    base.update(PATH=str(Path(sys.executable).parent) + os.pathsep + base.get("PATH", ""), PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    done = subprocess.run(command, shell=True, cwd=str(cwd), env=base, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, f"{command!r} exited {done.returncode}:\n{done.stdout[-3000:]}{done.stderr[-6000:]}"
+    return done
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now (for a process group's rendezvous)."""
     with socket.socket() as sock:

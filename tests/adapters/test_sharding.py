@@ -36,7 +36,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from helpers import MIB, free_port, trainer_kwargs
+from helpers import MIB, free_port, run_as_shown, trainer_kwargs
 from memcallbacks import MemoryMonitor
 
 ROOT = Path(__file__).parents[2]
@@ -50,13 +50,21 @@ FP32 = 4
 DOCUMENTED = "python tests/scripts/sharded_fit.py /tmp/sharded --runner lightning --strategy fsdp2"
 
 
-def run_sharded(out: Path, runner: str, strategy: str, *extra: str) -> list[dict[str, Any]]:
+def _env() -> dict[str, str]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     env.pop("MASTER_PORT", None)
-    cmd = [sys.executable, str(SCRIPTS / "sharded_fit.py"), str(out), "--runner", runner, "--strategy", strategy, "--port", str(free_port()), *extra]
-    proc = subprocess.run(cmd, cwd=str(out), env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return env
+
+
+def _records(out: Path) -> list[dict[str, Any]]:
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD_SIZE)]
+
+
+def run_sharded(out: Path, runner: str, strategy: str, *extra: str) -> list[dict[str, Any]]:
+    cmd = [sys.executable, str(SCRIPTS / "sharded_fit.py"), str(out), "--runner", runner, "--strategy", strategy, "--port", str(free_port()), *extra]
+    proc = subprocess.run(cmd, cwd=str(out), env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return _records(out)
 
 
 def run_documented() -> tuple[Path, list[dict[str, Any]]]:
@@ -64,12 +72,8 @@ def run_documented() -> tuple[Path, list[dict[str, Any]]]:
     assert DOCUMENTED in (ROOT / "docs" / "theory.md").read_text(), "docs/theory.md no longer shows DOCUMENTED: update both"
     out = Path(shlex.split(DOCUMENTED)[2])
     shutil.rmtree(out, ignore_errors=True)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
-           "PATH": str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", "")}
-    env.pop("MASTER_PORT", None)
-    proc = subprocess.run(DOCUMENTED, shell=True, cwd=str(ROOT), env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return out, [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD_SIZE)]
+    run_as_shown(DOCUMENTED, ROOT, env=_env())
+    return out, _records(out)
 
 
 def theory_per_rank(record: dict[str, Any]) -> dict[str, int]:

@@ -12,15 +12,14 @@ scratch folder has no run. A command another test runs exactly as shown, checkin
 from __future__ import annotations
 
 import contextlib
-import os
 import re
 import shlex
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+import helpers
 
 ROOT = Path(__file__).resolve().parents[2]
 SNAPSHOTS = ("memory_snapshot_step12.pickle", "memory_snapshot_step120.pickle", "snap.pickle")
@@ -93,12 +92,9 @@ def test_the_exempt_list_is_small_and_current() -> None:
 
 
 def run_as_shown(scratch: Path, command: str) -> None:
-    bindir = str(Path(sys.executable).parent)  # `memcallbacks` and `python` of this environment
-    env = dict(os.environ, PATH=bindir + os.pathsep + os.environ.get("PATH", ""), PYTHONPATH=str(ROOT))
     if command.startswith(("python benchmarks/", "python scripts/compat_newest.py")):
         command += " --help"  # parse the documented arguments; the timed run (or the compatibility run's installs) is not a test
-    done = subprocess.run(command, shell=True, cwd=scratch, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, f"{command!r} exited {done.returncode}:\n{done.stderr[-2000:]}"
+    helpers.run_as_shown(command, scratch)
 
 
 def test_commands_run_by_other_tests_are_documented_and_run_there() -> None:
