@@ -246,6 +246,11 @@ def announced(caplog: Any) -> list[logging.LogRecord]:
 
 
 # ---------------------------------------------------------------------- processes
+TEARDOWN_ABORT = "terminate called without an active exception"
+"""gloo's abort at a rank process's exit (a std::thread destroyed while joinable), after the rank's work:
+torch's teardown, seen under load; tests of what the ranks did accept it once their work is done."""
+
+
 def run_as_shown(command: str, cwd: str | os.PathLike[str], *, env: dict[str, str] | None = None,
                  timeout: float = 300) -> subprocess.CompletedProcess:
     """A command line as the docs show it, through the shell, with this environment's ``python`` and

@@ -21,6 +21,7 @@ from helpers import (
     GIB,
     MIB,
     BoringModel,
+    TEARDOWN_ABORT,
     RandomDataModule,
     TwoOptimizerModel,
     csv_metrics,
@@ -407,7 +408,7 @@ def test_ddp_two_processes_log_the_max_over_ranks(tmp_path, strategy):
         # gloo's abort at a rank's exit, after its work (a std::thread destroyed while joinable; as in
         # tests/host/test_host_ranks.py): seen once, ddp_spawn beside a busy loop, rank 1 after the fit. Then the
         # launcher's report of that signal is the only traceback, and the files below are the test
-        before, _, after = proc.stderr.partition("terminate called without an active exception")
+        before, _, after = proc.stderr.partition(TEARDOWN_ABORT)
         assert after and "Traceback" not in before and "terminated with signal SIGABRT" in after, proc.stdout[-3000:] + proc.stderr[-6000:]
 
     mem = tmp_path / "mem"

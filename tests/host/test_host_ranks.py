@@ -11,13 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from helpers import TEARDOWN_ABORT
 from memcallbacks._base.units import MiB
 from memcallbacks.host import find_imbalance
 
 SCRIPT = Path(__file__).parents[1] / "scripts" / "host_ranks.py"
-
-
-TEARDOWN_ABORT = "terminate called without an active exception"
 
 
 def assert_ranks_finished(proc: subprocess.CompletedProcess, out) -> None:
