@@ -1,7 +1,7 @@
 """Real out-of-memory runs for tests/oom: a driver process that forks one child per run, each under ``RLIMIT_AS``.
 
 ``python oom_runs.py <framework> <budget_mib> <out.json> <model>/<run> ...`` imports everything once,
-builds nothing, then forks: each child sets its address-space limit to the driver's address space
+builds nothing, then forks: each child sets its address-space limit to the driver's address space at the model's first run
 plus ``budget_mib`` and trains. Runs: ``grow`` (the batch doubles every step until the allocator
 fails), ``fixed:<n>`` (batch ``n`` for 2 steps: the first makes the optimizer's state, the second runs with it), ``leak`` (a constant batch, and the model keeps
 11 MiB more every step), ``fits`` (``fixed`` at the batch the first run's explanation says fits, one
@@ -250,12 +250,12 @@ def child(framework: str, kind: str, run: str, limit: int, out: Path, result: Pa
     result.write_text(json.dumps(record))
 
 
-def fork_run(framework: str, kind: str, run: str, budget: int, tries: int = 2) -> dict[str, Any]:
-    """One run in a forked child. A child killed by a signal (a C++ allocation failure in a path that cannot
-    throw aborts the process: where the limit is hit moves with the heap) is run once more; its fault log is kept."""
+def fork_run(framework: str, kind: str, run: str, limit: int, tries: int = 2) -> dict[str, Any]:
+    """One run in a forked child under the address-space ``limit``. A child killed by a signal (a C++ allocation
+    failure in a path that cannot throw aborts the process: where the limit is hit moves with the heap) is run once
+    more; its fault log is kept."""
     out = Path(tempfile.mkdtemp(prefix=f"oom-{framework}-{kind}-"))
     result, fault = out / "result.json", out / "fault.txt"
-    limit = vm_size() + budget
     sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()
@@ -276,7 +276,7 @@ def fork_run(framework: str, kind: str, run: str, budget: int, tries: int = 2) -
                "fault": fault.read_text()[-3000:] if fault.is_file() else ""}
     print(f"oom_runs: {framework} {kind} {run}: the child died ({crashed['crashed']}):\n{crashed['fault']}", file=sys.stderr)
     if os.WIFSIGNALED(status) and tries > 1:
-        return dict(fork_run(framework, kind, run, budget, tries - 1), crashed_before=crashed)
+        return dict(fork_run(framework, kind, run, limit, tries - 1), crashed_before=crashed)
     return crashed
 
 
@@ -351,20 +351,22 @@ def main(argv: list[str]) -> None:
     budget = int(budget_mib) << 20
     preload(framework)
     results: list[dict[str, Any]] = []
-    for spec in argv[3:]:
+    limits: dict[str, int] = {}  # one limit per model, set at its first run: the driver's address space moves by a MiB
+    for spec in argv[3:]:  # between runs (the results it reads), and a model's runs are compared under the same limit
         kind, run = spec.split("/")
+        limit = limits.setdefault(kind, vm_size() + budget)
         grown = next((r for r in results if r["model"] == kind and r["run"] == "grow"), {})
         if run == "fits":  # the batch the grow run's explanation says fits, and one more (two, if one more fit)
             remedy = next((r for r in (grown.get("oom") or {}).get("remedies", []) if r["kind"] == "batch_size"), None)
             n = (remedy or {}).get("details", {}).get("batch_size")
             for size in (n, n + 1, n + 2) if n else ():
-                results.append(dict(fork_run(framework, kind, f"fixed:{size}", budget), model=kind))
+                results.append(dict(fork_run(framework, kind, f"fixed:{size}", limit), model=kind))
                 if size > n and not results[-1].get("completed"):
                     break
         elif run == "savings":  # in the driver itself, no limit: the measured effect of the predicted changes
             results.append({"run": "savings", "model": kind, **measured_savings(kind, grown["oom"])})
         else:
-            results.append(dict(fork_run(framework, kind, run, budget), model=kind))
+            results.append(dict(fork_run(framework, kind, run, limit), model=kind))
     Path(out).write_text(json.dumps(results))
 
 
