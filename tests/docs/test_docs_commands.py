@@ -29,7 +29,7 @@ SNAPSHOTS = ("memory_snapshot_step12.pickle", "memory_snapshot_step120.pickle", 
 #: exact command line is parsed (``--help`` appended: every option before it is checked), and
 #: docs/benchmarks.md says when each was last run in full.
 EXEMPT = {
-    "python -m pytest -q -n 2": "the whole test suite (it includes this test)",
+    "python -m pytest -q -n 2 --dist worksteal": "the whole test suite (it includes this test)",
     "memcallbacks summary": "the name of a command in prose, not a command line",
     "memcallbacks report": "the name of a command in prose, not a command line",
     "memcallbacks estimate": "the name of a command in prose, not a command line",
