@@ -28,21 +28,16 @@ import sys
 import tempfile
 import textwrap
 
+RECORDS_FOLDER = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "tests", "host")
+"""Where the ``records`` Dataset is (``tests/host/worker_data.py``, shared with the workers' tests)."""
+
 SCRIPT = textwrap.dedent('''
     import json, sys, time, warnings
     import torch
+    from worker_data import Records  # tests/host/worker_data.py, on PYTHONPATH (run_once())
     warnings.filterwarnings("ignore")
     ADAPTER, DATA, WORKERS, STEPS, PACE, EPOCH, OUT = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), \\
         float(sys.argv[5]), int(sys.argv[6]), sys.argv[7]
-
-    class Records(torch.utils.data.Dataset):
-        def __init__(self, n):
-            self.items = [{"id": i, "x": float(i), "label": f"item-{i}"} for i in range(n)]
-        def __len__(self):
-            return len(self.items)
-        def __getitem__(self, i):
-            d = self.items[i]
-            return torch.tensor([d["x"], float(d["id"])]).repeat(32)
 
     class Images(torch.utils.data.Dataset):
         def __len__(self):
@@ -112,7 +107,8 @@ def run_once(args: argparse.Namespace, folder: str) -> dict:
     with open(script, "w") as fh:
         fh.write(SCRIPT)
     out = os.path.join(folder, "out")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "WANDB_SILENT": "true", "MPLBACKEND": "Agg"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "WANDB_SILENT": "true", "MPLBACKEND": "Agg",
+           "PYTHONPATH": os.pathsep.join(filter(None, [RECORDS_FOLDER, os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run([sys.executable, script, args.adapter, args.data, str(args.workers), str(args.steps), str(args.pace),
                            str(args.epoch), out], capture_output=True, text=True, env=env, cwd=folder, timeout=3600)
     if proc.returncode != 0:

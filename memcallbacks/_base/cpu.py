@@ -99,6 +99,9 @@ def heap_in_use_bytes() -> int | None:
     return int(info.uordblks + info.hblkhd)
 
 
+PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+"""Bytes a page: what ``/proc``'s page counts (``statm``, a process's faults) are multiplied by."""
+
 _fork_generation = 0
 """Forks this process has gone through, as seen from the child (``os.register_at_fork``): the
 descriptors of ``/proc/self/...`` opened before a fork name the parent's files, and the readers
@@ -302,7 +305,7 @@ class StatmReader:
 
     def __init__(self, pid: int | None = None) -> None:
         self.pid = pid
-        self._page = os.sysconf("SC_PAGE_SIZE")
+        self._page = PAGE_SIZE
         self._generation = -1
         self._fd: int | None = None
 

@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
-from memcallbacks._base.cpu import StatmReader
+from memcallbacks._base.cpu import PAGE_SIZE, StatmReader
 
 __all__ = [
     "BYTES_PER_BLOCK",
@@ -95,9 +95,6 @@ def smaps_rollup(pid: int | str = "self") -> dict[str, int] | None:
         return None
     out["uss"] = out.get("private_clean", 0) + out.get("private_dirty", 0)
     return out
-
-
-PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 def _minflt(data: bytes) -> int:

@@ -26,10 +26,11 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
+from memcallbacks._base.cpu import PAGE_SIZE
 from memcallbacks._base.findings import Finding
 from memcallbacks._base.units import MiB, format_bytes
 from memcallbacks.host.holders import deep_size
-from memcallbacks.host.readers import PAGE_SIZE, FaultCounter, smaps_rollup
+from memcallbacks.host.readers import FaultCounter, smaps_rollup
 
 __all__ = ["WorkerInfo", "WorkerWatch", "dataloader_workers"]
 

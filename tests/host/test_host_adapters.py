@@ -31,6 +31,8 @@ from pathlib import Path
 
 import pytest
 
+import worker_data
+
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/smaps_rollup"), reason="needs Linux /proc (statm, smaps_rollup)")
 
 LEAK_START = 10
@@ -40,6 +42,7 @@ SCRIPT = textwrap.dedent('''
     import collections, functools, json, sys, time, warnings
     from dataclasses import dataclass
     import torch
+    from worker_data import Records  # tests/host, on PYTHONPATH (run())
 
     ADAPTER, SCENARIO, STEPS = sys.argv[1], sys.argv[2], int(sys.argv[3])
     LEAK_START = %(leak_start)d
@@ -90,16 +93,6 @@ SCRIPT = textwrap.dedent('''
         elif name == "memo":  # a bounded memo cache filling at 512 Spec objects a step from step 10 to 70 (~15 MiB), then full
             for i in range(512 if 10 <= step < 70 else 0):
                 describe((step, i))
-
-    class Records(torch.utils.data.Dataset):
-        """A Python list of dicts: every item read writes its objects' reference counts (copy on access)."""
-        def __init__(self, n):
-            self.items = [{"id": i, "x": float(i), "label": f"item-{i}"} for i in range(n)]
-        def __len__(self):
-            return len(self.items)
-        def __getitem__(self, i):
-            d = self.items[i]
-            return torch.tensor([d["x"], float(d["id"])]).repeat(32)
 
     def loader():
         if name == "workers":  # arg: persistent or not
@@ -218,7 +211,8 @@ def run(tmp_path: Path, adapter: str, scenario: str, steps: int, timeout: int = 
     script = tmp_path / "fit.py"
     script.write_text(SCRIPT)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "WANDB_SILENT": "true", "MPLBACKEND": "Agg",
-           "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+           "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [worker_data.FOLDER, os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run([sys.executable, str(script), adapter, scenario, str(steps)], capture_output=True, text=True,
                           timeout=timeout, cwd=str(tmp_path), env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]

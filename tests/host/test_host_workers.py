@@ -10,22 +10,9 @@ from torch.utils.data import DataLoader, Dataset
 
 from memcallbacks._base.units import MiB
 from memcallbacks.host import WorkerWatch, dataloader_workers
+from worker_data import Records
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/smaps_rollup"), reason="needs Linux smaps_rollup")
-
-
-class Records(Dataset):
-    """A Python list of dicts: every item read writes its objects' reference counts (copy on access)."""
-
-    def __init__(self, n: int) -> None:
-        self.items = [{"id": i, "x": float(i), "label": f"item-{i}"} for i in range(n)]
-
-    def __len__(self) -> int:
-        return len(self.items)
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        d = self.items[i]
-        return torch.tensor([d["x"], float(d["id"])])
 
 
 class Arrays(Dataset):
