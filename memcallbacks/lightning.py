@@ -97,7 +97,6 @@ class MemoryMonitor(KeywordCheck, SessionResults, *_callback_bases()):  # type: 
         self._started_for: int | None = None
         self._trainer: Any = None
         self._loss: Any = None  # this step's loss, held only until the step ends
-        self._last_count = -1  # the count of the last step that was not quiet
         self._batches = _BATCHES_THAT_STEPPED  # _log_step's counter: a C getter, read on every quiet step
 
     # ------------------------------------------------------------------ helpers
@@ -139,7 +138,7 @@ class MemoryMonitor(KeywordCheck, SessionResults, *_callback_bases()):  # type: 
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._automatic = bool(pl_module.automatic_optimization)
         self._stepped = False
-        self._last_count = self._log_step(trainer) - 1  # also picks the quiet steps' counter
+        self._log_step(trainer)  # picks the quiet steps' counter (_batches)
         attach_fit(self._session, trainer, pl_module)
         if not self._automatic and self._session.enabled:  # manual optimization: the optimizer's hooks bound its phase
             self._optimizer_hooks.install()
@@ -155,11 +154,8 @@ class MemoryMonitor(KeywordCheck, SessionResults, *_callback_bases()):  # type: 
                 return
             count = self._batches(trainer)  # _log_step's count (a C getter: this runs on every quiet step)
             kind = self._step_kind(count)  # what the step is, decided once
-            if kind is StepKind.QUIET:  # most steps of a long run: skipped by every hook, counted at the next other step
+            if kind is StepKind.QUIET:  # most steps of a long run: skipped by every hook, counted by the next begin_step
                 return
-            if count - self._last_count > 1:  # quiet steps skipped since the last other one
-                session.count_quiet(count - self._last_count - 1)
-            self._last_count = count
             # preflight=True: this batch's step predicted on fake tensors, before it starts (the setting read first: no
             # property call at every step of a run without it)
             if session.config.preflight and session.preflight_due:
@@ -230,9 +226,7 @@ class MemoryMonitor(KeywordCheck, SessionResults, *_callback_bases()):  # type: 
         session = self._session
         if session.step_open:  # a step cut short (max_steps mid-accumulation)
             session.end_step(OTHER, log_step=self._log_step(trainer))
-        count = self._log_step(trainer)
-        session.count_quiet(count - self._last_count - 1)  # the quiet steps since the last other one
-        self._last_count = count - 1
+        session.skip_to(self._log_step(trainer))  # the quiet steps since the last other one
 
     @entry_point("on_fit_end")
     def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:

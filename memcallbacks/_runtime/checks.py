@@ -17,7 +17,7 @@ from memcallbacks._runtime.preflight_check import PreflightCheck
 from memcallbacks._runtime.sampling import MemoryEngine
 from memcallbacks._runtime.schedule import Schedule
 from memcallbacks.host.channel import HostChannel
-from memcallbacks._base.own_clock import own_time
+from memcallbacks._base.cpu import own_time
 from memcallbacks.leaks.attribution import Attribution
 from memcallbacks.leaks.census import format_top_holders
 from memcallbacks.leaks.cycles import GarbageCollector
@@ -200,7 +200,8 @@ class StepChecks:
         if snap is not None or config.auto_snapshot:
             extra[f"{p}/snapshots"] = float(len(snap.records)) if snap is not None else nan
         if config.watch_host:  # off: no host keys at all (rather than NaN columns)
-            host = self.host_figures()
+            channel = self.host
+            host = {**channel.growth.figures(), **channel.workers.figures} if channel is not None else {}  # host_figures()
             for key, name in (("host_python_bytes", "host_python_GiB"), ("host_private_bytes", "host_private_GiB"),
                               ("host_worker_uss_bytes", "host_workers_GiB")):
                 value = host.get(key)

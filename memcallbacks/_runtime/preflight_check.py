@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 __all__ = ["PreflightCheck", "MIN_GAP_BYTES", "PHASES", "autocast_precision", "fake_step_running", "fake_steps"]
 
 from memcallbacks._base.columns import TRAINING_PHASES as PHASES
-from memcallbacks._base.own_clock import own_time
+from memcallbacks._base.cpu import own_time
 _PEAK_COLUMN = {"forward": PEAK_FORWARD, "backward": PEAK_BACKWARD, "optimizer": PEAK_OPTIMIZER}
 MIN_GAP_BYTES = 8 << 20
 """A gap under this is never a finding: RSS moves by pages and thread stacks, the CUDA allocator by blocks."""

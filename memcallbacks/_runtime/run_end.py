@@ -14,7 +14,7 @@ from typing import Any, Protocol
 from memcallbacks._base import distributed as _distributed
 from memcallbacks._base.config import MonitorConfig
 from memcallbacks._base.findings import Finding
-from memcallbacks._base.own_clock import own_time
+from memcallbacks._base.cpu import own_time
 from memcallbacks._runtime import end_write
 from memcallbacks._runtime.end_write import wait_for_every_rank, write_detached
 from memcallbacks._runtime.checks import StepChecks

@@ -16,32 +16,21 @@ from typing import Any, Callable
 
 from memcallbacks._base import distributed as _distributed
 from memcallbacks._base.config import MonitorConfig
-from memcallbacks._base.own_clock import own_time
+from memcallbacks._base.cpu import own_time
 from memcallbacks._base.units import GiB
 from memcallbacks._base.devices import MemoryBackend, host_rss_reader, select_backend
 from memcallbacks._runtime.readout import eval_frame, history_frame, summarise
-
-log = logging.getLogger(__name__)
-
-__all__ = ["MemoryEngine", "FORWARD", "BACKWARD", "OPTIMIZER", "OTHER", "PHASES", "COLUMNS", "EVAL_COLUMNS"]
-
-STATE_VERSION = 1
-"""Version of the checkpointed monitor state (``state_dict()``)."""
-
-from memcallbacks._base.columns import (  # the row layout; re-exported for adapters
+from memcallbacks._base.columns import (
     ALLOCATED,
     ALLOC_RETRIES,
-    BACKWARD,
     BATCH_IDX,
     COLUMNS,
     EPOCH,
-    EVAL_COLUMNS,
     E_ALLOCATED,
     E_ALLOCATED_AFTER,
     E_BATCHES,
     E_PEAK_ALLOCATED,
     E_PEAK_RESERVED,
-    FORWARD,
     HOST_RSS,
     INACTIVE_SPLIT,
     MICRO_BATCHES,
@@ -55,11 +44,18 @@ from memcallbacks._base.columns import (  # the row layout; re-exported for adap
     PEAK_FORWARD,
     PEAK_OPTIMIZER,
     PEAK_RESERVED,
-    PHASES,
     RESERVED,
     STEP,
     STEP_TIME_S,
 )
+
+log = logging.getLogger(__name__)
+
+__all__ = ["MemoryEngine"]
+
+STATE_VERSION = 1
+"""Version of the checkpointed monitor state (``state_dict()``)."""
+
 
 _NAN = math.nan
 
@@ -155,7 +151,10 @@ class MemoryEngine:
         row[STEP_TIME_S] = time.perf_counter()
         self._row = row
         sample_ = self.backend.baseline(heap)  # type: ignore[union-attr]
-        self._peaks(sample_)
+        if sample_[2] > self.max_allocated:  # _peaks(sample_): the lifetime peaks
+            self.max_allocated = sample_[2]
+        if sample_[3] > self.max_reserved:
+            self.max_reserved = sample_[3]
         row[ALLOCATED], row[RESERVED] = sample_[0], sample_[1]
         row[HOST_RSS] = sample_[1] if self.backend.kind == "cpu" else self._host_rss()  # type: ignore[union-attr,misc]
         row[PEAK_ALLOCATED] = row[PEAK_RESERVED] = 0

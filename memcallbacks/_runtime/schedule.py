@@ -14,11 +14,12 @@ import enum
 import logging
 import math
 import time
+from statistics import median_high
 from typing import Any, Callable
 
 from memcallbacks._base.config import MonitorConfig
 from memcallbacks._base.cpu import Tripwire, heap_in_use_bytes, rss_tripwire
-from memcallbacks._base.own_clock import own_time, unwatch_collections, watch_collections
+from memcallbacks._base.cpu import own_time, unwatch_collections, watch_collections
 
 __all__ = [
     "StepKind", "Schedule", "BudgetGuard", "HookMeter", "watch_reader", "aligned_reads",
@@ -111,8 +112,8 @@ def _ceil(x: float) -> int:
 
 
 def median(values: Any) -> float:
-    ordered = sorted(values)
-    return float(ordered[len(ordered) // 2]) if ordered else math.nan
+    """The upper of the two middle values (NaN for none)."""
+    return float(median_high(values)) if values else math.nan
 
 
 def watch_reader(backend: Any) -> Callable[[], int | None]:
@@ -234,7 +235,7 @@ class Schedule:
         self.backend: Any = None  # whose heap_cost_s prices a sampled step's allocated read (heap_due)
         self.trip_cost_s = 0.0  # one tripwire check, as measured when the run starts (0: no tripwire)
         self.clock: Callable[[], float] = time.perf_counter  # the step clock (a test may drive its own)
-        self.watching = False  # own time leaves Python's automatic collections out (own_clock)
+        self.watching = False  # own time leaves Python's automatic collections out (the CPU clock in _base/cpu.py)
         self.new_run()
 
     def new_run(self) -> None:
@@ -333,7 +334,7 @@ class Schedule:
                 return StepKind.QUIET
             self._tripped(count)
             self.quiet_until = 0
-        if self.will_log(count):
+        if self.logs and ((count + 1) % self.log_every == 0 or (self.log_first_step and count == 0)):  # will_log(count)
             return StepKind.LOGGED
         if self.sample_next or (count + 1) % self.sample_every == 0 or (not self.explicit and count < MEASURE_STEPS):
             return StepKind.SAMPLED
@@ -465,8 +466,11 @@ class Schedule:
         now = self.clock()
         anchor = self._anchor
         if anchor is not None and count > anchor[0]:
-            self._time_steps(count - anchor[0], now - anchor[1])  # quiet steps between give their mean
-            if self.trip_cost_s and count > anchor[0] + 1:  # the quiet steps between that checked the tripwire
+            steps, elapsed = count - anchor[0], now - anchor[1]
+            self._step_times.append(elapsed / steps)  # quiet steps between give their mean (as _time_steps)
+            self.timed_s += elapsed
+            self.steps += steps
+            if self.trip_cost_s and steps > 1:  # the quiet steps between that checked the tripwire
                 checks = (count - 1) // TRIP_EVERY - anchor[0] // TRIP_EVERY
                 self.trip_checks += checks
                 self.own_s += checks * self.trip_cost_s
@@ -577,9 +581,9 @@ class Schedule:
             self.mark_every = min(MAX_INTERVAL, every * self.guard.backoff["lingering"])
             allowed -= check / (self.mark_every * max(1, self.sample_every))
         watches, reads, samples = self._watch_costs, self._read_costs, self._sample_costs
-        watch = median(watches) if watches else 0.0
+        watch = median_high(watches) if watches else 0.0  # median(): the upper of two middles
         if reads:
-            read = COLD_FACTOR * (median(reads) + watch)
+            read = COLD_FACTOR * (median_high(reads) + watch)
             every = max(1, min(MAX_READ_INTERVAL, _ceil(read / (allowed * READ_SHARE))))
             every = min(MAX_INTERVAL, every * self.guard.backoff["read"])
             if self.logs:  # reads in phase with the logged steps, whose baseline is a read
@@ -590,7 +594,7 @@ class Schedule:
             self.read_every = every
         if self.explicit or not samples:
             return
-        sample = COLD_FACTOR * median(samples)
+        sample = COLD_FACTOR * median_high(samples)
         if self.logs:
             allowed -= sample / self.log_every
         every = max(1, min(MAX_INTERVAL, MAX_INTERVAL if allowed <= 0 else _ceil(sample / allowed)))

@@ -18,7 +18,7 @@ from memcallbacks._base.config import MonitorConfig
 from memcallbacks._base.distributed import rank_and_world
 from memcallbacks._base.columns import ALLOCATED, E_STAGE, MONITOR_TIME_S, OPTIMIZER, PEAK_RESERVED, RESERVED
 from memcallbacks._base.findings import Finding
-from memcallbacks._base.own_clock import own_time
+from memcallbacks._base.cpu import own_time
 from memcallbacks._files.outputs import check_writable
 from memcallbacks._runtime.auto_snapshot import AutoSnapshot
 from memcallbacks._runtime.checks import StepChecks
@@ -84,6 +84,7 @@ class Session:
         self.step_ended_at = 0.0  # when the last step ended (time.perf_counter), for a pause said after the fact
         self.current_step = 0  # the open step's number as the adapter gave it: the step of findings, rows and logs
         self.current_count = 0  # steps before the open one, for the schedule (Lightning: batches that stepped)
+        self.next_count: int | None = None  # the next step's count, when no quiet step is skipped (None: a new fit)
         self.dashboard = self._dashboard()  # what the trackers' charts show (made again when the backend starts)
 
     def _rank(self) -> int:  # methods, not lambdas: the session pickles (DDP spawn)
@@ -131,6 +132,7 @@ class Session:
         self.sink.reset()
         self.checks.reset()
         self.kind = None
+        self.next_count = None
         self.schedule.quiet_until = 0
         self.schedule.sample_next = False
 
@@ -317,7 +319,9 @@ class Session:
             self._micro_batch()
             return
         n = step if count is None else count
-        self.current_step, self.current_count = step, n
+        if self.next_count is not None and n > self.next_count:  # quiet steps the adapter skipped (Lightning's gate)
+            self.engine.quiet_step(n - self.next_count)
+        self.current_step, self.current_count, self.next_count = step, n, n + 1
         # decided even when disabled, so that every rank agrees on which steps join a collective
         self.kind = kind = self.schedule.step_kind(n) if kind is None else kind
         if kind is StepKind.QUIET:  # only counted: nothing is measured
@@ -401,12 +405,14 @@ class Session:
                 found.append(finding)
         for finding in found:
             self.add_finding(finding)
-        engine.add_own_time(spent + own_time() - t1 - schedule.step_read_s)
+        row[MONITOR_TIME_S] += spent + own_time() - t1 - schedule.step_read_s  # the detection's time, in the step's row
 
-    def count_quiet(self, steps: int) -> None:
-        """``steps`` quiet steps an adapter skipped without calling :meth:`begin_step` (Lightning)."""
-        if steps > 0:
-            self.engine.quiet_step(steps)
+    def skip_to(self, count: int) -> None:
+        """The steps before ``count`` that an adapter skipped as quiet, without calling :meth:`begin_step`
+        (Lightning at the end of training; :meth:`begin_step` counts those before each other step)."""
+        if self.next_count is not None and count > self.next_count:
+            self.engine.quiet_step(count - self.next_count)
+            self.next_count = count
 
     def boundary(self, closing: int) -> None:
         """Phase ``closing`` ended (a :class:`~memcallbacks._base.columns.Phase`); the next one begins."""
@@ -473,7 +479,7 @@ class Session:
         # lingering references: every step at first (leaky loops leak from step 1), then after every
         # mark_every-th sampled step (a check costs the next step its quietness)
         watch = checks.watch
-        if watch is not None and (self.leaves_marks or checks.lingering_wants_mark):
+        if watch is not None and (self.leaves_marks or watch.lingering is not None and watch.lingering.wants_mark):
             t0 = own_time()
             if watch.lingering is not None:
                 watch.lingering.end_step(self.current_step, batch, loss, outputs)

@@ -14,7 +14,7 @@ import logging
 from typing import Any, Callable
 
 from memcallbacks._base.findings import Finding
-from memcallbacks._base.own_clock import own_time
+from memcallbacks._base.cpu import own_time
 from memcallbacks.leaks.census import Census, take_census
 from memcallbacks.leaks.frozen import visible_heap
 from memcallbacks.leaks.garbage import cyclic_garbage_note

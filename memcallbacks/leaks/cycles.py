@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 import torch
 
-from memcallbacks._base.own_clock import counted_collection
+from memcallbacks._base.cpu import counted_collection
 from memcallbacks._base.findings import Finding
 from memcallbacks._base.storage import storage_keys
 from memcallbacks._base.units import MiB, format_bytes

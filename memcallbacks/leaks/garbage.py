@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from memcallbacks._base.own_clock import counted_collection
+from memcallbacks._base.cpu import counted_collection
 from memcallbacks.leaks.cycles import cycle_for
 
 log = logging.getLogger(__name__)

@@ -33,7 +33,7 @@ from helpers import (
 )
 from memcallbacks._base.columns import frame_column
 from memcallbacks import MemoryMonitor
-from memcallbacks._runtime.sampling import COLUMNS
+from memcallbacks._base.columns import COLUMNS
 
 # documented key -> history column it is computed from (bytes / 2**30)
 STEP_KEY_COLUMNS = {
