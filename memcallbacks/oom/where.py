@@ -86,6 +86,8 @@ def locate(exc: BaseException, model: nn.Module | None) -> Where:
         owner = frame.f_locals.get("self")
         if not isinstance(owner, nn.Module):
             continue
+        if where.phase == "optimizer":  # the model's code inside optimizer.step: its closure's step (Lightning)
+            where.phase = "forward" if owner.training else "evaluation"
         if name in _CALL_NAMES and where.call is None:
             args, kwargs = frame.f_locals.get("args", ()), frame.f_locals.get("kwargs", {})
             where.call, where.call_module = (tuple(args), dict(kwargs or {})), owner

@@ -372,3 +372,25 @@ def test_a_logger_that_is_no_tracker_imports_no_tracker_module() -> None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert [m for m in json.loads(proc.stdout) if m != "memcallbacks.trackers._base"] == [], proc.stdout
+
+
+class AsksTooMuch(BoringModel):
+    """Step 3 asks the CPU allocator for 4 EiB: the allocator's own out-of-memory error, no limit needed."""
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        if batch_idx == 3:
+            torch.empty(1 << 62, dtype=torch.uint8)
+        return super().training_step(batch, batch_idx)
+
+
+def test_an_oom_explanation_reaches_tensorboard_text(tmp_path: Path) -> None:
+    monitor = MemoryMonitor()
+    with pytest.raises(RuntimeError, match="DefaultCPUAllocator: can't allocate memory"):  # propagated unchanged
+        fit(tmp_path, monitor, TensorBoardLogger(str(tmp_path), name="tb", version=0), model=AsksTooMuch())
+    events = tensorboard_events(tmp_path / "tb")
+    oom = [(step, text) for tag, step, text in events["text"] if tag == "memory/findings/oom"]
+    assert len(oom) == 1, events["text"]
+    step, text = oom[0]
+    # the model's training_step runs inside optimizer.step's closure: the phase is still its forward
+    assert step == 3 and "out of memory at step 3 on rank 0, in forward" in text and "cpu allocator asked for" in text, text
+    assert json.loads((Path(monitor.output_dir) / "oom.json").read_text())["step"] == 3
