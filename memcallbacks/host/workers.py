@@ -214,6 +214,11 @@ class FaultCounter:
     def __init__(self) -> None:
         self._fds: dict[int, int] = {}
 
+    @property
+    def open(self) -> bool:
+        """Whether a descriptor is open (a pid counted and not yet closed)."""
+        return bool(self._fds)
+
     def read(self, pids: list[int]) -> dict[int, int | None]:
         """Each pid's minor faults (None: gone or unreadable); descriptors of pids not asked for are closed."""
         for pid in [p for p in self._fds if p not in pids]:
@@ -312,7 +317,8 @@ class WorkerWatch:
         workers = self._workers()
         if due:
             self.last_time, self.last_step = now, step
-        read = [(w, why) for w in workers if (why := self._why(w, step, due, now)) is not None]
+        # no worker (most runs): no comprehension's frame either
+        read = [(w, why) for w in workers if (why := self._why(w, step, due, now)) is not None] if workers else []
         t1 = time.perf_counter()
         self.charged += t1 - t0
         if not read:
@@ -363,8 +369,12 @@ class WorkerWatch:
                 dead.append(pid)
         for pid in dead[: max(0, len(dead) - _KEEP_DEAD)]:  # epochs of non-persistent workers: keep the memory bounded
             del self.tracks[pid]
-        for pid in [p for p in self._seen if p not in pids]:
-            del self._seen[pid]
+        if self._seen:
+            for pid in [p for p in self._seen if p not in pids]:
+                del self._seen[pid]
+        if not workers and not self._counter.open:
+            self._faults = {}  # nothing to count and no descriptor to close: a run without workers
+            return workers
         c0 = time.thread_time()  # CPU time: a count preempted on a busy machine must not stop the counts for seconds
         self._faults = self._counter.read([w.pid for w in workers])
         self.fault_s += time.thread_time() - c0
