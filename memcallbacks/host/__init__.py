@@ -2,12 +2,10 @@
 workers and per-rank imbalance. Framework-free (torch, psutil, the standard library); see docs/host.md."""
 
 from memcallbacks.host.census import HolderGrowth, HostCensus, HostExplanation, TracemallocWindow, explain_host_growth, take_host_census
-from memcallbacks.host.growth import HostGrowth
+from memcallbacks.host.channel import HostReader
+from memcallbacks.host.growth import BYTES_PER_BLOCK, HostGrowth, HostReading
 from memcallbacks.host.ranks import find_imbalance, gather_figures
 from memcallbacks.host.readers import (
-    BYTES_PER_BLOCK,
-    HostReader,
-    HostReading,
     StatmReader,
     measure_costs,
     pymalloc_arena_bytes,

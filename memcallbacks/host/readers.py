@@ -1,13 +1,16 @@
-"""Cheap host reads for step start: Python-object memory, the process's resident and private memory.
+"""Host reads beyond the per-step one: USS/PSS, pymalloc's bytes, and what each host read costs.
 
-Costs measured on this machine (Python 3.11, Linux, 2 shared cores; :func:`measure_costs` repeats
-them) — docs/host.md has the table:
+The per-step read (statm, the block count on a stride) is the channel's
+(:class:`~memcallbacks.host.channel.HostReader`), a worker's page-fault count the workers'
+(:class:`~memcallbacks.host.workers.FaultCounter`): a read step enters neither this module nor a
+function of its own for them. Costs measured on this machine (Python 3.11, Linux, 2 shared cores;
+:func:`measure_costs` repeats them) — docs/host.md has the table:
 
 * ``/proc/self/statm`` through a kept-open descriptor (``os.pread``): ~1 µs. Resident set and its
   file-backed part, so private (anonymous) resident memory = resident - shared. Every step.
 * ``sys.getallocatedblocks()``: CPython 3.11 walks every pymalloc pool to count them, so its cost
   grows with the Python heap: ~1 µs at 24 k blocks, ~70 µs at 0.6 M, ~200 µs at 1.8 M (about
-  1 µs per 1 MiB arena). :class:`HostReader` reads it on a stride chosen from its measured cost.
+  1 µs per 1 MiB arena). ``HostReader`` reads it on a stride chosen from its measured cost.
 * ``/proc/self/smaps_rollup`` (USS, PSS): the kernel walks every mapping's page tables, 1-6 ms
   on a 300 MiB process, 9-22 ms on a DataLoader worker of one. For DataLoader workers
   (:mod:`memcallbacks.host.workers`), when their page faults ask for it or on a time budget.
@@ -20,21 +23,15 @@ them) — docs/host.md has the table:
 
 from __future__ import annotations
 
-import math
 import os
 import re
 import sys
 import time
-from dataclasses import dataclass
-from typing import Callable, NamedTuple
+from typing import Callable
 
-from memcallbacks._base.cpu import PAGE_SIZE, StatmReader
+from memcallbacks._base.cpu import StatmReader
 
 __all__ = [
-    "BYTES_PER_BLOCK",
-    "FaultCounter",
-    "HostReader",
-    "HostReading",
     "StatmReader",
     "measure_costs",
     "pymalloc_arena_bytes",
@@ -42,26 +39,6 @@ __all__ = [
     "python_object_blocks",
     "smaps_rollup",
 ]
-
-BYTES_PER_BLOCK = 64
-"""Nominal bytes per allocated block, to put the block count on a byte scale for the growth test.
-
-Measured with ``tracemalloc`` on leaks of dataclass objects, dicts of floats and memoised token
-lists: 57-114 bytes per block (pymalloc blocks are 8-512 bytes; a larger object is one block
-from ``malloc``). Findings report bytes from the census (``sys.getsizeof``) and from the private
-resident memory, not from this estimate."""
-
-class HostReading(NamedTuple):
-    """One host read at step start."""
-
-    step: int
-    rss_bytes: int
-    """Resident set (``statm`` field 2)."""
-    private_bytes: int
-    """Resident memory that is not file-backed or shared (resident - shared: the anonymous pages —
-    the Python heap, malloc's heap, tensors on CPU)."""
-    python_blocks: int | None
-    """``sys.getallocatedblocks()``, or None on a step the stride skipped."""
 
 
 def python_object_blocks() -> int:
@@ -95,46 +72,6 @@ def smaps_rollup(pid: int | str = "self") -> dict[str, int] | None:
         return None
     out["uss"] = out.get("private_clean", 0) + out.get("private_dirty", 0)
     return out
-
-
-def _minflt(data: bytes) -> int:
-    # the command name (field 2) is in parentheses and may hold spaces: count the fields after its ')'
-    return int(data[data.rindex(b")") + 2:].split()[7])
-
-
-class FaultCounter:
-    """Minor page faults of several processes so far (``/proc/<pid>/stat`` field 10, ``minflt``) through
-    kept-open descriptors (``os.pread``: ~3 µs a process warm, ~35 µs after a training step, against
-    ~14-40 µs opening the file each time and 9-22 ms for a DataLoader worker's ``smaps_rollup``).
-
-    A forked worker's first write to a page it shares with its parent is a minor fault that makes the
-    page private (copy on write), so faults times the page size bound how much could have become
-    private since the last count. Memory mapped and unmapped again faults too: evidence, not proof."""
-
-    def __init__(self) -> None:
-        self._fds: dict[int, int] = {}
-
-    def read(self, pids: list[int]) -> dict[int, int | None]:
-        """Each pid's minor faults (None: gone or unreadable); descriptors of pids not asked for are closed."""
-        for pid in [p for p in self._fds if p not in pids]:
-            os.close(self._fds.pop(pid))
-        out: dict[int, int | None] = {}
-        for pid in pids:
-            try:
-                fd = self._fds.get(pid)
-                if fd is None:
-                    fd = self._fds[pid] = os.open(f"/proc/{pid}/stat", os.O_RDONLY)
-                out[pid] = _minflt(os.pread(fd, 1024, 0))
-            except (OSError, ValueError, IndexError):
-                out[pid] = None
-        return out
-
-    def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
-
-    __del__ = close
 
 
 _ARENAS = re.compile(rb"(\d+) arenas \* (\d+) bytes/arena")
@@ -190,67 +127,6 @@ def pymalloc_bytes() -> int | None:
     for _, count in _CLASS_ROW.findall(stats):  # one row per size class
         blocks += int(count)
     return max(0, int(m.group(1).replace(b",", b"")) - 8 * blocks)
-
-
-@dataclass
-class HostReader:
-    """The host read at step start: ``statm`` every call, the Python block count on a stride.
-
-    ``read(step)`` costs ~1-3 µs plus, on every ``blocks_every``-th call, ``sys.getallocatedblocks()``
-    (40 µs warm, 1-3 ms after a training step has evicted the pool headers from the caches, on a
-    0.5 M-block heap: it touches every 16 KiB pool).
-    The stride is chosen from that call's measured cost so that it averages at most
-    ``blocks_budget_us`` per step, and it is at most ``max_blocks_every`` (the growth test tolerates
-    a thinned series: its blocks span steps, not reads). ``seconds`` totals the time spent in reads.
-    """
-
-    blocks_budget_us: float = 5.0
-    """Average cost per step allowed for the Python block count."""
-    max_blocks_every: int = 256
-    """The block count is read at least every this many calls (at ~2 ms a cold read on a 0.5 M-block
-    heap that is ~8 µs a step; on a small heap it is read every step)."""
-    max_blocks_gap_steps: int = 16
-    """...and at least every this many steps: the calls follow the watch's cadence (every step for the
-    first 48, then its read steps), so a stride in calls alone can leave hundreds of steps between
-    two block counts. The calls themselves are on the budget's cadence, so this bounds steps, not time."""
-
-    def __post_init__(self) -> None:
-        if not (self.blocks_budget_us > 0 and math.isfinite(self.blocks_budget_us)):
-            raise ValueError(f"HostReader(blocks_budget_us={self.blocks_budget_us!r}) must be a positive number of "
-                             "microseconds, e.g. 5.0.")
-        if not (isinstance(self.max_blocks_every, int) and self.max_blocks_every >= 1):
-            raise ValueError(f"HostReader(max_blocks_every={self.max_blocks_every!r}) must be an integer >= 1, e.g. 256.")
-        if not (isinstance(self.max_blocks_gap_steps, int) and self.max_blocks_gap_steps >= 1):
-            raise ValueError(f"HostReader(max_blocks_gap_steps={self.max_blocks_gap_steps!r}) must be an integer >= 1, e.g. 16.")
-        self._statm = StatmReader()
-        self._blocks_step: int | None = None
-        self.blocks_every = 1
-        self.blocks_cost_us = 0.0
-        self.calls = 0
-        self.seconds = 0.0
-
-    def read(self, step: int) -> HostReading:
-        t0 = time.perf_counter()
-        rss, private = self._statm.read()
-        blocks: int | None = None
-        last = self._blocks_step
-        # at least every max_blocks_gap_steps steps, unless the count is so dear (1-3 ms on a large heap
-        # after a step) that it would cost more than twice its budget per step: then as rarely as that allows
-        gap = max(self.max_blocks_gap_steps, math.ceil(self.blocks_cost_us / (2 * self.blocks_budget_us)))
-        if self.calls % self.blocks_every == 0 or last is None or step - last >= gap:
-            self._blocks_step = step
-            t1 = time.thread_time()  # CPU time: a read preempted on a shared machine is not a slow read
-            blocks = sys.getallocatedblocks()
-            cost = (time.thread_time() - t1) * 1e6
-            # a slow moving average: one read evicted from the cache must not thin the series
-            self.blocks_cost_us = cost if self.calls == 0 else 0.8 * self.blocks_cost_us + 0.2 * cost
-            self.blocks_every = max(1, min(self.max_blocks_every, math.ceil(self.blocks_cost_us / self.blocks_budget_us)))
-        self.calls += 1
-        self.seconds += time.perf_counter() - t0
-        return HostReading(step, rss, private, blocks)
-
-    def close(self) -> None:
-        self._statm.close()
 
 
 def _time_us(fn: Callable[[], object], repeat: int) -> float:

@@ -20,7 +20,8 @@ from memcallbacks.leaks.frozen import visible_heap
 from memcallbacks.leaks.garbage import cyclic_garbage_note
 from memcallbacks.leaks.gc_watch import CollectionWatch
 from memcallbacks.leaks.holders import find_holders, group_paths
-from memcallbacks.leaks.lingering import LingeringDetector, chain_finding
+from memcallbacks.leaks.lingering import LingeringDetector
+from memcallbacks.leaks.lingering_text import chain_finding
 from memcallbacks.leaks.roots import find_graph_root
 from memcallbacks.leaks.search_failure import holders_unavailable
 from memcallbacks.leaks.tensors import describe_tensor, graph_bytes

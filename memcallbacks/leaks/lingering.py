@@ -1,8 +1,17 @@
-"""Lingering detection: step N-1's batch or autograd graph still alive when step N starts."""
+"""Lingering detection: the marks a step leaves, and step N-1's batch or graph still alive at step N.
+
+At a watched step's end the detector leaves marks for the next step's check: weak references to
+the batch's tensors and to the storages of the model's outputs, and a :class:`Sentinel` in
+``grad_fn.metadata`` of the loss's graph (it dies exactly with the graph; :class:`GraphChains`
+watches several of them). Storages, not tensors, are watched for outputs: frameworks hand the
+monitor ``.detach()``ed copies while the user keeps the original; both share one storage, whose
+Python object lives exactly as long as any tensor on it.
+"""
 
 from __future__ import annotations
 
 import collections
+import logging
 import weakref
 from typing import Any
 
@@ -10,15 +19,17 @@ import torch
 
 from memcallbacks._base.findings import Finding
 from memcallbacks._base.storage import storage_keys
-from memcallbacks._base.units import MiB, format_bytes
-from memcallbacks.leaks.marks import (
-    OutputRef, Sentinel, alive_outputs, batch_weakrefs, mark_graphs, output_refs, storage_tensor,
-)
-from memcallbacks.leaks.roots import find_graph_root
+from memcallbacks._base.units import MiB
+from memcallbacks.leaks.roots import METADATA_KEY, find_graph_root
 from memcallbacks.leaks.lingering_text import lingering_finding
-from memcallbacks.leaks.tensors import graph_freed, graph_tensors, is_parameter, iter_tensors
+from memcallbacks.leaks.tensors import describe_tensor, graph_freed, graph_tensors, is_parameter, iter_tensors
 
-__all__ = ["LingeringDetector", "GraphChains", "MIN_STEPS_ALIVE", "chain_finding"]
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "LingeringDetector", "GraphChains", "MIN_STEPS_ALIVE", "Sentinel", "mark_graphs", "OutputRef",
+    "output_refs", "alive_outputs", "batch_weakrefs", "plain_tensors", "storage_tensor",
+]
 
 _Tensor = torch.Tensor
 
@@ -109,10 +120,15 @@ class LingeringDetector:
                     exclude.add(t.untyped_storage().data_ptr())
                 except Exception:
                     pass
-        self._output_refs = output_refs(outputs, exclude) if outputs is not None else []
+        plain = plain_tensors(outputs)  # Lightning's {"loss": loss}: no walk, no parameter check
+        self._output_refs = output_refs(outputs, exclude, plain) if outputs is not None else []
         self.pending = bool(self._batch_refs) or bool(self._output_refs)
         graphs = []  # the loss's and the outputs' graphs (a loop: no comprehension frame at every marked step)
-        for t in [loss, *iter_tensors(outputs, max_items=64)] if outputs is not None else [loss]:
+        if outputs is None:
+            candidates = [loss]
+        else:
+            candidates = [loss, *(plain if plain is not None else iter_tensors(outputs, max_items=64))]
+        for t in candidates:
             if isinstance(t, _Tensor) and t.grad_fn is not None:
                 graphs.append(t)
         if not graphs:
@@ -375,6 +391,147 @@ def _add_storages(t: Any, held: dict[Any, int], targets: list[torch.Tensor]) -> 
         targets.append(t)
 
 
+# ------------------------------------------------------------------ marks
+# What end_step leaves for the next step's check. Most marks die unread (the step's batch and graph are
+# freed), so a mark costs as little as it can: the commonest batches and outputs (a tensor, a flat
+# dict/list/tuple of plain tensors, Lightning's {"loss": loss}) are taken without a walk, and an output is
+# described only when a check finds it alive.
+class Sentinel:
+    """Lives in ``grad_fn.metadata``: dies exactly when the autograd node dies."""
+
+    __slots__ = ("step", "loss_ref", "__weakref__")
+    step: int
+    loss_ref: Any  # a weak reference to the marked loss: the chain's root without a heap scan
+
+
+_MARKABLE: dict[type, bool] = {}
+"""Node types that may carry the sentinel: not AccumulateGrad, which can outlive the graph (DDP keeps them)."""
+
+
+def mark_graphs(step: int, graphs: list[torch.Tensor]) -> Sentinel:
+    """Put one :class:`Sentinel` for ``step`` into ``grad_fn.metadata`` of the first 8 ``graphs``'
+    nodes, and of the loss's (``graphs[0]``) next nodes: a framework may hand over ``loss / n``."""
+    sentinel = Sentinel()
+    sentinel.step = step
+    sentinel.loss_ref = weakref.ref(graphs[0])
+    try:
+        for i, t in enumerate(graphs[:8]):
+            fn = t.grad_fn
+            fn.metadata[METADATA_KEY] = sentinel
+            if i == 0:
+                for nxt, _ in fn.next_functions:
+                    if nxt is None:
+                        continue
+                    tp = type(nxt)
+                    ok = _MARKABLE.get(tp)
+                    if ok is None:
+                        ok = _MARKABLE[tp] = tp.__name__ != "AccumulateGrad"
+                    if ok:
+                        nxt.metadata[METADATA_KEY] = sentinel
+    except Exception:  # exotic node types without metadata
+        log.debug("could not mark the loss graph of step %s", step, exc_info=True)
+    return sentinel
+
+
+MAX_OUTPUT_TENSORS = 16
+
+
+class OutputRef:
+    """A weak reference to one output's storage, with what the tensor looked like (:attr:`described`)."""
+
+    __slots__ = ("storage", "nbytes", "shape", "dtype", "device", "kind")
+
+    def __init__(self, storage: Any, nbytes: int, t: torch.Tensor) -> None:
+        self.storage = weakref.ref(storage)
+        self.nbytes = nbytes
+        try:
+            self.shape = t.shape
+        except Exception:  # a nested tensor has no sizes: described by its type, as describe_tensor does
+            self.shape = None
+        self.dtype, self.device, self.kind = t.dtype, t.device, type(t)
+
+    @property
+    def described(self) -> str:
+        """``describe_tensor``'s text for the tensor as it was marked: made only for a finding."""
+        return describe_tensor(self, self.kind)
+
+
+def plain_tensors(obj: Any) -> list[torch.Tensor] | None:
+    """``obj``'s tensors when it is a plain tensor or a flat dict/list/tuple of them (``type(t) is
+    torch.Tensor``: no parameter, no subclass, nothing to walk); None for anything else."""
+    tp = type(obj)
+    if tp is _Tensor:
+        return [obj]
+    if tp is not dict and tp is not list and tp is not tuple:
+        return None
+    values = list(obj.values()) if tp is dict else list(obj)
+    for v in values:  # a loop, not all(<generator>): this runs at every step that leaves marks
+        if type(v) is not _Tensor:
+            return None
+    return values
+
+
+def output_refs(outputs: Any, exclude: set[int] | None = None, plain: list[torch.Tensor] | None = None) -> list[OutputRef]:
+    """Weak references to the storages of the tensors in ``outputs`` (parameters and the storages
+    whose ``data_ptr`` is in ``exclude``, e.g. the batch's, left out); at most 16. ``plain``:
+    :func:`plain_tensors` of ``outputs`` when it found them (no walk, no parameter among them)."""
+    if outputs is None:
+        return []
+    refs: list[OutputRef] = []
+    seen: set[int] = set()
+    for t in plain if plain is not None else iter_tensors(outputs, max_items=256):
+        if (plain is None and is_parameter(t)) or t.device.type == "meta":
+            continue
+        try:
+            st = t.untyped_storage()
+            ptr = st.data_ptr()
+            if not ptr or ptr in seen or (exclude and ptr in exclude):
+                continue
+            seen.add(ptr)
+            refs.append(OutputRef(st, int(st.nbytes()), t))
+        except Exception:
+            continue
+        if len(refs) >= MAX_OUTPUT_TENSORS:
+            break
+    return refs
+
+
+def alive_outputs(refs: list[OutputRef], current: set[int]) -> list[tuple[Any, OutputRef]]:
+    """``[(storage, ref)]`` of the referenced storages still alive, except those of ``current``
+    (data pointers of this step's batch: a batch the model returns as is is not a kept output)."""
+    out = []
+    for r in refs:
+        st = r.storage()
+        if st is not None:
+            try:
+                if st.data_ptr() in current:
+                    continue
+            except Exception:
+                continue
+            out.append((st, r))
+    return out
+
+
+def storage_tensor(storage: Any) -> torch.Tensor:
+    """A byte tensor on ``storage``: what :func:`~memcallbacks.leaks.find_holders` matches by storage."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+def batch_weakrefs(batch: Any, max_tensors: int) -> list[weakref.ref[torch.Tensor]]:
+    """Weak references to the batch's tensors (parameters excepted), at most ``max_tensors``."""
+    plain = plain_tensors(batch)
+    if plain is not None:  # a tensor, or a flat dict/list/tuple of them: map, not a comprehension's frame
+        return list(map(weakref.ref, plain[:max_tensors]))
+    refs: list[weakref.ref[torch.Tensor]] = []
+    if batch is not None:
+        for t in iter_tensors(batch):
+            if not is_parameter(t):
+                refs.append(weakref.ref(t))
+                if len(refs) >= max_tensors:
+                    break
+    return refs
+
+
 # ------------------------------------------------------------------ graph chains
 # ``self.total = self.total + loss`` links every step's graph to the next one. After ``backward()`` each
 # graph holds few bytes, so neither the lingering threshold nor the growth detector sees it early, but
@@ -420,25 +577,3 @@ class GraphChains:
         self._marks.clear()
         return alive
 
-
-def chain_finding(step: int, steps_alive: list[int], nbytes: int, holders: list[str]) -> Finding:
-    """The ``growth`` finding for a graph chain seen at the start of ``step``."""
-    shown = ", ".join(str(s) for s in steps_alive)
-    return Finding(
-        kind="growth",
-        key="growth",
-        step=step,
-        bytes=int(nbytes),
-        message=(
-            f"The autograd graphs of steps {shown} were all still alive when step {step} started "
-            f"({format_bytes(nbytes)} of tensors in them besides parameters): something links every step's "
-            "graph to the next and keeps them all, usually a running total without `.detach()` "
-            "(`self.total = self.total + loss`), an evaluation without `torch.no_grad()` summed into a "
-            "variable, or outputs kept with their graphs in a list. After `backward()` each graph is "
-            "small, but their number (nodes, saved tensors of graphs never backpropagated) grows every "
-            "step without bound. Accumulate `loss.detach()` or `loss.item()`, evaluate under "
-            "`torch.no_grad()`, keep `.detach()`ed outputs. The holders show the variable."
-        ),
-        holders=holders,
-        details={"evidence": "graph_chain", "graph_steps_alive": list(steps_alive), "graph_bytes": int(nbytes)},
-    )

@@ -1,12 +1,13 @@
-"""The lingering finding's text: what was still alive, the usual cause and the fix, or the advice
-when it is one step's outputs kept by a loop variable (bounded, not a leak)."""
+"""The lingering and graph-chain findings' text: what was still alive, the usual cause and the fix.
+
+Or the advice when it is one step's outputs kept by a loop variable (bounded, not a leak)."""
 
 from __future__ import annotations
 
 from memcallbacks._base.findings import Finding
 from memcallbacks._base.units import format_bytes
 
-__all__ = ["lingering_finding"]
+__all__ = ["chain_finding", "lingering_finding"]
 
 
 def lingering_finding(
@@ -76,4 +77,27 @@ def _cause(outputs_only: bool) -> str:
         "variable (`return {\"loss\": loss}`, `outputs = train_one_step(batch)`): the graph holds "
         "the inputs that require grad and their gradients. Return `loss.item()` (or "
         "`loss.detach()`), or `del outputs, batch` at the end of the loop body."
+    )
+
+
+def chain_finding(step: int, steps_alive: list[int], nbytes: int, holders: list[str]) -> Finding:
+    """The ``growth`` finding for a graph chain seen at the start of ``step``."""
+    shown = ", ".join(str(s) for s in steps_alive)
+    return Finding(
+        kind="growth",
+        key="growth",
+        step=step,
+        bytes=int(nbytes),
+        message=(
+            f"The autograd graphs of steps {shown} were all still alive when step {step} started "
+            f"({format_bytes(nbytes)} of tensors in them besides parameters): something links every step's "
+            "graph to the next and keeps them all, usually a running total without `.detach()` "
+            "(`self.total = self.total + loss`), an evaluation without `torch.no_grad()` summed into a "
+            "variable, or outputs kept with their graphs in a list. After `backward()` each graph is "
+            "small, but their number (nodes, saved tensors of graphs never backpropagated) grows every "
+            "step without bound. Accumulate `loss.detach()` or `loss.item()`, evaluate under "
+            "`torch.no_grad()`, keep `.detach()`ed outputs. The holders show the variable."
+        ),
+        holders=holders,
+        details={"evidence": "graph_chain", "graph_steps_alive": list(steps_alive), "graph_bytes": int(nbytes)},
     )

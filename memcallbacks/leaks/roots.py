@@ -13,9 +13,11 @@ from typing import Any
 import torch
 
 from memcallbacks._base.torch_private import node_metadata
-from memcallbacks.leaks.marks import METADATA_KEY
 
-__all__ = ["CO_OPTIMIZED", "PACKAGE_DIR", "Roots", "frame_locals", "find_graph_root"]
+__all__ = ["CO_OPTIMIZED", "METADATA_KEY", "PACKAGE_DIR", "Roots", "frame_locals", "find_graph_root"]
+
+METADATA_KEY = "memcallbacks"
+"""Key of the sentinel the lingering detector puts into ``grad_fn.metadata`` (here: the graph root's search reads it)."""
 
 _Tensor = torch.Tensor
 

@@ -25,8 +25,10 @@ __all__ = [
 ]
 
 
-def describe_tensor(t: Any) -> str:
-    """``"256x512 float32"`` (plus ``" on cuda:0"`` off the CPU); never raises."""
+def describe_tensor(t: Any, kind: type | None = None) -> str:
+    """``"256x512 float32"`` (plus ``" on cuda:0"`` off the CPU); never raises. ``t``: a tensor, or what
+    was kept of one (its ``shape``, ``dtype`` and ``device``); ``kind``: the type named when they do not
+    describe it (a nested tensor's sizes), ``type(t)`` by default."""
     try:
         shape = "x".join(map(str, map(int, t.shape))) or "scalar"  # builtins: no generator frame
         dtype = str(t.dtype).replace("torch.", "")
@@ -34,7 +36,7 @@ def describe_tensor(t: Any) -> str:
         where = "" if dev.type == "cpu" else f" on {dev}"
         return f"{shape} {dtype}{where}"
     except Exception:
-        return type(t).__name__
+        return (kind or type(t)).__name__
 
 
 def iter_tensors(obj: Any, *, max_depth: int = 8, max_items: int = 100_000) -> Iterator[torch.Tensor]:

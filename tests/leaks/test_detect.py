@@ -529,6 +529,42 @@ def test_lingering_detector_keeps_nothing_alive():
     assert det.check(1) is None
 
 
+@pytest.mark.parametrize("wrap", ["plain dict", "nested with a parameter", "tensor"])
+def test_lingering_outputs_kept_by_the_loop_are_described(wrap):
+    """Outputs marked without a walk (a tensor, a flat dict of plain tensors) and with one (nested, a parameter
+    among them) are described alike in the finding, from what was kept of them at the mark."""
+    wraps = {"plain dict": lambda t: {"logits": t}, "tensor": lambda t: t,
+             "nested with a parameter": lambda t: {"logits": [t], "w": nn.Parameter(torch.zeros(3))}}
+    det = LingeringDetector(min_bytes=0)
+    found = []
+    for step in range(4):
+        batch = torch.randn(8, 16)
+        f = det.check(step, current_batch=batch)
+        if f is not None:
+            found.append(f)
+        out = wraps[wrap](torch.randn(64, 1024))  # kept by the loop until the next step rebinds it
+        det.end_step(step, batch, None, outputs=out)
+    assert [(f.key, f.step) for f in found] == [("lingering:outputs", 2)]
+    assert "step 1's model output 64x1024 float32 (256.0 KiB)" in found[0].message
+    del out
+
+
+def test_output_refs_describe_as_describe_tensor_does():
+    import warnings
+
+    from memcallbacks.leaks.lingering import output_refs, plain_tensors
+    from memcallbacks.leaks.tensors import describe_tensor
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # nested tensors are a prototype
+        tensors = [torch.randn(3, 4, dtype=torch.float16), torch.tensor(1.0),
+                   torch.nested.nested_tensor([torch.randn(2, 3), torch.randn(4, 3)])]  # no sizes: named by its type
+    for t in tensors:
+        refs = output_refs([t], plain=plain_tensors([t]))
+        assert [r.described for r in refs] == [describe_tensor(t)]
+    assert plain_tensors({"loss": tensors[1]}) == [tensors[1]] and plain_tensors([nn.Parameter(torch.zeros(1))]) is None
+
+
 def test_lingering_validation():
     with pytest.raises(ValueError, match="min_bytes=-1"):
         LingeringDetector(min_bytes=-1)
