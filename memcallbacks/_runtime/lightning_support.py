@@ -74,7 +74,6 @@ def start_session(session: Session, trainer: Any, emit: Callable[[dict[str, floa
         default_output_dir=default_dir(trainer, session.config),
         framework_log_every=trainer.log_every_n_steps,
         logs=bool(trainer.loggers) and int(trainer.log_every_n_steps or 0) > 0,
-        expected_steps=int(trainer.max_steps) if int(trainer.max_steps or -1) > 0 else None,
     )
 
 

@@ -99,13 +99,14 @@ class Session:
         model: Any = _KEEP, optimizer: Any = None, precision: str | None = None, strategy: str | None = None,
         world_size: int | None = None,
     ) -> None:
-        """What an adapter tells the session, in one call: ``log_fn(metrics, step)``, rank zero's trackers,
-        the title, and the model with its optimizer, precision, strategy and world size (estimate()'s names;
-        one part, given together). A part not given is kept."""
+        """What an adapter tells the session: ``log_fn(metrics, step)``, rank zero's trackers, the title, and the
+        model with its optimizer, precision, strategy and world size (given together). A part not given is kept."""
         if log_fn is not _KEEP:
             self.log_fn = log_fn
         if trackers is not _KEEP:
             self.trackers = trackers
+            if trackers is not None and self.live:  # after the start (Accelerate, Transformers); Lightning's: start()
+                trackers.look(self.sink.kept.version)
         if title is not _KEEP and title is not None:
             self.title = title
         if model is not _KEEP:  # what the census and the theory check look at
@@ -186,12 +187,12 @@ class Session:
     def start(
         self, device: Any, *, rank: int | None = None, world_size: int | None = None,
         default_output_dir: str | os.PathLike[str] | None = None, framework_log_every: int | None = None,
-        logs: bool = True, log_first_step: bool = False, expected_steps: int | None = None,
+        logs: bool = True, log_first_step: bool = False,
     ) -> None:
         """Choose the device backend, the output folder and the sampling/logging intervals.
 
         Raises ``PermissionError`` for an unwritable output folder, or one another live monitor writes
-        to; any other fault is contained. ``expected_steps``: unused (the schedule samples every run's start)."""
+        to; any other fault is contained."""
         config = self.config
         if config.write_files:
             folder = output_folder(config.output_dir, default_output_dir)
@@ -209,6 +210,8 @@ class Session:
             self._start_parts(device, rank, world_size)
         except Exception as exc:  # backend selection, the first reads, the leak watch: never fatal
             self.fail(exc, "monitor start")
+        if self.trackers is not None:
+            self.trackers.look(self.sink.kept.version)
 
     def _start_parts(self, device: Any, rank: int | None, world_size: int | None) -> None:
         config, engine = self.config, self.engine
@@ -306,18 +309,14 @@ class Session:
         self, step: int, epoch: int = 0, batch_idx: int = 0, *, count: int | None = None, kind: StepKind | None = None,
         batch: Any = None, defer_lingering: bool = False,
     ) -> None:
-        """Open a step (or, if one is open, count a further micro-batch: :meth:`micro_batch`).
-        ``count``: steps before this one, for the schedule (default ``step``; Lightning passes batches
-        that stepped). ``kind``: what the schedule said this step is, where the adapter asked it
-        already (:meth:`Schedule.step_kind`, once per step). ``batch`` is only looked at (leak
-        detection), never kept. ``defer_lingering``: the caller runs :meth:`check_lingering` later in
-        the step (plain loops, whose loop variable still holds the previous batch). A quiet step is
-        only counted; its ``boundary``/``end_step`` calls do nothing."""
-        if self._observers:
-            self._notify("step_beginning", self.kind is not None)
+        """Open a step (with one open: a further micro-batch). ``count``: steps before this one (default
+        ``step``; Lightning: batches that stepped). ``kind``: the schedule's answer where the adapter asked
+        (once per step). ``batch`` is looked at, never kept. ``defer_lingering``: the caller runs
+        :meth:`check_lingering` later (plain loops). A quiet step is only counted."""
         if self.kind is not None:
-            self._micro_batch()
-            return
+            return self.micro_batch()
+        if self._observers:
+            self._notify("step_beginning", False)
         n = step if count is None else count
         if self.next_count is not None and n > self.next_count:  # quiet steps the adapter skipped (Lightning's gate)
             self.engine.quiet_step(n - self.next_count)
@@ -353,9 +352,6 @@ class Session:
         """A further micro-batch of the open step (gradient accumulation)."""
         if self._observers:
             self._notify("step_beginning", True)
-        self._micro_batch()
-
-    def _micro_batch(self) -> None:
         if self.engine.enabled:
             try:
                 self.engine.micro_batch()
@@ -541,10 +537,9 @@ class Session:
 
     # ------------------------------------------------------------------ evaluation loops
     def pause(self, count: int | None = None) -> None:
-        """Evaluation or a checkpoint between steps: its time is not step time (the own-time share).
-        ``count``: the steps done by now (Lightning, which skips quiet steps, passes its own); by
-        default those up to the open step, or with none open, timed up to the last one's end (an
-        adapter that hears of an evaluation or a checkpoint only after it pauses then)."""
+        """Evaluation or a checkpoint between steps: its time is not step time (the own-time share). ``count``:
+        the steps done by now (Lightning's own); by default those up to the open step, or with none open, timed
+        to the last one's end (an adapter that hears of an evaluation or a checkpoint only after it)."""
         if count is not None:
             self.schedule.pause(count)
         elif self.kind is None:  # between steps: from the last one's end (a pause said after the evaluation)

@@ -5,14 +5,8 @@ from memcallbacks.host.census import HolderGrowth, HostCensus, HostExplanation, 
 from memcallbacks.host.channel import HostReader
 from memcallbacks.host.growth import BYTES_PER_BLOCK, HostGrowth, HostReading
 from memcallbacks.host.ranks import find_imbalance, gather_figures
-from memcallbacks.host.readers import (
-    StatmReader,
-    measure_costs,
-    pymalloc_arena_bytes,
-    pymalloc_bytes,
-    python_object_blocks,
-    smaps_rollup,
-)
+from memcallbacks._base.cpu import StatmReader, pymalloc_arena_bytes, pymalloc_bytes
+from memcallbacks.host.readers import measure_costs, python_object_blocks, smaps_rollup
 from memcallbacks.host.workers import WorkerInfo, WorkerWatch, dataloader_workers
 
 __all__ = [

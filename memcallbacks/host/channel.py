@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
+import multiprocessing
 import sys
 import time
 from dataclasses import dataclass
@@ -69,8 +70,10 @@ class HostChannel:
             out: list[Finding] = []
             finding = self.growth.update(self.reader.read(step))
             watch, workers, now, confirm = self.workers, None, time.monotonic(), self.workers.finding_seconds
-            # the workers' own test of whether an update would do anything, read here: no call then
-            if now >= watch.next_update_s or step - (watch.last_step or 0) >= watch.max_gap_steps:
+            # the workers' own test of whether an update would do anything, read here: no call then; and
+            # none while no child process lives and no worker is tracked (every DataLoader worker is a child)
+            if (now >= watch.next_update_s or step - (watch.last_step or 0) >= watch.max_gap_steps) and (
+                    watch.tracks or multiprocessing.active_children()):
                 workers = watch.update(step, now=now)
             self.seconds += time.perf_counter() - t0 - (watch.finding_seconds - confirm)
             if finding is not None:

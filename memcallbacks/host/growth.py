@@ -28,8 +28,7 @@ from typing import Any, Callable, NamedTuple
 
 from memcallbacks._base.findings import Finding
 from memcallbacks._base.units import KiB, MiB, format_bytes
-from memcallbacks._base.cpu import heap_in_use_bytes
-from memcallbacks.host.readers import pymalloc_bytes
+from memcallbacks._base.cpu import heap_in_use_bytes, pymalloc_bytes
 from memcallbacks.leaks.growth import GrowthDetector, thinned_rate
 
 __all__ = ["BYTES_PER_BLOCK", "HostGrowth", "HostReading"]

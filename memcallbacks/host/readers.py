@@ -1,4 +1,4 @@
-"""Host reads beyond the per-step one: USS/PSS, pymalloc's bytes, and what each host read costs.
+"""Host reads beyond the per-step one: USS/PSS, the block count, and what each host read costs.
 
 The per-step read (statm, the block count on a stride) is the channel's
 (:class:`~memcallbacks.host.channel.HostReader`), a worker's page-fault count the workers'
@@ -23,22 +23,13 @@ function of its own for them. Costs measured on this machine (Python 3.11, Linux
 
 from __future__ import annotations
 
-import os
-import re
 import sys
 import time
 from typing import Callable
 
-from memcallbacks._base.cpu import StatmReader
+from memcallbacks._base.cpu import StatmReader, pymalloc_arena_bytes
 
-__all__ = [
-    "StatmReader",
-    "measure_costs",
-    "pymalloc_arena_bytes",
-    "pymalloc_bytes",
-    "python_object_blocks",
-    "smaps_rollup",
-]
+__all__ = ["measure_costs", "python_object_blocks", "smaps_rollup"]
 
 
 def python_object_blocks() -> int:
@@ -72,61 +63,6 @@ def smaps_rollup(pid: int | str = "self") -> dict[str, int] | None:
         return None
     out["uss"] = out.get("private_clean", 0) + out.get("private_dirty", 0)
     return out
-
-
-_ARENAS = re.compile(rb"(\d+) arenas \* (\d+) bytes/arena")
-_IN_BLOCKS = re.compile(rb"# bytes in allocated blocks += +([\d,]+)")
-
-
-def _malloc_stats() -> bytes | None:
-    """What ``sys._debugmallocstats()`` prints to fd 2 (~0.5-1.5 ms: it walks every pool), captured."""
-    r, w = os.pipe()
-    saved = os.dup(2)
-    try:
-        sys.stderr.flush()
-        os.dup2(w, 2)
-        try:
-            sys._debugmallocstats()  # type: ignore[attr-defined]
-        finally:
-            os.dup2(saved, 2)
-            os.close(w)
-        chunks = []
-        while True:
-            chunk = os.read(r, 1 << 16)
-            if not chunk:
-                break
-            chunks.append(chunk)
-    except Exception:
-        return None
-    finally:
-        os.close(saved)
-        os.close(r)
-    return b"".join(chunks)
-
-
-def pymalloc_arena_bytes() -> int | None:
-    """Bytes of pymalloc arenas now allocated, parsed from ``sys._debugmallocstats()`` (~1 ms: for
-    a census, never per step). None where CPython does not print it."""
-    m = _ARENAS.search(_malloc_stats() or b"")
-    return int(m.group(1)) * int(m.group(2)) if m else None
-
-
-_CLASS_ROW = re.compile(rb"^ +\d+ +(\d+) +\d+ +(\d+) +\d+$", re.MULTILINE)
-
-
-def pymalloc_bytes() -> int | None:
-    """Bytes Python asked pymalloc for (every object of 512 bytes or less), from ``sys._debugmallocstats()``:
-    the bytes in its allocated blocks less 8 a block, since every request is rounded up to a multiple of 16
-    (a 24-byte float takes a 32-byte block; ``tracemalloc`` and ``sys.getsizeof`` count 24). None where
-    CPython does not print them."""
-    stats = _malloc_stats() or b""
-    m = _IN_BLOCKS.search(stats)
-    if not m:
-        return None
-    blocks = 0
-    for _, count in _CLASS_ROW.findall(stats):  # one row per size class
-        blocks += int(count)
-    return max(0, int(m.group(1).replace(b",", b"")) - 8 * blocks)
 
 
 def _time_us(fn: Callable[[], object], repeat: int) -> float:

@@ -131,6 +131,13 @@ class Trackers:
             )
             return None
 
+    def look(self, version: int) -> None:
+        """At the run's start: pick up the trackers there are. A run with none then asks at each logged step
+        only whether there is news (a logger added); one with trackers sets them up at its first logged step."""
+        self._refresh()  # never raises: a source that fails is said at debug level
+        self.told = version
+        self.waiting = self.waiting or any(not t.started for t in self._trackers)
+
     def has_news(self, version: int) -> bool:
         """Whether a logged step has work for :meth:`on_log`: a logger was added, the findings changed
         since they were told (``version``, ``FindingLog.version``), or a tracker is still to set up or to
