@@ -241,9 +241,9 @@ def _sharded(step: StepModel, base: Any, world_size: int) -> Any:
     a single-device ``base`` is resharded as :func:`~memcallbacks.preflight.predict` does, without running the step again."""
     if base.strategy != "single" or base.world_size != 1:
         return step.predict(strategy="fsdp2", world_size=world_size)
-    from memcallbacks.preflight.predict import _shard
+    from memcallbacks.preflight.predict import shard_prediction
 
-    return _shard(base, step.module, step.optimizer, base.precision, "fsdp2", world_size)
+    return shard_prediction(base, step.module, step.optimizer, base.precision, "fsdp2", world_size)
 
 
 def _fragmentation(acc: Accounting) -> Remedy | None:
