@@ -143,7 +143,8 @@ def _run(args: argparse.Namespace) -> int:
                   world_size=int(args.world_size), hopper=args.hopper)
     try:
         prediction = predict(model, make(size), optimizer, **kwargs)
-        fit = max_batch_size(model, make, capacity, optimizer, **kwargs) if args.find_max_batch else None
+        # the search reuses the prediction at the given batch size when it gets there
+        fit = max_batch_size(model, make, capacity, optimizer, known={size: prediction}, **kwargs) if args.find_max_batch else None
     except ValueError as exc:
         raise CliUsageError(one_line(exc)) from None
     except PreflightError as exc:

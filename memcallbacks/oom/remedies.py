@@ -127,17 +127,19 @@ def _leak(acc: Accounting, holders: list[str]) -> Remedy | None:
                   held, None, {"holders": holders[:3]})
 
 
-def _window(step: StepModel, base: Any, size: int, available: int) -> tuple[int, int]:
+def _window(step: StepModel, base: Any, size: int, available: int) -> tuple[int, int, int | None, dict[int, Any]]:
     """Where to search: the peak grows about linearly with the batch, so one more prediction (batch 1)
-    places the answer within a few sizes; the search still proves it on both sides."""
+    places the answer (the guess) within a few sizes; the search still proves it on both sides.
+    Also returns the predictions made (batch size -> prediction), for the search to reuse."""
     from memcallbacks.preflight.batch_size import resize_batch
 
-    one = step.predict(resize_batch(step.call, size, 1)).peak_bytes
-    if base.peak_bytes <= one:
-        return 1, size - 1
-    guess = 1 + int((available - one) * (size - 1) / (base.peak_bytes - one))
+    one = step.known[1] if 1 in step.known else step.predict(resize_batch(step.call, size, 1))
+    known = {1: one}
+    if base.peak_bytes <= one.peak_bytes:
+        return 1, size - 1, None, known
+    guess = 1 + int((available - one.peak_bytes) * (size - 1) / (base.peak_bytes - one.peak_bytes))
     guess = min(max(guess, 1), size - 1)
-    return max(1, guess - 2), min(size - 1, guess + 2)
+    return max(1, guess - 2), min(size - 1, guess + 2), guess, known
 
 
 def _batch(step: StepModel, base: Any, available: int) -> Remedy | None:
@@ -150,12 +152,23 @@ def _batch(step: StepModel, base: Any, available: int) -> Remedy | None:
         return None
     kwargs = dict(step.extra, forward_fn=step.forward_fn, precision=step.precision, device=step.device)
     kwargs.pop("loss_fn", None)
-    low, high = _window(step, base, size, available)
-    fit = max_batch_size(step.module, lambda n: resize_batch(step.call, size, n), available, step.optimizer, low=low, high=high,
-                         known=step.known, **kwargs)
-    if (fit.batch_size == 0 and low > 1) or (fit.batch_size == high < size - 1):  # the answer is outside the window: search it all
-        fit = max_batch_size(step.module, lambda n: resize_batch(step.call, size, n), available, step.optimizer, low=1, high=size - 1,
-                             known={**step.known, **fit.predictions}, **kwargs)
+    low, high, guess, known = _window(step, base, size, available)
+    known = {**step.known, **known}
+
+    def search(low: int, high: int) -> Any:
+        fit = max_batch_size(step.module, lambda n: resize_batch(step.call, size, n), available, step.optimizer, low=low, high=high,
+                             known=known, **kwargs)
+        known.update(fit.predictions)  # a later search predicts none of these again
+        return fit
+
+    fit = None
+    if guess is not None:  # the line's answer and the size above it: two predictions when the line is right
+        fit = search(guess, min(size - 1, guess + 1))
+        proven = fit.batch_size == guess < size - 1 or fit.batch_size == size - 1
+    if fit is None or not proven:  # the line missed: the window around it, then (still outside) every size
+        fit = search(low, high)
+        if (fit.batch_size == 0 and low > 1) or (fit.batch_size == high < size - 1):
+            fit = search(1, size - 1)
     if fit.batch_size == 0:
         return Remedy("batch_size", f"no batch size fits: batch size 1 is predicted to peak at {format_bytes(fit.peak_bytes)}, "
                       f"above the {format_bytes(available)} the step may take", base.peak_bytes - fit.peak_bytes, False,
@@ -215,12 +228,22 @@ def _sharding(step: StepModel, base: Any, available: int | None, acc: Accounting
     if available is None or states < base.peak_bytes // 4:
         return None  # the model states are not what fills the memory: sharding them saves little
     for n in _RANKS:
-        p = step.predict(strategy="fsdp2", world_size=n)
+        p = _sharded(step, base, n)
         if p.peak_bytes <= available:
             return Remedy("sharding", f"sharding the model states over {n} ranks (FSDP2 / ZeRO-3), this batch per rank: predicted "
                           f"peak {format_bytes(p.peak_bytes)} per rank", base.peak_bytes - p.peak_bytes, True,
                           {"world_size": n, "predicted_peak_bytes": p.peak_bytes})
     return None
+
+
+def _sharded(step: StepModel, base: Any, world_size: int) -> Any:
+    """The step under FSDP2 over ``world_size`` ranks. Only the model states per rank change, not the fake step:
+    a single-device ``base`` is resharded as :func:`~memcallbacks.preflight.predict` does, without running the step again."""
+    if base.strategy != "single" or base.world_size != 1:
+        return step.predict(strategy="fsdp2", world_size=world_size)
+    from memcallbacks.preflight.predict import shard_prediction
+
+    return shard_prediction(base, step.module, step.optimizer, base.precision, "fsdp2", world_size)
 
 
 def _fragmentation(acc: Accounting) -> Remedy | None:

@@ -103,7 +103,7 @@ def predict(
         first, steady = (_build(analyse(t, b, int), target, precision_name, notes) for t, b in runs)
     steady = dataclass_replace(steady, first_step=first)
     if strategy != "single":
-        steady = _shard(steady, model, optimizer, precision_name, strategy, world_size)
+        steady = shard_prediction(steady, model, optimizer, precision_name, strategy, world_size)
     return steady
 
 
@@ -185,7 +185,7 @@ def _build(result: StepResult, target: torch.device, precision: str, notes: list
     )
 
 
-def _shard(
+def shard_prediction(
     p: Prediction, model: nn.Module, optimizer: Any, precision: str, strategy: str, world_size: int
 ) -> Prediction:
     """Swap the single-device model states at each phase peak for :func:`estimate`'s per-rank ones."""
@@ -209,7 +209,7 @@ def _shard(
     start = p.start_bytes - sum(p.breakdown["forward"][c] for c in (PARAMS, OPTIMIZER)) + est.device_steady
     note = (f"model states per rank from estimate(strategy={strategy!r}, world_size={world_size}): "
             f"{est.device_steady} bytes steady; activations are one rank's batch")
-    first = _shard(p.first_step, model, optimizer, precision, strategy, world_size) if p.first_step else None
+    first = shard_prediction(p.first_step, model, optimizer, precision, strategy, world_size) if p.first_step else None
     return dataclass_replace(
         p, strategy=strategy, world_size=world_size, start_bytes=start, forward_peak_bytes=peaks["forward"],
         backward_peak_bytes=peaks["backward"], optimizer_peak_bytes=peaks["optimizer"], breakdown=breakdown,
