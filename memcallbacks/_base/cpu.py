@@ -214,8 +214,7 @@ class CpuBackend(MemoryBackend):
             return None
         t0 = time.perf_counter()
         info = fn()
-        seconds, cost = time.perf_counter() - t0, self.heap_cost_s  # observe_heap_cost(seconds), without the call
-        self.heap_cost_s = seconds if cost == 0.0 else cost + (seconds - cost) * HEAP_COST_WEIGHT
+        self.observe_heap_cost(time.perf_counter() - t0)
         return int(info.uordblks + info.hblkhd)
 
     def observe_heap_cost(self, seconds: float) -> None:

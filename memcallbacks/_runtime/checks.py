@@ -200,8 +200,7 @@ class StepChecks:
         if snap is not None or config.auto_snapshot:
             extra[f"{p}/snapshots"] = float(len(snap.records)) if snap is not None else nan
         if config.watch_host:  # off: no host keys at all (rather than NaN columns)
-            channel = self.host
-            host = {**channel.growth.figures(), **channel.workers.figures} if channel is not None else {}  # host_figures()
+            host = self.host_figures()
             for key, name in (("host_python_bytes", "host_python_GiB"), ("host_private_bytes", "host_private_GiB"),
                               ("host_worker_uss_bytes", "host_workers_GiB")):
                 value = host.get(key)

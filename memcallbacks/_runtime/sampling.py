@@ -151,10 +151,7 @@ class MemoryEngine:
         row[STEP_TIME_S] = time.perf_counter()
         self._row = row
         sample_ = self.backend.baseline(heap)  # type: ignore[union-attr]
-        if sample_[2] > self.max_allocated:  # _peaks(sample_): the lifetime peaks
-            self.max_allocated = sample_[2]
-        if sample_[3] > self.max_reserved:
-            self.max_reserved = sample_[3]
+        self._peaks(sample_)
         row[ALLOCATED], row[RESERVED] = sample_[0], sample_[1]
         row[HOST_RSS] = sample_[1] if self.backend.kind == "cpu" else self._host_rss()  # type: ignore[union-attr,misc]
         row[PEAK_ALLOCATED] = row[PEAK_RESERVED] = 0

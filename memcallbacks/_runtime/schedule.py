@@ -334,7 +334,7 @@ class Schedule:
                 return StepKind.QUIET
             self._tripped(count)
             self.quiet_until = 0
-        if self.logs and ((count + 1) % self.log_every == 0 or (self.log_first_step and count == 0)):  # will_log(count)
+        if self.will_log(count):
             return StepKind.LOGGED
         if self.sample_next or (count + 1) % self.sample_every == 0 or (not self.explicit and count < MEASURE_STEPS):
             return StepKind.SAMPLED
@@ -466,11 +466,8 @@ class Schedule:
         now = self.clock()
         anchor = self._anchor
         if anchor is not None and count > anchor[0]:
-            steps, elapsed = count - anchor[0], now - anchor[1]
-            self._step_times.append(elapsed / steps)  # quiet steps between give their mean (as _time_steps)
-            self.timed_s += elapsed
-            self.steps += steps
-            if self.trip_cost_s and steps > 1:  # the quiet steps between that checked the tripwire
+            self._time_steps(count - anchor[0], now - anchor[1])  # quiet steps between give their mean
+            if self.trip_cost_s and count > anchor[0] + 1:  # the quiet steps between that checked the tripwire
                 checks = (count - 1) // TRIP_EVERY - anchor[0] // TRIP_EVERY
                 self.trip_checks += checks
                 self.own_s += checks * self.trip_cost_s
@@ -581,9 +578,9 @@ class Schedule:
             self.mark_every = min(MAX_INTERVAL, every * self.guard.backoff["lingering"])
             allowed -= check / (self.mark_every * max(1, self.sample_every))
         watches, reads, samples = self._watch_costs, self._read_costs, self._sample_costs
-        watch = median_high(watches) if watches else 0.0  # median(): the upper of two middles
+        watch = median(watches) if watches else 0.0
         if reads:
-            read = COLD_FACTOR * (median_high(reads) + watch)
+            read = COLD_FACTOR * (median(reads) + watch)
             every = max(1, min(MAX_READ_INTERVAL, _ceil(read / (allowed * READ_SHARE))))
             every = min(MAX_INTERVAL, every * self.guard.backoff["read"])
             if self.logs:  # reads in phase with the logged steps, whose baseline is a read
@@ -594,7 +591,7 @@ class Schedule:
             self.read_every = every
         if self.explicit or not samples:
             return
-        sample = COLD_FACTOR * median_high(samples)
+        sample = COLD_FACTOR * median(samples)
         if self.logs:
             allowed -= sample / self.log_every
         every = max(1, min(MAX_INTERVAL, MAX_INTERVAL if allowed <= 0 else _ceil(sample / allowed)))

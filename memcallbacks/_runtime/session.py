@@ -318,8 +318,7 @@ class Session:
         if self._observers:
             self._notify("step_beginning", False)
         n = step if count is None else count
-        if self.next_count is not None and n > self.next_count:  # quiet steps the adapter skipped (Lightning's gate)
-            self.engine.quiet_step(n - self.next_count)
+        self.skip_to(n)  # quiet steps the adapter skipped (Lightning's gate)
         self.current_step, self.current_count, self.next_count = step, n, n + 1
         # decided even when disabled, so that every rank agrees on which steps join a collective
         self.kind = kind = self.schedule.step_kind(n) if kind is None else kind
@@ -405,7 +404,7 @@ class Session:
 
     def skip_to(self, count: int) -> None:
         """The steps before ``count`` that an adapter skipped as quiet, without calling :meth:`begin_step`
-        (Lightning at the end of training; :meth:`begin_step` counts those before each other step)."""
+        (Lightning's gate): counted when the next step begins, and at the end of training."""
         if self.next_count is not None and count > self.next_count:
             self.engine.quiet_step(count - self.next_count)
             self.next_count = count
@@ -475,7 +474,7 @@ class Session:
         # lingering references: every step at first (leaky loops leak from step 1), then after every
         # mark_every-th sampled step (a check costs the next step its quietness)
         watch = checks.watch
-        if watch is not None and (self.leaves_marks or watch.lingering is not None and watch.lingering.wants_mark):
+        if watch is not None and (self.leaves_marks or checks.lingering_wants_mark):
             t0 = own_time()
             if watch.lingering is not None:
                 watch.lingering.end_step(self.current_step, batch, loss, outputs)
