@@ -39,12 +39,16 @@ class RiseTracker:
     the step-to-step noise (the median within-block range), and at least ``min_rate_bytes``. A floor
     that drops below the last rise's (memory freed) moves the reference down with it.
 
+    A rise counts only when the floor climbed by at least half of ``min_rate_bytes`` per step since
+    the last rise (the same rate the growth detector asks of a read): a leak does, a full cache
+    creeping by a few hundred bytes a step does not, however long it creeps. (Without the rate, a
+    creep of 0.3 KiB/step in the Python-object count, the monitor's own history among it, passed the
+    16 KiB tolerance every ~50 steps and kept a filled ``lru_cache``'s finding open for good.)
+
     Thinned reads (the watch's cadence backed off, the host's Python-object count on a stride): a
     block that holds one read has no within-block range, so it adds nothing to the noise estimate
     (zeros would shrink the tolerance to ``min_rate_bytes`` and make the allocator's slow creep over
-    a long gap a "rise"), and its rise counts only when the floor climbed by at least half of
-    ``min_rate_bytes`` per step since the last rise (the same rate the growth detector
-    asks of a read): a leak does, a full cache creeping by a few KiB between reads does not.
+    a long gap a "rise").
     """
 
     __slots__ = ("min_rate_bytes", "anchor", "anchor_step", "last_rise", "start", "_ranges", "_last_add", "read_gap", "tolerance")
@@ -76,7 +80,7 @@ class RiseTracker:
             return
         tolerance = self.tolerance
         if lo > self.anchor + tolerance:
-            if reads > 1 or lo - self.anchor >= self.min_rate_bytes / 2 * (step - self.anchor_step):
+            if lo - self.anchor >= self.min_rate_bytes / 2 * (step - self.anchor_step):
                 self.anchor, self.anchor_step, self.last_rise = lo, step, step
         elif lo < self.anchor - tolerance:
             self.anchor, self.anchor_step = lo, step

@@ -57,9 +57,13 @@ def test_a_cache_that_fills_then_stops_is_found_then_settled():
     assert out["found"] is not None and out["found"] < 70, out  # while it fills it is growth
     assert out["open"] == [], out  # once full and flat, the finding is settled
     settled = [e for e in out["events"] if e["open"] is False]
-    # it grew for 60 steps (10 to 70): settled only after a plateau at least as long (docs/findings.md, "The lifecycle")
-    assert settled and 70 + 60 <= settled[0]["step"] <= 260, out["events"]
-    assert out["findings"]["host_growth"]["details"]["settled_at_step"] == settled[0]["step"]
+    # settled only after a plateau at least as long as the growth it saw (docs/findings.md, "The lifecycle"): the
+    # cache filled from step 10 to 70; the growth test's first window starts a few steps after its warm-up (16-22)
+    assert settled and 70 + 50 <= settled[0]["step"] <= 260, out["events"]
+    details = out["findings"]["host_growth"]["details"]
+    assert details["settled_at_step"] == settled[0]["step"]
+    assert details["flat_steps"] >= details["grew_steps"] >= 45, details
+    assert 66 <= details["last_rise_step"] <= 90, details  # the last rise is the cache's last fill, not a later creep
 
 
 def test_a_climb_that_stops_is_settled_and_a_new_climb_reopens_it():
