@@ -213,15 +213,12 @@ def profiler_memory_events(prof: Any, marker: str) -> tuple[list[ProfilerAllocat
                 marks.append(int(node.start_time_ns))
             op = op or name
         elif tag == py_c_call:
-            c = node.extra_fields.caller
-            frames = ((c.file_name, int(c.line_number), c.function_name),) + frames
+            frames = (_frame(node.extra_fields.caller),) + frames
             callsite = None
         elif tag == py_call:
             fields = node.extra_fields
-            c = fields.caller
-            frames = ((c.file_name, int(c.line_number), c.function_name),) + frames
-            s = fields.callsite
-            callsite = (s.file_name, int(s.line_number), s.function_name)
+            frames = (_frame(fields.caller),) + frames
+            callsite = _frame(fields.callsite)
         if tag in (py_call, py_c_call):
             op = ""  # ops called below this Python frame are its own
         for child in reversed(node.children):
@@ -229,6 +226,16 @@ def profiler_memory_events(prof: Any, marker: str) -> tuple[list[ProfilerAllocat
     events.sort(key=lambda e: e.time_ns)
     marks.sort()
     return events, marks
+
+
+def _frame(code: Any) -> tuple[str, int, str]:
+    """A profiled Python frame as (file, line, function). The profiler reads a code object's names after the
+    capture: one freed meanwhile (a module imported inside the capture runs code that is then dropped) can read
+    as undecodable bytes (seen once in a test run); that frame is named as unknown, the rest of the stack kept."""
+    try:
+        return code.file_name, int(code.line_number), code.function_name
+    except UnicodeDecodeError:
+        return "<unknown>", 0, "<a code object freed during the capture>"
 
 
 def profiler_enabled() -> bool:

@@ -21,7 +21,7 @@ GB = 10**9
 UNITS = {"bytes": 1, "B": 1, "KB": KB, "KiB": KiB, "MB": MB, "MiB": MiB, "GB": GB, "GiB": GiB}
 """Unit names accepted by the CLI and ``compare(unit=...)``."""
 
-_BINARY = ("B", "KiB", "MiB", "GiB", "TiB")
+_BINARY = ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB")
 
 
 def format_bytes(n: int | float | None, *, missing: str = "-") -> str:
@@ -31,7 +31,7 @@ def format_bytes(n: int | float | None, *, missing: str = "-") -> str:
     sign = "-" if n < 0 else ""
     value = float(abs(n))
     for unit in _BINARY:
-        if value < 1024.0 or unit == "TiB":
+        if value < 1024.0 or unit == "EiB":
             return f"{sign}{value:.0f} {unit}" if unit == "B" else f"{sign}{value:.1f} {unit}"
         value /= 1024.0
     raise AssertionError("unreachable")

@@ -5,12 +5,11 @@ The site is the innermost Python frame outside torch and memcallbacks; the frame
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
-
-import torch
 
 from memcallbacks.snapshot.files import OP_FILENAME
 
@@ -19,7 +18,9 @@ __all__ = ["NO_STACK", "BEFORE_TRACE", "Allocation", "SiteTotal", "frame_label",
 # The package roots that make a frame internal, by the real directories, not by any folder's name: a
 # virtual environment inside a folder named ``torch`` (``/work/torch/venv/.../site-packages/x.py``) or
 # a user's ``memcallbacks_demo/`` is user code.
-_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+# Found without importing torch: reading a snapshot offline (``memcallbacks summary``) needs no torch.
+_TORCH_SPEC = importlib.util.find_spec("torch")
+_TORCH_DIR = (os.path.dirname(os.path.abspath(_TORCH_SPEC.origin)) if _TORCH_SPEC and _TORCH_SPEC.origin else "/nonexistent/torch") + os.sep
 _PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # memcallbacks/, every wing
 # Frames recorded by another process or machine (a snapshot loaded here): torch or memcallbacks as an
 # installed package (the folder right under site-packages/dist-packages), or a path the profiler

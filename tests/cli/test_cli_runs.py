@@ -127,3 +127,22 @@ def test_a_leaky_run_reports_its_problem_first_with_its_fix(tmp_path: Path, caps
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["verdict"] == lines[:2]
     assert (tmp_path / "memory.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_reading_a_snapshot_offline_imports_no_torch(tmp_path: Path) -> None:
+    """``summary`` and ``render`` read a pickle: on a laptop without a GPU build they start in a fraction of a
+    second (torch's import alone is ~1 s); recording and CPU capture import it when first used."""
+    import subprocess
+    import sys
+
+    snapshot = Path(__file__).parents[1] / "data" / "cuda_like_snapshot.pickle"
+    code = ("import sys; from memcallbacks.cli import main\n"
+            f"assert main(['summary', {str(snapshot)!r}]) in (0, None)\n"
+            f"assert main(['render', {str(snapshot)!r}, '-o', {str(tmp_path / 'view.html')!r}]) in (0, None)\n"
+            "import memcallbacks.snapshot as s; s.summarize_snapshot, s.load_snapshot\n"
+            "print('TORCH', 'torch' in sys.modules)\n"
+            "s.CpuCapture; print('AFTER', 'torch' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "TORCH False" in proc.stdout and "AFTER True" in proc.stdout, proc.stdout[-2000:]
+    assert (tmp_path / "view.html").stat().st_size > 0 and (tmp_path / "view.png").exists()

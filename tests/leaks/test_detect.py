@@ -79,6 +79,8 @@ def test_format_bytes():
     assert format_bytes(float("nan"), missing="unknown") == "unknown"
     assert format_delta(-208 * KiB) == "-208.0 KiB"
     assert format_delta(3 * MiB) == "+3.0 MiB"
+    assert format_bytes(4 * 2**60) == "4.0 EiB"  # a CPU allocator's impossible request reads as asked
+    assert format_bytes(3 * 2**50) == "3.0 PiB"
 
 
 # ----------------------------------------------------------------------------------------------
