@@ -110,9 +110,9 @@ class StepChecks:
     def allocated_now(self) -> int | None:
         # the watch's read where there is one: the same number as backend.current()[0], without the
         # RSS read that comes with it on CPU
-        now = self.schedule.allocated_now()
-        if now is not None or self.schedule.read is not None:
-            return now
+        read = self.schedule.read
+        if read is not None:
+            return read()
         backend = self.engine.backend
         return backend.current()[0] if backend is not None else None
 

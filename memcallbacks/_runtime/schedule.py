@@ -394,9 +394,6 @@ class Schedule:
             self.backend.observe_heap_cost(self.step_read_s)  # the same figure as the backend's: one estimate
         return value
 
-    def allocated_now(self) -> int | None:
-        return self.read() if self.read is not None else None
-
     def heap_due(self, count: int, wanted: bool = False) -> bool:
         """Whether the sampled step after ``count`` steps reads ``allocated``: where the read is cheap,
         where the watch's read is due, where ``wanted`` (the theory check), and otherwise when its

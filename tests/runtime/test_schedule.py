@@ -84,7 +84,7 @@ def test_arm_without_a_backend_has_neither_read_nor_tripwire():
     plan = make_plan()
     plan.arm(None)
     assert plan.read is None and plan.trip is None and plan.tripwire is None
-    assert plan.take_read(0) is None and plan.allocated_now() is None
+    assert plan.take_read(0) is None
 
 
 # ---------------------------------------------------------------------- quiet()
