@@ -820,7 +820,7 @@ def test_contract_construct_refit_and_stop_twice(tmp_path):
     assert monitor.history.empty and monitor.report()["summary"]["steps_recorded"] == 0
 
     model = BoringModel()
-    first = fit(tmp_path / "a", monitor, model, max_steps=3)
+    fit(tmp_path / "a", monitor, model, max_steps=3)
     assert list(monitor.history["step"]) == [0, 1, 2]
     first_max = monitor.max_allocated
 
