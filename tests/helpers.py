@@ -251,6 +251,20 @@ TEARDOWN_ABORT = "terminate called without an active exception"
 torch's teardown, seen under load; tests of what the ranks did accept it once their work is done."""
 
 
+def end_process_group() -> None:
+    """A Lightning DDP script's last line: the process group destroyed before the interpreter exits. Lightning
+    leaves it alive, and gloo's worker threads torn down at interpreter exit abort the process now and then
+    (:data:`TEARDOWN_ABORT`; pytorch/pytorch#190489). The barrier first: no rank closes its connections while the
+    other still reads the last collective's bytes."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
+
+
 def run_as_shown(command: str, cwd: str | os.PathLike[str], *, env: dict[str, str] | None = None,
                  timeout: float = 300) -> subprocess.CompletedProcess:
     """A command line as the docs show it, through the shell, with this environment's ``python`` and

@@ -24,7 +24,7 @@ import lightning.pytorch as L  # noqa: E402
 
 import memcallbacks._files.outputs as outputs  # noqa: E402
 import memcallbacks._runtime.end_write as end_write  # noqa: E402
-from helpers import BoringModel, RandomDataModule, trainer_kwargs  # noqa: E402
+from helpers import BoringModel, RandomDataModule, end_process_group, trainer_kwargs  # noqa: E402
 from memcallbacks import MemoryMonitor  # noqa: E402
 
 
@@ -65,6 +65,7 @@ def main() -> None:
     if trainer.global_rank == 0:
         with open(os.path.join(args.out, "rank0_after_fit.json"), "w") as fh:
             json.dump(sorted(os.listdir(mem)), fh)
+    end_process_group()
 
 
 if __name__ == "__main__":

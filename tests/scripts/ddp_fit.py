@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import lightning.pytorch as L  # noqa: E402
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger  # noqa: E402
 
-from helpers import BoringModel, RandomDataModule, trainer_kwargs  # noqa: E402
+from helpers import BoringModel, RandomDataModule, end_process_group, trainer_kwargs  # noqa: E402
 from memcallbacks import MemoryMonitor  # noqa: E402
 
 
@@ -58,6 +58,7 @@ def main() -> None:
     )
     trainer.fit(BoringModel(rank_temp_mib=args.rank_temp_mib), RandomDataModule(batches=2 * args.steps))
     print(f"rank {trainer.global_rank}: {len(monitor.history)} rows, files {sorted(monitor.files)}", flush=True)
+    end_process_group()
 
 
 if __name__ == "__main__":

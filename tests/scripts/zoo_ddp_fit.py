@@ -21,7 +21,7 @@ from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-from helpers import trainer_kwargs  # noqa: E402
+from helpers import end_process_group, trainer_kwargs  # noqa: E402
 from memcallbacks import MemoryMonitor  # noqa: E402
 
 
@@ -60,6 +60,7 @@ def main() -> None:
     data = torch.randn(16 * 256, 1024, generator=torch.Generator().manual_seed(0))
     trainer.fit(CleanModel(), DataLoader(data, batch_size=256))
     print(f"rank {trainer.global_rank}: {len(monitor.history)} rows, {len(monitor.findings)} findings", flush=True)
+    end_process_group()
 
 
 if __name__ == "__main__":
