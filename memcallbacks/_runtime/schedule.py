@@ -18,8 +18,7 @@ from statistics import median_high
 from typing import Any, Callable
 
 from memcallbacks._base.config import MonitorConfig
-from memcallbacks._base.cpu import Tripwire, heap_in_use_bytes, rss_tripwire
-from memcallbacks._base.cpu import own_time, unwatch_collections, watch_collections
+from memcallbacks._base.cpu import Tripwire, heap_in_use_bytes, own_time, rss_tripwire, unwatch_collections, watch_collections
 
 __all__ = [
     "StepKind", "Schedule", "BudgetGuard", "HookMeter", "watch_reader", "aligned_reads",
