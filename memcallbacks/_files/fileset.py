@@ -26,7 +26,7 @@ def fingerprint(path: str | os.PathLike[str]) -> dict[str, Any]:
     digest = hashlib.sha256()
     size = 0
     with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
+        for chunk in iter(lambda: fh.read(1 << 16), b""):  # small reads: it also runs at an out-of-memory error
             digest.update(chunk)
             size += len(chunk)
     return {"bytes": size, "sha256": digest.hexdigest()}

@@ -171,7 +171,7 @@ def _matplotlib_figure() -> Any:
 
         matplotlib.use("Agg", force=False)
         from matplotlib.figure import Figure
-    except Exception:
+    except ImportError:  # anything else (no memory left to load it) is the drawing's failure, said as one
         if not _warned_no_matplotlib:
             log.warning("memcallbacks: matplotlib is not installed; memory.png is not written (pip install matplotlib).")
             _warned_no_matplotlib = True

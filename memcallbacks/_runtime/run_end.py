@@ -15,23 +15,29 @@ from memcallbacks._base import distributed as _distributed
 from memcallbacks._base.config import MonitorConfig
 from memcallbacks._base.findings import Finding
 from memcallbacks._base.cpu import own_time
+from memcallbacks._base.units import format_bytes
 from memcallbacks._runtime import end_write
 from memcallbacks._runtime.end_write import wait_for_every_rank, write_detached
 from memcallbacks._runtime.checks import StepChecks
 from memcallbacks._runtime.finding_sink import FindingSink
 from memcallbacks._runtime.guard import safe_str
 from memcallbacks._runtime.sampling import MemoryEngine
-from memcallbacks._runtime.schedule import Schedule
+from memcallbacks._runtime.schedule import DENSE_READ_STEPS, Schedule
 from memcallbacks._files.outputs import REPORT_VERSION, write_outputs
-from memcallbacks._runtime.schedule import DENSE_READ_STEPS
 from memcallbacks._files.report_shape import shape_report
 from memcallbacks._files.verdict import console_channel, console_lines
 from memcallbacks.host.ranks import find_imbalance
 from memcallbacks.oom import is_oom
+from memcallbacks.oom.accounting import address_space_left
 from memcallbacks.trackers import RunOutputs
 from memcallbacks.trackers.ranks import receive_snapshots, snapshot_payload
 
-__all__ = ["RunEnd", "EndingSession", "is_oom"]
+__all__ = ["RunEnd", "EndingSession", "is_oom", "PLOT_ROOM_BYTES"]
+
+#: Address space that drawing ``memory.png`` needs: 40-70 MiB measured (matplotlib's import, one figure, PNG), doubled.
+#: Under an ``RLIMIT_AS`` with less left (an out-of-memory error at the limit), the plot is left out: a failed
+#: allocation inside numpy's BLAS ends the process (OpenBLAS calls ``exit``), not only the drawing.
+PLOT_ROOM_BYTES = 128 << 20
 
 
 class EndingSession(Protocol):
@@ -239,12 +245,22 @@ class RunEnd:
             history=s.history_frame(),
             eval_history=engine.eval_frame(),
             report=report,
-            plot=s.config.plot,
+            plot=s.config.plot and self._room_to_draw(),
             title=title,
             ranks=summaries if summaries is not None and engine.rank == 0 else None,
             detach=distributed and end_write.DETACH_WRITER,
             owner=s.owner,
         )
+
+    def _room_to_draw(self) -> bool:
+        """Whether the process has the address space to draw ``memory.png`` (said in the log when not)."""
+        left = address_space_left()
+        if left is None or left >= PLOT_ROOM_BYTES:
+            return True
+        s = self.session
+        s.log.warning("%s: memory.png is not drawn: %s of address space is left under the process's limit (RLIMIT_AS), and "
+                      "drawing needs about %s. The other files are written.", s.owner, format_bytes(left), format_bytes(PLOT_ROOM_BYTES))
+        return False
 
     def _announce(self, report: dict[str, Any]) -> None:
         """Rank zero: the verdict and the files' folder on the console, through the adapter's channel."""

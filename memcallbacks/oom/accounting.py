@@ -25,7 +25,7 @@ from memcallbacks._base.storage import storage_keys
 from memcallbacks.leaks.tensors import graph_tensors, iter_tensors
 from memcallbacks.oom.where import Where
 
-__all__ = ["Accounting", "account", "model_state_bytes", "expandable_segments_on"]
+__all__ = ["Accounting", "account", "model_state_bytes", "expandable_segments_on", "address_space_left"]
 
 
 @dataclasses.dataclass
@@ -149,6 +149,19 @@ def address_space_limit() -> int | None:
     return None if soft == resource.RLIM_INFINITY else int(soft)
 
 
+def _address_space() -> tuple[int, int] | None:
+    """``(in use (VmSize), RLIMIT_AS)`` in bytes; None without a limit, or where ``/proc`` cannot say."""
+    limit = address_space_limit()
+    vm = _proc_status("VmSize") if limit is not None else None
+    return None if vm is None or limit is None else (vm, limit)
+
+
+def address_space_left() -> int | None:
+    """Bytes of address space left under ``RLIMIT_AS`` (None without a limit, or where ``/proc`` cannot say)."""
+    space = _address_space()
+    return None if space is None else max(0, space[1] - space[0])
+
+
 #: Address space a CPU run's monitor keeps under an ``RLIMIT_AS`` (mapped, never touched: no resident memory) and
 #: releases when an OOM unwinds: the explanation's own objects (the fake step's replay) need room the failed step left none of.
 RESERVE_BYTES = 32 << 20
@@ -262,9 +275,9 @@ def _rest(acc: Accounting, name: str) -> None:
 
 def _host_figure(acc: Accounting) -> None:
     """CPU: under an address-space limit the figure that hit it (``VmSize``) and the limit; else the resident set."""
-    limit = address_space_limit()
-    vm = _proc_status("VmSize") if limit is not None else None
-    if vm is not None and limit is not None:
+    space = _address_space()
+    if space is not None:
+        vm, limit = space
         acc.figure_bytes, acc.figure = vm, "address space in use (VmSize)"
         acc.capacity_bytes, acc.capacity_source = limit, "RLIMIT_AS"
         _rest(acc, "the process (interpreter, libraries, allocator's free lists, thread stacks)")
