@@ -177,35 +177,42 @@ class StepChecks:
         host = self.host
         return {**host.growth.figures(), **host.workers.figures} if host is not None else {}
 
-    def logged_keys(self, row: list[Any] | None, *, findings: int, overhead: float, capacity: float | None, snap: Any) -> dict[str, float]:
+    def logged_keys(self, row: list[Any] | None, *, findings: int, capacity: float | None, snap: Any) -> dict[str, float]:
         """The keys a logged step adds to the engine's: findings, overhead, pre-flight, theory, snapshots,
-        host, gc. ``capacity``: the device's bytes where the dashboard shows a capacity line (else None);
+        host, gc; each computed only where it is logged (``log_keys``: the host figures walk pymalloc's
+        pools). ``capacity``: the device's bytes where the dashboard shows a capacity line (else None);
         ``snap``: the session's snapshot policy."""
         config = self.config
         p = config.prefix
+        keep = config.logged_keys  # None: every key
         nan = float("nan")
-        extra = {f"{p}/findings": float(findings), f"{p}/overhead": overhead}
-        if config.preflight:
+        extra = {f"{p}/findings": float(findings)}
+        if keep is None or f"{p}/overhead" in keep:
+            extra[f"{p}/overhead"] = self.schedule.overhead
+        if config.preflight:  # its keys join the default list with the option
             extra.update(self.preflight.metrics(row))
-        if capacity is not None:
+        if capacity is not None and (keep is None or f"{p}/capacity_GiB" in keep):
             extra[f"{p}/capacity_GiB"] = float(capacity or 0) / GiB
-        if config.estimate_model_states:  # the step-start baseline against the theory check's expected level
-            state = self.state
+        if config.estimate_model_states and (keep is None or f"{p}/unexplained_GiB" in keep or f"{p}/expected_GiB" in keep):
+            state = self.state  # the step-start baseline against the theory check's expected level
             baseline = float(row[ALLOCATED]) if row is not None else nan
             known = state.expected_level is not None
             extra[f"{p}/expected_GiB"] = state.expected_states / GiB if known else nan
             extra[f"{p}/unexplained_GiB"] = (
                 (baseline - state.expected_level - state.batch_bytes) / GiB if known and baseline == baseline else nan  # type: ignore[operator]
             )
-        if snap is not None or config.auto_snapshot:
+        if snap is not None or config.auto_snapshot:  # its key joins the default list with the option
             extra[f"{p}/snapshots"] = float(len(snap.records)) if snap is not None else nan
         if config.watch_host:  # off: no host keys at all (rather than NaN columns)
-            host = self.host_figures()
+            host: dict[str, float] | None = None
             for key, name in (("host_python_bytes", "host_python_GiB"), ("host_private_bytes", "host_private_GiB"),
                               ("host_worker_uss_bytes", "host_workers_GiB")):
-                value = host.get(key)
-                extra[f"{p}/{name}"] = value / GiB if value is not None else nan
-        if config.gc_every_n_steps:
+                full = f"{p}/{name}"
+                if keep is None or full in keep:
+                    host = self.host_figures() if host is None else host
+                    value = host.get(key)
+                    extra[full] = value / GiB if value is not None else nan
+        if config.gc_every_n_steps:  # its keys join the default list with the option
             gc_results = self.watch.gc_results if self.watch is not None else None
             last_gc = gc_results[-1] if gc_results else None
             extra[f"{p}/gc_time_ms"] = last_gc["seconds"] * 1e3 if last_gc else nan

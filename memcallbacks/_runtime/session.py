@@ -448,8 +448,7 @@ class Session:
         if kind is StepKind.LOGGED and (row is not None or engine.world_size > 1):
             try:
                 capacity = engine.capacity if self.dashboard.capacity else None  # the capacity line the charts show
-                extra = self.checks.logged_keys(row, findings=self.sink.kept.open_problems, overhead=self.schedule.overhead,
-                                                capacity=capacity, snap=self.snap)
+                extra = self.checks.logged_keys(row, findings=self.sink.kept.open_problems, capacity=capacity, snap=self.snap)
                 metrics = engine.log_values(row, extra)
                 self.emit(metrics, self.current_step if log_step is None else log_step)
             except Exception as exc:

@@ -72,12 +72,9 @@ instead of 33)."""
 _SHARE_MIN_Z = 1.0
 """The Python reads over the climb must rise as a trend (3 reads: all in order; 4: at most one pair out of order)."""
 
-_HEAP_EVERY = 64
-"""Steps between two measures of the bytes Python objects hold (for the figures; the growth test reads
-the block count)."""
-
-_FIGURES_STALE = 16
-"""Steps after which the figures measure the Python objects' bytes again when asked."""
+_MEASURE_STALE = 16
+"""Steps after which the bytes Python objects hold are measured again when asked (the figures, a finding's
+message); the growth test reads the block count, never this measure."""
 
 _KEEP_READS = 640
 """Recent reads kept per series (for the Python share over a climb and the per-rank figures)."""
@@ -148,8 +145,6 @@ class HostGrowth:
             value = reading.python_blocks * self.bytes_per_block
             if self.baseline is not None and self._python_baseline is None:
                 self._python_baseline = value
-            if self.baseline is not None and (self._heap is None or step - self._heap[0] >= _HEAP_EVERY):
-                self.measure_python(step)
             self.python.reads.append((step, value))
             # its warm-up is the resident series' (in reads, which are every step at first), not ten of
             # its own reads: on a stride those can be hundreds of steps
@@ -328,8 +323,8 @@ class HostGrowth:
         return out
 
     def measure_python(self, step: int) -> None:
-        """Measure the bytes Python objects hold (``pymalloc_bytes()`` and the malloc heap, ~0.5-1.5 ms):
-        at the baseline, every ``_HEAP_EVERY`` steps of Python-object reads, and at the run's end."""
+        """Measure the bytes Python objects hold (``pymalloc_bytes()`` and the malloc heap, ~0.2-1.5 ms):
+        at the baseline, when asked :data:`_MEASURE_STALE` steps after the last measure, and at the run's end."""
         t0 = time.perf_counter()
         small = pymalloc_bytes()
         if small is not None:
@@ -342,9 +337,12 @@ class HostGrowth:
         """``(bytes, growth since the baseline)`` of Python objects: the small ones (512 bytes or less,
         pymalloc's blocks) exactly, the large ones (a dict's table, a long list's items, big strings:
         one "block" each in the block count, whatever their size) by the malloc heap's growth, less, on
-        a CPU run, the growth the device finding already holds (tensors live in the same heap)."""
-        if self._heap0 is None or self._heap is None:
+        a CPU run, the growth the device finding already holds (tensors live in the same heap). Measured again
+        first when the last measure is stale: only what asks for it pays (figures, a finding's message)."""
+        if self._heap0 is None or self._heap is None or self.last is None:
             return None
+        if self.last.step - self._heap[0] >= _MEASURE_STALE:
+            self.measure_python(self.last.step)
         large = self._heap[2] - self._heap0[2]
         if self.device_is_host and self.device_growth is not None:
             device = self.device_growth()
@@ -382,8 +380,6 @@ class HostGrowth:
             out["host_python_bytes"] = float(self.python.reads[-1][1])
             if self._python_baseline is not None:
                 out["host_python_growth_bytes"] = float(self.python.reads[-1][1] - self._python_baseline)
-        if self.baseline is not None and (self._heap is None or self.last.step - self._heap[0] >= _FIGURES_STALE):
-            self.measure_python(self.last.step)  # the figures are read at logged steps and at the end: not stale there
         measured = self._python_bytes()
         if measured is not None:
             out["host_python_bytes"], out["host_python_growth_bytes"] = measured
