@@ -89,7 +89,7 @@ class Monitor(KeywordCheck, PlainControls):
         self._optimizer_hooks = OptimizerHooks(self._optimizer_pre, self._optimizer_post, self._meter)  # installed by _install_hooks
         self._step = 0
         self._stepped = False  # an optimizer step happened in the open step
-        self._window = AccumulationWindow(accumulates=optimizer is not None)  # track()'s accumulation
+        self._window = AccumulationWindow(accumulates=optimizer is not None)  # track()'s window; auto mode reads accumulates
         self._batch: Any = None  # the item track() yielded, held until the step ends
         self._closed = False
         self._explicit = False  # track() or step() marks boundaries; the forward hook then leaves steps alone
@@ -126,10 +126,11 @@ class Monitor(KeywordCheck, PlainControls):
             return
         if self._session.lingering_due:
             self._session.check_lingering(self._batch)
-        # without track()/step(), a training forward after an optimizer step starts the next step
+        # without track()/step(), a training forward after an optimizer step starts the next step; with no
+        # optimizer known (weights updated by hand, as pytorch/examples' word_language_model does), one after a backward
         if self._explicit or self._closed or not (torch.is_grad_enabled() and module.training):
             return
-        if self._session.step_open and self._stepped:
+        if self._session.step_open and (self._stepped or not self._window.accumulates and self._model_hooks.backward_seen):
             self._end()
         if not self._session.step_open:
             self._begin(auto=True)
@@ -152,10 +153,14 @@ class Monitor(KeywordCheck, PlainControls):
     # ------------------------------------------------------------------ steps
     def _begin(self, epoch: int = 0, batch_idx: int | None = None, batch: Any = None, defer_lingering: bool = False, auto: bool = False) -> None:
         self._stepped = False
+        hooks = self._model_hooks
+        hooks.backward_seen = False
+        hooks.awaiting_backward = auto and not self._window.accumulates  # no optimizer known: a backward ends the step
         self._session.begin_step(
             self._step, epoch, self._step if batch_idx is None else batch_idx, batch=batch, defer_lingering=defer_lingering
         )
-        self._model_hooks.settle(auto_step_begun=auto)  # auto: the forward pre-hook began it
+        # auto: the forward pre-hook began it, and with an optimizer known only an optimizer step ends it
+        hooks.settle(auto_step_begun=auto and self._window.accumulates)
         session = self._session  # a quiet step's optimizer pre-hook has nothing to do (an observer may want it)
         self._optimizer_hooks.pre_open = not session.quiet_step or session.lingering_due or session.observed
 

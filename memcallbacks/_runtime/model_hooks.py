@@ -45,6 +45,11 @@ class ModelHooks(Guarded):
         self.on = True
         self.evaluating = False  # inside Monitor.evaluate(): a forward is an evaluation batch
         self.backward_open = False
+        # auto mode with no optimizer known: a backward ending the step is what lets the next forward open the
+        # next one (the output-tensor hook on every step then, not only on sampled ones), not each forward:
+        # a policy called once per environment step is one step per episode
+        self.awaiting_backward = False
+        self.backward_seen = False  # a backward reached this step's outputs (awaiting_backward)
         self.output: Any = None  # a graph tensor of this step's forward, held until the step ends
         self.outputs: list[torch.Tensor] = []  # the tensors of this step's forward outputs (leak detection)
         self._weak_backward_start = weak_method(self._backward_start)
@@ -72,11 +77,11 @@ class ModelHooks(Guarded):
 
     def settle(self, auto_step_begun: bool) -> None:
         """After a step began: the forward hook only where the step keeps its outputs (sampled, or
-        marked for the lingering check); the pre-hook closed for the rest of an automatic step
-        (``auto_step_begun``: its later forwards only check that no optimizer stepped, and the
-        optimizer hook reopens it) unless evaluation or a deferred lingering check needs it."""
+        marked for the lingering check); the pre-hook closed for the rest of an automatic step that
+        an optimizer step ends (``auto_step_begun``: its later forwards only check that no optimizer
+        stepped, and the optimizer hook reopens it) unless evaluation or a deferred lingering check needs it."""
         session = self._session
-        post = session.step_open and (session.detailed_step or session.lingering_due)  # a deferred check may mark it
+        post = session.step_open and (session.detailed_step or session.lingering_due or self.awaiting_backward)  # a deferred check may mark it
         pre = not (auto_step_begun and session.step_open and not session.lingering_due and not self.evaluating)
         for gate_pre, gate_post in self.gates:
             gate_pre.open, gate_post.open = pre, post
@@ -117,15 +122,19 @@ class ModelHooks(Guarded):
     @entry_point("forward hook")
     def _forward_post(self, module: nn.Module, args: Any, output: Any) -> None:
         session = self._session
-        if self.evaluating or not session.step_open or not session.enabled or not session.detailed_step or not torch.is_grad_enabled():
+        if self.evaluating or not session.step_open or not session.enabled or not torch.is_grad_enabled():
+            return
+        detailed = session.detailed_step
+        if not (detailed or self.awaiting_backward):
             return
         try:
             tensors = first_grad_tensors(output)
-            if tensors and self.output is None:
-                self.output = tensors[0]  # its graph is what a kept loss would keep alive
-            if len(self.outputs) < 8:
-                self.outputs.extend(tensors[: 8 - len(self.outputs)])  # a kept `logits` is watched
-            if session.sampling:  # backward boundaries matter only on sampled steps
+            if detailed:
+                if tensors and self.output is None:
+                    self.output = tensors[0]  # its graph is what a kept loss would keep alive
+                if len(self.outputs) < 8:
+                    self.outputs.extend(tensors[: 8 - len(self.outputs)])  # a kept `logits` is watched
+            if session.sampling or self.awaiting_backward:  # the backward's boundaries, or that it ran (awaiting_backward)
                 for tensor in tensors:
                     tensor.register_hook(self._weak_backward_start)  # weak: a kept output must not keep the monitor
         except Exception as exc:
@@ -136,7 +145,7 @@ class ModelHooks(Guarded):
         # fires once per output tensor; only the first one of a backward pass is a boundary
         if self.backward_open or not self._session.step_open:
             return
-        self.backward_open = True
+        self.backward_open = self.backward_seen = True
         self._session.boundary(FORWARD)
         try:
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
