@@ -148,7 +148,9 @@ def console_lines(report: dict[str, Any], history: Any = None) -> list[str]:
 
 def console_channel(framework: str) -> Callable[[str], None]:
     """Where the end-of-run lines go: Lightning's ``rank_zero_info`` (its logger shows INFO without
-    any setup), ``print`` elsewhere (the Transformers and Accelerate loggers hide INFO by default)."""
+    any setup), ``print`` elsewhere (the Transformers and Accelerate loggers hide INFO by default),
+    through ``tqdm.write`` where tqdm is loaded: a progress bar still open (the Trainer's closes after
+    the callbacks' ``on_train_end``) is moved below the lines instead of having them glued to its end."""
     if framework == "lightning":
         for name in ("lightning.pytorch.utilities", "pytorch_lightning.utilities"):
             module = sys.modules.get(name.rsplit(".", 1)[0])  # only a Lightning that is already imported
@@ -158,4 +160,6 @@ def console_channel(framework: str) -> Callable[[str], None]:
                 return importlib.import_module(name).rank_zero_info  # type: ignore[no-any-return]
             except (ImportError, AttributeError):
                 continue
-    return print
+    tqdm = sys.modules.get("tqdm")
+    write = getattr(getattr(tqdm, "tqdm", None), "write", None)
+    return write if callable(write) else print

@@ -114,3 +114,33 @@ def test_transformers_trainer_prints_the_verdict(tmp_path: Path, capsys: Any) ->
                                    callbacks=[MemoryMonitorCallback(plot=False)])
     trainer.train()
     check_lines(capsys.readouterr().out, tmp_path / "out" / "memcallbacks")
+
+
+TRAINER_WITH_BARS = textwrap.dedent('''
+    import sys
+    import torch
+    import transformers
+    from memcallbacks.transformers import MemoryMonitorCallback
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0, eos_token_id=0)
+    ids = torch.randint(0, 64, (16, 8), generator=torch.Generator().manual_seed(0))
+    data = [{"input_ids": row, "labels": row} for row in ids]
+    args = transformers.TrainingArguments(output_dir=sys.argv[1], use_cpu=True, report_to=[], max_steps=4,
+                                          per_device_train_batch_size=4, save_strategy="no")  # tqdm's bars on: the default
+    transformers.Trainer(model=transformers.GPT2LMHeadModel(config), args=args, train_dataset=data,
+                         callbacks=[MemoryMonitorCallback(plot=False)]).train()
+''')
+
+
+def test_transformers_verdict_is_a_line_of_its_own_beside_the_progress_bar(tmp_path: Path) -> None:
+    """The Trainer closes its progress bar after the callbacks' ``on_train_end``: a plain ``print`` there was
+    glued to the bar's last state on the console (``4/4 [00:00<00:00, 9.1it/s]memcallbacks: no problem ...``)."""
+    pytest.importorskip("transformers")
+    env = dict(os.environ, PYTHONUNBUFFERED="1")  # stdout and stderr reach the pipe in the order written, as on a console
+    done = subprocess.run([sys.executable, "-c", TRAINER_WITH_BARS, str(tmp_path / "out")], stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert "it/s]" in done.stdout, done.stdout[-2000:]  # the bar was drawn
+    assert "]memcallbacks:" not in done.stdout, done.stdout[-2000:]
+    check_lines(done.stdout, tmp_path / "out" / "memcallbacks")
