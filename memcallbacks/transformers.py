@@ -89,9 +89,10 @@ class MemoryMonitorCallback(KeywordCheck, SessionResults, TrainerCallback):
         trainer.train()
         print(monitor.format_report())
 
-    The callback moves itself to the front of the Trainer's callback list when the Trainer
-    initialises (or when training begins, for ``trainer.add_callback``), so that the
-    ``report_to`` integrations, which come first by default, see the merged metrics.
+    The callback moves itself to the front of the Trainer's callback list (right after the Trainer's
+    ``DefaultFlowCallback``) when the Trainer initialises (or when training begins, for
+    ``trainer.add_callback``), so that the ``report_to`` integrations, which come first by default,
+    see the merged metrics.
     """
 
     def __init__(
@@ -107,20 +108,22 @@ class MemoryMonitorCallback(KeywordCheck, SessionResults, TrainerCallback):
         self.config = resolve_config(config, given_fields(locals(), self._keywords), "MemoryMonitorCallback")
         self._monitor: _TrainerMonitor | None = None
         self._pending: tuple[int, dict[str, float]] | None = None
-        self._first = False  # known to be first in the Trainer's callback list
+        self._first = False  # known to be at the front of the Trainer's callback list
         self._warned_order = False
         self._batches = 0
         self._handler: Any = None  # the Trainer's CallbackHandler: its report_to callbacks are the trackers
 
     # ------------------------------------------------------------------ placement in the callback list
     def _move_to_front(self) -> bool:
-        """Find the ``CallbackHandler`` dispatching the current event and put this callback first in it.
+        """Find the ``CallbackHandler`` dispatching the current event and put this callback at the front
+        of it: right after the Trainer's ``DefaultFlowCallback`` (which decides at a step's end whether
+        the Trainer logs and evaluates next: the evaluation's row begins there), ahead of every other.
 
         Callbacks get no reference to the Trainer, so the handler is read from the caller's frame
         (``CallbackHandler.call_event``). A new list is assigned, so the loop dispatching the
         current event is not disturbed.
         """
-        from transformers.trainer_callback import CallbackHandler
+        from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback
 
         frame = sys._getframe(1)
         for _ in range(6):
@@ -129,8 +132,10 @@ class MemoryMonitorCallback(KeywordCheck, SessionResults, TrainerCallback):
                 break
             handler = frame.f_locals.get("self")
             if isinstance(handler, CallbackHandler) and any(cb is self for cb in handler.callbacks):
-                if handler.callbacks[0] is not self:
-                    handler.callbacks = [self] + [cb for cb in handler.callbacks if cb is not self]
+                others = [cb for cb in handler.callbacks if cb is not self]
+                at = next((i + 1 for i, cb in enumerate(others) if isinstance(cb, DefaultFlowCallback)), 0)
+                if handler.callbacks[at] is not self:
+                    handler.callbacks = others[:at] + [self] + others[at:]
                 self._first = True
                 self._handler = handler
                 return True
@@ -155,8 +160,8 @@ class MemoryMonitorCallback(KeywordCheck, SessionResults, TrainerCallback):
             self._warned_order = True
             log.warning(
                 "MemoryMonitorCallback could not move itself to the front of the Trainer's callbacks, so `report_to` "
-                "integrations listed before it do not receive the memory metrics. Put it first: "
-                "trainer.callback_handler.callbacks.insert(0, trainer.pop_callback(monitor))."
+                "integrations listed before it do not receive the memory metrics. Put it right after the Trainer's "
+                "DefaultFlowCallback: trainer.callback_handler.callbacks.insert(1, trainer.pop_callback(monitor))."
             )
         if self._monitor is not None:
             self._monitor.abandon()
@@ -228,13 +233,29 @@ class MemoryMonitorCallback(KeywordCheck, SessionResults, TrainerCallback):
     @entry_point("on_step_end")
     def on_step_end(self, args: "TrainingArguments", state: "TrainerState", control: "TrainerControl", **kwargs: Any) -> None:
         monitor = self._monitor
-        if monitor is not None and monitor.close_step(log_step=state.global_step):
+        if monitor is None:
+            return
+        if monitor.close_step(log_step=state.global_step):
             control.should_log = True  # every rank: the Trainer's logging gathers the loss across ranks
+        if control.should_evaluate:  # the Trainer evaluates next (DefaultFlowCallback, just before us, said so)
+            monitor.begin_evaluation("validate", state.global_step)
+
+    @entry_point("on_epoch_end")
+    def on_epoch_end(self, args: "TrainingArguments", state: "TrainerState", control: "TrainerControl", **kwargs: Any) -> None:
+        if self._monitor is not None and control.should_evaluate:  # eval_strategy="epoch"
+            self._monitor.begin_evaluation("validate", state.global_step)
+
+    @entry_point("on_prediction_step")
+    def on_prediction_step(self, args: "TrainingArguments", state: "TrainerState", control: "TrainerControl", **kwargs: Any) -> None:
+        monitor = self._monitor  # an evaluation no step's end announced (a second eval dataset): from its second batch
+        if monitor is not None and not monitor.closed and not monitor.evaluating:
+            monitor.begin_evaluation("validate", state.global_step)
 
     # the Trainer says so only after them: the step clock stops at the last step's end
     @entry_point("on_evaluate")
     def on_evaluate(self, args: "TrainingArguments", state: "TrainerState", control: "TrainerControl", **kwargs: Any) -> None:
         if self._monitor is not None:
+            self._monitor.end_evaluation(log_step=state.global_step)  # where no eval log closed it (nothing to log then)
             self._monitor.pause()  # evaluation is not step time
 
     @entry_point("on_save")
@@ -247,6 +268,9 @@ class MemoryMonitorCallback(KeywordCheck, SessionResults, TrainerCallback):
 
     @entry_point("on_log")
     def on_log(self, args: "TrainingArguments", state: "TrainerState", control: "TrainerControl", logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        monitor = self._monitor
+        if monitor is not None and monitor.evaluating and logs is not None and any(key.startswith("eval_") for key in logs):
+            monitor.end_evaluation(log_step=state.global_step)  # the evaluation's metrics: its memory keys join them
         pending = self._pending
         if pending is None or logs is None:
             return

@@ -57,6 +57,7 @@ class PlainControls(SessionResults):
     _cleanup: Cleanup
     _finalizer: weakref.finalize
     _warned_closed = False  # the used-after-close warning was given (once per monitor)
+    _hooks_before_eval: bool | None = None  # an evaluation is open: whether the model hooks were on before it
 
     def _end(self) -> None:  # pragma: no cover - Monitor's: end the open step
         raise NotImplementedError
@@ -64,13 +65,33 @@ class PlainControls(SessionResults):
     @contextlib.contextmanager
     def evaluate(self, stage: str = "validate") -> Iterator[None]:
         """``with monitor.evaluate(): ...`` — an evaluation loop, recorded apart from training rows."""
-        self._session.begin_eval(stage, self._step)
-        was_on = self._model_hooks.evaluation(True)  # its batches are counted at the model's forwards
+        self.begin_evaluation(stage)
         try:
             yield
         finally:
-            self._model_hooks.evaluation(False, was_on)
-            self._session.end_eval(log_step=self._step)
+            self.end_evaluation()
+
+    def begin_evaluation(self, stage: str = "validate", step: int | None = None) -> None:
+        """The first half of :meth:`evaluate`, for a loop whose evaluation is no single block (a framework's
+        callbacks): ``step`` names the row (default: the monitor's step count). Ignored while one is open."""
+        if self._hooks_before_eval is not None:
+            return
+        self._session.begin_eval(stage, self._step if step is None else step)
+        self._hooks_before_eval = self._model_hooks.evaluation(True)  # its batches are counted at the model's forwards
+
+    def end_evaluation(self, log_step: int | None = None) -> None:
+        """The second half of :meth:`evaluate`: the evaluation's row is closed and its keys logged at
+        ``log_step`` (default: the monitor's step count). Nothing without an open evaluation."""
+        was_on, self._hooks_before_eval = self._hooks_before_eval, None
+        if was_on is None:
+            return
+        self._model_hooks.evaluation(False, was_on)
+        self._session.end_eval(log_step=self._step if log_step is None else log_step)
+
+    @property
+    def evaluating(self) -> bool:
+        """An evaluation is open (between :meth:`begin_evaluation` and :meth:`end_evaluation`)."""
+        return self._hooks_before_eval is not None
 
     def pause(self) -> None:
         """The time from the last step's end to the next step is not step time: an evaluation or a

@@ -62,7 +62,9 @@ def training_args(tmp_path: Path, **overrides: Any) -> TrainingArguments:
 def test_trainer_tensorboard_gets_memory_metrics_with_accumulation(tmp_path: Path) -> None:
     monitor = MemoryMonitorCallback(log_keys="all", sample_every_n_steps=1, plot=False)
     trainer = Trainer(model=tiny_gpt2(), args=training_args(tmp_path), train_dataset=TokenData(), callbacks=[monitor])
-    assert trainer.callback_handler.callbacks[0] is monitor  # ahead of the report_to integrations
+    # at the front: after the Trainer's flow control (it decides a step evaluates), ahead of the report_to integrations
+    assert [type(c).__name__ for c in trainer.callback_handler.callbacks[:3]] == ["DefaultFlowCallback", "MemoryMonitorCallback",
+                                                                                "TensorBoardCallback"]
     trainer.train()
 
     # one row per optimizer step, each of gradient_accumulation_steps micro-batches
@@ -90,6 +92,33 @@ def test_trainer_tensorboard_gets_memory_metrics_with_accumulation(tmp_path: Pat
     assert all(KEYS <= set(h) for h in logged)
     report = json.loads((tmp_path / "out" / "memcallbacks" / "report.json").read_text())
     assert report["framework"] == "transformers" and report["summary"]["steps_recorded"] == 6
+
+
+@pytest.mark.parametrize("strategy", ["steps", "epoch"])
+def test_the_trainers_evaluations_are_rows_of_their_own_logged_with_the_eval_metrics(tmp_path: Path, strategy: str) -> None:
+    """The Trainer has no "evaluation starts" event: the step (or epoch) end whose control says it evaluates next
+    begins the row, the evaluation's own log closes it, and its memory keys join that log (TensorBoard: eval/...)."""
+    args = training_args(tmp_path, eval_strategy=strategy, eval_steps=3, max_steps=6, gradient_accumulation_steps=1,
+                         per_device_eval_batch_size=4, num_train_epochs=2)
+    data = TokenData(24)  # 6 steps of 4: one epoch, or two with max_steps=6 over 12 samples
+    train = TokenData(12) if strategy == "epoch" else data
+    trainer = Trainer(model=tiny_gpt2(), args=args, train_dataset=train, eval_dataset=TokenData(8),
+                      callbacks=[MemoryMonitorCallback(plot=False)])
+    trainer.train()
+    folder = tmp_path / "out" / "memcallbacks"
+    evals = pd.read_csv(folder / "eval_history.csv")
+    assert list(evals["stage"]) == ["validate", "validate"] and list(evals["step"]) == [3, 6], evals
+    assert (evals["batches"] == 2).all(), evals  # 8 samples in batches of 4, each counted at the model's forward
+    assert (evals["peak_allocated_bytes"] >= evals["allocated_bytes"]).all()
+    evaluated = [h for h in trainer.state.log_history if "eval_loss" in h]
+    assert [h["step"] for h in evaluated] == [3, 6]
+    for record, (_, row) in zip(evaluated, evals.iterrows()):
+        assert record["memory/val/peak_step_GiB"] == pytest.approx(row["peak_allocated_bytes"] / GIB, rel=1e-6)
+    scalars = tensorboard_scalars(tmp_path / "out")
+    assert [s for s, _ in scalars["train/memory/val/peak_step_GiB"]] == [3, 6]
+    report = json.loads((folder / "report.json").read_text())
+    assert report["summary"]["eval"]["validate"]["runs"] == 2
+    assert report["summary"]["steps_recorded"] == 6  # the evaluations never entered training rows
 
 
 def test_log_every_n_steps_makes_the_trainer_log_those_steps(tmp_path: Path) -> None:
@@ -120,7 +149,7 @@ def test_added_after_init_still_reaches_earlier_callbacks(tmp_path: Path) -> Non
     monitor = MemoryMonitorCallback(log_keys="all", write_files=False)
     trainer.add_callback(monitor)  # after the recorder; moved to the front when training begins
     trainer.train()
-    assert trainer.callback_handler.callbacks[0] is monitor
+    assert trainer.callback_handler.callbacks[1] is monitor  # after the Trainer's DefaultFlowCallback, before the recorder
     steps = [r for r in recorder.logs if "loss" in r]
     assert len(steps) == 2 and all("memory/peak_step_GiB" in r for r in steps)
     assert monitor.max_allocated > 0
