@@ -538,8 +538,10 @@ def batch_weakrefs(batch: Any, max_tensors: int) -> list[weakref.ref[torch.Tenso
 # the number of graphs grows without bound. A chain is reported as kind ``"growth"`` with the growth
 # detector's key: unbounded retention seen within a few steps; the detector's confirmation updates it.
 MIN_STEPS_ALIVE = 3
-"""Graphs of this many earlier steps alive at once are a chain (one kept step is lingering, two a
-``prev``/``cur`` pair)."""
+"""Graphs of this many earlier steps alive at once, at two checks in a row with the oldest of the
+first still alive at the second, are a chain (one kept step is lingering, two a ``prev``/``cur``
+pair). Without the second check, a loop whose iteration is two steps (a GAN: the discriminator's
+optimizer step, then the generator's) showed three graphs alive once, at step 3, and two ever after."""
 
 _WINDOW = 8
 
@@ -553,6 +555,7 @@ class GraphChains:
             raise ValueError(f"GraphChains(min_steps={min_steps}, window={window}): need 2 <= min_steps <= window.")
         self.min_steps = min_steps
         self._marks: collections.deque[tuple[int, weakref.ref[Any]]] = collections.deque(maxlen=window)
+        self._oldest: weakref.ref[Any] | None = None  # the oldest graph of the last check that saw min_steps alive
         self.reported = False
 
     def mark(self, step: int, sentinel: Any) -> None:
@@ -562,7 +565,8 @@ class GraphChains:
 
     def check(self, step: int) -> list[tuple[int, Any]] | None:
         """At the start of ``step``: ``[(step, sentinel)]`` of the earlier graphs alive, oldest first,
-        the first time at least ``min_steps`` of them are; else None."""
+        the first time at least ``min_steps`` of them are at two checks in a row and the oldest graph
+        of the first is still among them (a chain keeps it; a loop's bounded retention lets it go); else None."""
         if self.reported or len(self._marks) < self.min_steps:
             return None
         alive = []
@@ -572,8 +576,14 @@ class GraphChains:
                 if sentinel is not None:
                     alive.append((s, sentinel))
         if len(alive) < self.min_steps:
+            self._oldest = None
+            return None
+        oldest = self._oldest() if self._oldest is not None else None
+        if oldest is None or all(sentinel is not oldest for _, sentinel in alive):
+            self._oldest = weakref.ref(alive[0][1])  # seen once: confirmed if it is still alive at the next check
             return None
         self.reported = True
+        self._oldest = None
         self._marks.clear()
         return alive
 
