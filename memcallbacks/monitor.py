@@ -283,6 +283,8 @@ class Monitor(KeywordCheck, PlainControls):
             return
         self._model_hooks.backward_open = False
         self._step = step  # for OOM events
+        if self._hooks_before_eval is not None:  # an evaluation is still open (a tentative one): it ends here
+            self.end_evaluation()
         self._session.begin_step(step, epoch, batch_idx)
 
     @entry_point("end_phase()")

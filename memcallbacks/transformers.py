@@ -247,16 +247,20 @@ class MemoryMonitorCallback(KeywordCheck, SessionResults, TrainerCallback):
 
     @entry_point("on_prediction_step")
     def on_prediction_step(self, args: "TrainingArguments", state: "TrainerState", control: "TrainerControl", **kwargs: Any) -> None:
-        monitor = self._monitor  # an evaluation no step's end announced (a second eval dataset): from its second batch
+        monitor = self._monitor  # an evaluation nothing announced (``trainer.evaluate()`` in a callback): from its second batch
         if monitor is not None and not monitor.closed and not monitor.evaluating:
             monitor.begin_evaluation("validate", state.global_step)
 
     # the Trainer says so only after them: the step clock stops at the last step's end
     @entry_point("on_evaluate")
-    def on_evaluate(self, args: "TrainingArguments", state: "TrainerState", control: "TrainerControl", **kwargs: Any) -> None:
-        if self._monitor is not None:
-            self._monitor.end_evaluation(log_step=state.global_step)  # where no eval log closed it (nothing to log then)
-            self._monitor.pause()  # evaluation is not step time
+    def on_evaluate(self, args: "TrainingArguments", state: "TrainerState", control: "TrainerControl", metrics: Any = None, **kwargs: Any) -> None:
+        monitor = self._monitor
+        if monitor is not None:
+            monitor.end_evaluation(log_step=state.global_step)  # where no eval log closed it (nothing to log then)
+            monitor.pause()  # evaluation is not step time
+            # one of a dict of eval datasets (eval_<name>_...): the next one's loop has no event before its first batch
+            if not monitor.closed and any(k.startswith("eval_") and k.endswith("_runtime") and k != "eval_runtime" for k in metrics or ()):
+                monitor.begin_evaluation("validate", state.global_step, tentative=True)  # no forward: no row
 
     @entry_point("on_save")
     def on_save(self, args: "TrainingArguments", state: "TrainerState", control: "TrainerControl", **kwargs: Any) -> None:

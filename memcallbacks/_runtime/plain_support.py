@@ -58,6 +58,7 @@ class PlainControls(SessionResults):
     _finalizer: weakref.finalize
     _warned_closed = False  # the used-after-close warning was given (once per monitor)
     _hooks_before_eval: bool | None = None  # an evaluation is open: whether the model hooks were on before it
+    _eval_tentative = False  # the open evaluation may not come: no forward, no row
 
     def _end(self) -> None:  # pragma: no cover - Monitor's: end the open step
         raise NotImplementedError
@@ -71,11 +72,14 @@ class PlainControls(SessionResults):
         finally:
             self.end_evaluation()
 
-    def begin_evaluation(self, stage: str = "validate", step: int | None = None) -> None:
+    def begin_evaluation(self, stage: str = "validate", step: int | None = None, *, tentative: bool = False) -> None:
         """The first half of :meth:`evaluate`, for a loop whose evaluation is no single block (a framework's
-        callbacks): ``step`` names the row (default: the monitor's step count). Ignored while one is open."""
+        callbacks): ``step`` names the row (default: the monitor's step count). Ignored while one is open.
+        ``tentative``: an evaluation that may not come (the Trainer's next eval dataset); if it has run no
+        forward of the model when it ends (or :meth:`open_step` or :meth:`close` ends it), it leaves no row."""
         if self._hooks_before_eval is not None:
             return
+        self._eval_tentative = tentative
         self._session.begin_eval(stage, self._step if step is None else step)
         self._hooks_before_eval = self._model_hooks.evaluation(True)  # its batches are counted at the model's forwards
 
@@ -86,7 +90,7 @@ class PlainControls(SessionResults):
         if was_on is None:
             return
         self._model_hooks.evaluation(False, was_on)
-        self._session.end_eval(log_step=self._step if log_step is None else log_step)
+        self._session.end_eval(log_step=self._step if log_step is None else log_step, keep_empty=not self._eval_tentative)
 
     @property
     def evaluating(self) -> bool:
@@ -119,6 +123,7 @@ class PlainControls(SessionResults):
             return
         self._closed = True
         try:
+            self.end_evaluation()  # one still open (a tentative one that saw no forward leaves no row)
             self._end()
             self._cleanup.remove_handles()
             self._model_hooks.release()

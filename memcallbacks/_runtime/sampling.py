@@ -262,11 +262,14 @@ class MemoryEngine:
         if self._eval is not None:
             self._eval[E_BATCHES] += 1
 
-    def end_eval(self) -> list[Any] | None:
+    def end_eval(self, keep_empty: bool = True) -> list[Any] | None:
+        """The evaluation's row; ``keep_empty=False`` drops one that counted no batch (None)."""
         row = self._eval
         if row is None:
             return None
         self._eval = None
+        if not keep_empty and row[E_BATCHES] == 0:
+            return None
         sample = self.backend.baseline()  # type: ignore[union-attr]
         self._peaks(sample)
         row[E_PEAK_ALLOCATED], row[E_PEAK_RESERVED], row[E_ALLOCATED_AFTER] = sample[2], sample[3], sample[0]

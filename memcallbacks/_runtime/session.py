@@ -563,19 +563,20 @@ class Session:
             except Exception as exc:
                 self.fail(exc, "evaluation batch")
 
-    def end_eval(self, *, log_step: int, emit: bool = True) -> list[Any] | None:
-        """Close the evaluation loop's row and, unless ``emit`` is False or it is the sanity check, log it."""
+    def end_eval(self, *, log_step: int, emit: bool = True, keep_empty: bool = True) -> list[Any] | None:
+        """Close the evaluation loop's row and, unless ``emit`` is False or it is the sanity check, log it.
+        ``keep_empty=False``: a loop that counted no batch leaves no row and logs nothing (on every rank)."""
         engine = self.engine
         if not self.config.log_validation:
             return None
         row = None
         if engine.enabled:
             try:
-                row = engine.end_eval()
+                row = engine.end_eval(keep_empty)
             except Exception as exc:
                 self.fail(exc, "evaluation end")
         stage = row[E_STAGE] if row is not None else "validate"
-        if not emit or stage == "sanity_check" or (row is None and engine.world_size <= 1):
+        if not emit or stage == "sanity_check" or (row is None and (engine.world_size <= 1 or not keep_empty)):
             return row
         try:
             self.emit(engine.eval_log_values(row, stage), log_step)

@@ -42,3 +42,35 @@ def test_evaluate_counts_its_batches_under_track_on_quiet_steps(tmp_path):
     """Under ``track()``, the forward hooks are off on quiet steps (after step 48): evaluate() turns them on."""
     monitor = _train_and_evaluate(tmp_path, track=True)
     assert list(monitor.eval_history["batches"]) == [7], monitor.eval_history
+
+
+def test_a_tentative_evaluation_leaves_a_row_only_where_the_model_ran(tmp_path):
+    """``begin_evaluation(tentative=True)`` (the Trainer's next eval dataset, which may not come): ended with
+    forwards in it, a row; ended by the next ``open_step()`` or by ``close()`` with none, nothing."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = Monitor(model, optimizer, output_dir=str(tmp_path / "mem"), plot=False)
+    logged: list[int] = []
+    monitor.attach(log_fn=lambda metrics, step: logged.append(step) if "memory/val/peak_step_GiB" in metrics else None)
+
+    def train_step(step: int) -> None:
+        monitor.open_step(step)
+        model(torch.randn(4, 16)).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        monitor.close_step(log_step=step)
+
+    train_step(0)
+    monitor.begin_evaluation("validate", 1, tentative=True)
+    with torch.no_grad():
+        model(torch.randn(4, 16))
+    monitor.end_evaluation(log_step=1)  # it came: a row
+    monitor.begin_evaluation("validate", 1, tentative=True)
+    assert monitor.evaluating
+    train_step(1)  # none came: the step's opening drops it
+    assert not monitor.evaluating
+    monitor.begin_evaluation("validate", 2, tentative=True)
+    monitor.close()
+    assert list(monitor.eval_history["step"]) == [1] and list(monitor.eval_history["batches"]) == [1], monitor.eval_history
+    assert logged == [1]

@@ -121,6 +121,28 @@ def test_the_trainers_evaluations_are_rows_of_their_own_logged_with_the_eval_met
     assert report["summary"]["steps_recorded"] == 6  # the evaluations never entered training rows
 
 
+def test_each_of_a_dict_of_eval_datasets_is_a_whole_row(tmp_path: Path) -> None:
+    """``eval_dataset={"a": ..., "b": ...}``: the Trainer evaluates them one after the other, with no event
+    before the second one's first batch. Each is a row of its own with every batch counted, its keys join
+    its own log record, and the row begun in case a third followed leaves nothing behind."""
+    args = training_args(tmp_path, eval_strategy="steps", eval_steps=3, max_steps=6, gradient_accumulation_steps=1,
+                         per_device_eval_batch_size=4)
+    trainer = Trainer(model=tiny_gpt2(), args=args, train_dataset=TokenData(24),
+                      eval_dataset={"a": TokenData(8), "b": TokenData(12)}, callbacks=[MemoryMonitorCallback(plot=False)])
+    trainer.train()
+    folder = tmp_path / "out" / "memcallbacks"
+    evals = pd.read_csv(folder / "eval_history.csv")
+    assert list(evals["step"]) == [3, 3, 6, 6], evals
+    assert list(evals["batches"]) == [2, 3, 2, 3], evals  # b's first batch too (12 samples in batches of 4)
+    for name in ("a", "b"):
+        records = [h for h in trainer.state.log_history if f"eval_{name}_loss" in h]
+        assert [h["step"] for h in records] == [3, 6]
+        assert all(h["memory/val/peak_step_GiB"] > 0 for h in records), records
+    report = json.loads((folder / "report.json").read_text())
+    assert report["summary"]["eval"]["validate"]["runs"] == 4
+    assert report["summary"]["steps_recorded"] == 6
+
+
 def test_log_every_n_steps_makes_the_trainer_log_those_steps(tmp_path: Path) -> None:
     monitor = MemoryMonitorCallback(log_keys="all", log_every_n_steps=2, write_files=False)
     args = training_args(tmp_path, logging_steps=3, gradient_accumulation_steps=1, max_steps=4)
