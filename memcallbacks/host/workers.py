@@ -169,16 +169,26 @@ class _Track:
         return share is None or share >= _KEPT_SHARE
 
     def rising(self) -> bool:
-        """Growth step over step: most read-to-read changes are rises and the last read is the highest seen."""
-        ys = [r[1] for r in self.reads]
+        """Growth step over step: most read-to-read changes are rises, the last read is the highest seen, and the
+        reads span :data:`_SPAN_STEPS` steps or more."""
+        reads = self.reads
+        if len(reads) < 3 or reads[-1][0] - reads[0][0] < _SPAN_STEPS:
+            return False
+        ys = [r[1] for r in reads]
         rises = sum(b > a for a, b in zip(ys, ys[1:]))
-        return len(ys) >= 3 and rises >= 0.6 * (len(ys) - 1) and ys[-1] >= max(ys) - MiB
+        return rises >= 0.6 * (len(ys) - 1) and ys[-1] >= max(ys) - MiB
 
 
 _WARMUP_STEPS = 10
 """A worker's baseline read is this many steps after it was first seen: its first batches (2 a worker
 in flight at start) map and keep tens of MiB (22-41 -> 56-88 MiB in 2 steps with batches of
 64x3x224x224 floats), which is not growth."""
+
+_SPAN_STEPS = 16
+"""The fewest steps from a worker's baseline to its last read for a finding. A worker's USS swings by the batch
+it builds (50 -> 88 -> 52 MiB with batches of 64x3x224x224 floats): a baseline in a trough and reads at the next
+two peaks, 2-3 steps later, rose by what the worker faulted (kept share 0.83-1.0) and were reported now and then
+on a busy machine. Over 16 steps it builds several batches, whose faults the kept share counts against the swing."""
 
 _KEPT_SHARE = 0.8
 """A worker grows when its USS growth is this share or more of the bytes it faulted since its baseline.

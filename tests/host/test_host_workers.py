@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -144,6 +145,45 @@ def test_large_batches_fault_without_a_finding():
     assert findings == [], [f.message for f in findings]
     # the faults asked for reads that found no growth, and the watch backed off (a doubled threshold each)
     assert watch.fault_reads >= 2 and any(t.misses >= 1 for t in watch.live()), watch.summary()
+    del loader
+
+
+class Swing(Dataset):
+    """A worker that builds its batch in two halves of 40 MiB and frees both on the third item, as a worker
+    building and handing over large batches does: its USS swings 0 -> 40 -> 80 MiB and back, and never grows."""
+
+    def __init__(self) -> None:
+        self.held: list[torch.Tensor] = []
+
+    def __len__(self) -> int:
+        return 10_000
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i % 3 == 2:
+            self.held.clear()
+        else:
+            self.held.append(torch.ones(10 * MiB))  # 40 MiB, touched: above malloc's mmap threshold, unmapped when freed
+        return torch.zeros(2)
+
+
+def test_a_swing_from_a_trough_to_two_peaks_is_no_growth():
+    """The baseline (step 10) sees the worker empty, the next two reads its two halves: three rising reads,
+    80 MiB kept of 80 faulted, which the watch took for growth (seen in a -n 2 suite run of the test above).
+    A finding now needs reads over 16 steps, over which the worker's faults (80 MiB every 3 items) far outweigh
+    what it keeps: no finding, then or later."""
+    loader = DataLoader(Swing(), batch_size=1, num_workers=1, prefetch_factor=1, persistent_workers=True)
+    watch = WorkerWatch()
+    findings = []
+    for step, _ in enumerate(loader):
+        time.sleep(0.1)  # the worker has built the next item (prefetch 1): its state at a read is that item's
+        finding = watch.update(step)
+        if finding is not None:
+            findings.append(finding)
+        if step == 20:
+            break
+    usses = [round(r[1] / MiB) for t in watch.live() for r in t.reads]
+    assert findings == [], ([f.message for f in findings], usses)
+    assert len(usses) >= 4 and max(usses) - usses[0] >= 60, usses  # it swung, read from its trough
     del loader
 
 
