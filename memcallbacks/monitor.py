@@ -153,14 +153,12 @@ class Monitor(KeywordCheck, PlainControls):
     # ------------------------------------------------------------------ steps
     def _begin(self, epoch: int = 0, batch_idx: int | None = None, batch: Any = None, defer_lingering: bool = False, auto: bool = False) -> None:
         self._stepped = False
-        hooks = self._model_hooks
-        hooks.backward_seen = False
-        hooks.awaiting_backward = auto and not self._window.accumulates  # no optimizer known: a backward ends the step
         self._session.begin_step(
             self._step, epoch, self._step if batch_idx is None else batch_idx, batch=batch, defer_lingering=defer_lingering
         )
-        # auto: the forward pre-hook began it, and with an optimizer known only an optimizer step ends it
-        hooks.settle(auto_step_begun=auto and self._window.accumulates)
+        # auto: the forward pre-hook began it; with an optimizer known an optimizer step ends it, without one a backward
+        optimizer_known = self._window.accumulates
+        self._model_hooks.settle(auto_step_begun=auto and optimizer_known, awaiting_backward=auto and not optimizer_known)
         session = self._session  # a quiet step's optimizer pre-hook has nothing to do (an observer may want it)
         self._optimizer_hooks.pre_open = not session.quiet_step or session.lingering_due or session.observed
 

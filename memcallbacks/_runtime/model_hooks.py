@@ -75,11 +75,15 @@ class ModelHooks(Guarded):
         for pre, post in self.gates:
             pre.open = post.open = True
 
-    def settle(self, auto_step_begun: bool) -> None:
+    def settle(self, auto_step_begun: bool, awaiting_backward: bool = False) -> None:
         """After a step began: the forward hook only where the step keeps its outputs (sampled, or
         marked for the lingering check); the pre-hook closed for the rest of an automatic step that
         an optimizer step ends (``auto_step_begun``: its later forwards only check that no optimizer
-        stepped, and the optimizer hook reopens it) unless evaluation or a deferred lingering check needs it."""
+        stepped, and the optimizer hook reopens it) unless evaluation or a deferred lingering check needs it.
+        ``awaiting_backward``: an automatic step with no optimizer known, which its backward ends (the
+        forward hook then on every step, to see the backward reach the outputs: :attr:`backward_seen`)."""
+        self.awaiting_backward = awaiting_backward
+        self.backward_seen = False
         session = self._session
         post = session.step_open and (session.detailed_step or session.lingering_due or self.awaiting_backward)  # a deferred check may mark it
         pre = not (auto_step_begun and session.step_open and not session.lingering_due and not self.evaluating)
