@@ -469,6 +469,12 @@ def mlflow_metrics(tracking_uri: str, run_id: str) -> dict[str, list[tuple[int, 
     return out
 
 
+def open_problems(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """``report.json``'s findings that are open problems (``Finding.is_problem``: not settled, not advice):
+    on a clean run, its false alarms."""
+    return [f for f in report["findings"] if f["state"] == "open" and f["severity"] == "problem"]
+
+
 def is_png(path: str | os.PathLike[str]) -> bool:
     """A complete PNG: signature, IHDR first with a non-empty size, IEND last."""
     data = Path(path).read_bytes()

@@ -18,6 +18,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
+from helpers import open_problems  # noqa: E402
 from memcallbacks.accelerate import AccelerateMemoryMonitor  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread", "fresh_accelerate_state")
@@ -66,6 +67,6 @@ def test_nlp_example_at_defaults_raises_no_false_alarm(tmp_path: Path, track: bo
     monitor.close()
     report = json.loads((tmp_path / "mem" / "report.json").read_text())
     assert report["summary"]["steps_seen"] == EPOCHS * 50
-    false_alarms = [f for f in report["findings"] if f["severity"] != "advice" and f["state"] == "open"]
+    false_alarms = open_problems(report)
     assert false_alarms == [], [f["message"] for f in false_alarms]
     assert total == EPOCHS * 64

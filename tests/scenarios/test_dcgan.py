@@ -22,6 +22,7 @@ import pytest
 import torch
 from torch import nn
 
+from helpers import open_problems
 from memcallbacks import Monitor
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -88,7 +89,7 @@ def test_dcgan_at_defaults_raises_no_false_alarm(tmp_path: Path, watch: str) -> 
     # netD: each iteration's two optimizer steps are two rows, and before the first optimizer step is seen (none
     # was passed) each forward is a row, as for any loop with no optimizer known: the first iteration is three
     assert steps == (1 + 2 * 75 if watch == "D" else 75), steps
-    false_alarms = [f for f in report["findings"] if f["severity"] != "advice" and f["state"] == "open"]
+    false_alarms = open_problems(report)
     assert false_alarms == [], [f["message"] for f in false_alarms]
 
 

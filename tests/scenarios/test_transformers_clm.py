@@ -21,6 +21,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from helpers import open_problems  # noqa: E402
 from memcallbacks.transformers import MemoryMonitorCallback  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread", "fresh_accelerate_state")
@@ -66,7 +67,7 @@ def run(tmp_path: Path, trainer_class: type = transformers.Trainer) -> dict[str,
 def test_run_clm_at_defaults_raises_no_false_alarm(tmp_path):
     report = run(tmp_path)
     assert report["summary"]["steps_seen"] == STEPS
-    false_alarms = [f for f in report["findings"] if f["severity"] != "advice" and f["state"] == "open"]
+    false_alarms = open_problems(report)
     assert false_alarms == [], [f["message"] for f in false_alarms]
     assert report["verdict"][0].startswith(f"memcallbacks: no problem found in {STEPS} steps"), report["verdict"]
     assert report["summary"]["eval"]["validate"]["runs"] == STEPS // 50  # each evaluation a row of its own
