@@ -84,6 +84,7 @@ class Monitor(KeywordCheck, PlainControls):
         self.config = resolve_config(config, given_fields(locals(), self._keywords), type(self).__name__)
         self._session = Session(settings_of(self.config), self.framework, self._public_name or type(self).__name__, logging.getLogger(type(self).__module__))
         self._session.attach(log_fn=log_fn)
+        self._session.ending.ends_with(self._exit_failing)  # an error nobody catches ends the run as `with` does
         self._meter = HookMeter(self._session.schedule)  # every hook call's whole time is the monitor's own
         self._model_hooks = ModelHooks(self._session, self._forward_pre, self._meter)  # the forward hooks, the step's outputs
         self._optimizer_hooks = OptimizerHooks(self._optimizer_pre, self._optimizer_post, self._meter)  # installed by _install_hooks

@@ -66,6 +66,11 @@ class MemoryBackend:
         """Total bytes of the device (host RAM for CPU), or None when unknown."""
         return None
 
+    def free(self) -> int | None:
+        """Bytes the device's driver can still hand out now (other processes and the runtime's own context
+        taken), or None where the device cannot say (the host: ``memcallbacks._base.limits`` reads its limits)."""
+        return None
+
     def close(self) -> None:
         """Release OS handles. Safe to call twice."""
 

@@ -155,7 +155,8 @@ class Settings:
     """The resolved configuration the runtime reads, flat and read-only: every top-level field of
     :class:`MonitorConfig` and every group's field by its flat name (:data:`FLAT_NAMES`: a group's
     fields keep theirs, ``snapshot.policy`` is ``snapshot_policy``), plus ``logged_keys``: the full
-    keys handed to loggers (None: every key). Made by :func:`settings_of`."""
+    keys handed to loggers (None: every key), and ``logged_keys_cpu``: those on CPU, where the default
+    list has each phase's rise above the step's start in place of its peak. Made by :func:`settings_of`."""
 
     def __init__(self, config: MonitorConfig) -> None:
         values = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name not in GROUPS}
@@ -163,6 +164,7 @@ class Settings:
         options = {"preflight": config.preflight, "auto_snapshot": config.auto_snapshot,
                    "gc_every_n_steps": config.leaks.gc_every_n_steps is not None}
         values["logged_keys"] = logged_keys(config.log_keys, config.advanced.prefix, options)
+        values["logged_keys_cpu"] = logged_keys(config.log_keys, config.advanced.prefix, options, cpu=True)
         values["source"] = config
         self.__dict__.update(values)
 

@@ -1,4 +1,5 @@
-"""The CPU backend, the host's cheap reads, and the thread's CPU clock own time is read on.
+"""The CPU backend, the host's cheap reads, the thread's CPU clock own time is read on, and the
+budget's guard over that own time (:class:`BudgetGuard`, which the step schedule owns).
 
 The reads: glibc's heap in use, the resident set (``statm``) and its resettable high-water mark
 (``getrusage`` after ``/proc/self/clear_refs``)."""
@@ -17,7 +18,7 @@ import resource
 import sys
 import threading
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Protocol
 
 import torch
 
@@ -26,9 +27,9 @@ from memcallbacks._base.backend import PEAK_RSS_HWM, PEAK_SAMPLED, MemoryBackend
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "CpuBackend", "StatmReader", "HwmReader", "HWM_PINNED_SLACK", "heap_in_use_bytes", "host_rss_reader", "set_mmap_threshold",
+    "CpuBackend", "StatmReader", "HwmReader", "HWM_PINNED_SLACK", "heap_in_use_bytes", "host_rss_reader", "set_mmap_threshold", "FIXED_MMAP_THRESHOLD",
     "load_malloc_trim", "Tripwire", "rss_tripwire", "pymalloc_bytes", "pymalloc_arena_bytes", "own_time", "counted_collection", "watch_collections",
-    "unwatch_collections",
+    "unwatch_collections", "CLOCK_READS", "IMPORT_S", "IMPORTS",
 ]
 
 # RUSAGE_THREAD skips summing CPU time over every thread (RUSAGE_SELF does); ru_maxrss is the
@@ -67,10 +68,17 @@ def _libc_function(name: str) -> Any:
     return getattr(libc, name, None) if libc is not None else None
 
 
+#: The mmap threshold this process fixed with :func:`set_mmap_threshold` (None: glibc's adaptive one, or not known)
+FIXED_MMAP_THRESHOLD: list[int | None] = [None]
+
+
 def set_mmap_threshold(nbytes: int) -> bool:
     """Fix glibc's mmap threshold (``mallopt``); True on success. Process-wide and not reversible."""
     mallopt = _libc_function("mallopt")
-    return mallopt is not None and bool(mallopt(_M_MMAP_THRESHOLD, ctypes.c_int(nbytes)))
+    done = mallopt is not None and bool(mallopt(_M_MMAP_THRESHOLD, ctypes.c_int(nbytes)))
+    if done:
+        FIXED_MMAP_THRESHOLD[0] = nbytes
+    return done
 
 
 def load_malloc_trim() -> Callable[[], Any] | None:
@@ -509,6 +517,9 @@ _thread_time = time.thread_time
 _ident = threading.get_ident
 _gc_s: dict[int, float] = {}  # thread -> CPU seconds in the older generations' automatic collections
 _gc_start: dict[int, float] = {}
+CLOCK_READS = [0]  # reads of own_time() so far: a hook call in which none happened timed nothing (HookMeter)
+IMPORT_S: dict[int, float] = {}  # thread -> CPU seconds in the imports the monitor's code started (_base/hidden_costs.py)
+IMPORTS = [0.0, 0]  # those seconds, every thread, and the modules: totals the schedule reads (no call on the step path)
 _counting = 0  # > 0 inside counted_collection(): that collection is the monitor's own work
 _watchers = 0
 
@@ -527,8 +538,11 @@ def _on_collection(phase: str, info: dict[str, Any]) -> None:
 
 
 def own_time() -> float:
-    """Seconds on the monitor's clock; the difference of two reads on one thread is what the code between cost."""
-    return _thread_time() - _gc_s.get(_ident(), 0.0)
+    """Seconds on the monitor's clock; the difference of two reads on one thread is what the code between cost
+    (the imports the monitor's code starts are left out too: the schedule books them as a part of their own)."""
+    CLOCK_READS[0] += 1
+    thread = _ident()
+    return _thread_time() - _gc_s.get(thread, 0.0) - IMPORT_S.get(thread, 0.0)
 
 
 def watch_collections() -> bool:
@@ -558,3 +572,100 @@ def counted_collection() -> Iterator[None]:
         yield
     finally:
         _counting -= 1
+
+
+# The budget's guard: own time over windows of at least this many steps after the first QUIET_FROM, and of
+# at least CONTROL_S of step time: over a few tens of milliseconds (32 steps of 1.6 ms), one read's cost
+# or one time slice on a busy machine decides the rate, and a back-off is never undone.
+CONTROL_STEPS = 32
+CONTROL_S = 0.25
+MAX_BACKOFF = 1024
+# the parts whose interval the guard widens, as its log line names them
+PART_NAMES = {"lingering": "the lingering check", "read": "the memory reads", "sample": "sampled steps"}
+
+
+class OwnTimeRecord(Protocol):
+    """What the guard reads of the step schedule (``_runtime/schedule.py``)."""
+
+    steps: int
+    timed_s: float
+    own_s: float
+    parts: dict[str, float]
+    read_every: int
+    sample_every: int
+    log_every: int
+    explicit: bool
+    logs: bool
+
+
+class BudgetGuard:
+    """Over windows of at least :data:`CONTROL_STEPS` steps and :data:`CONTROL_S` seconds of step time
+    after the first ``QUIET_FROM``, the own
+    time measured (finding work excepted) against the budget; over it, the costliest part that has
+    an interval (the lingering check, sampling, the reads) backs off: its interval doubles. Said
+    once in the log; every back-off is in report.json. Picklable."""
+
+    def __init__(self, budget: float, first: int, max_interval: int) -> None:
+        self.budget = budget
+        self.max_interval = max_interval  # an interval at this is not widened further
+        self.backoff = {"read": 1, "sample": 1, "lingering": 1}  # the multipliers of the intervals
+        self.backoffs: list[dict[str, Any]] = []  # each time the guard widened an interval
+        self.over_budget_windows = 0
+        self.said: set[str] = set()  # what the guard has said in the log (each once)
+        self.announce: tuple[logging.Logger, str] | None = None  # (logger, owner): where the back-off is said
+        self.window: tuple[int, float, float, dict[str, float]] = (first, 0.0, 0.0, {})
+
+    def check(self, schedule: OwnTimeRecord) -> None:
+        """One window's check: reads ``schedule``'s totals and widens its intervals."""
+        start, own0, step0, parts0 = self.window
+        steps = schedule.steps
+        elapsed = schedule.timed_s - step0
+        if steps < start + CONTROL_STEPS or elapsed < CONTROL_S:
+            return
+        parts = schedule.parts
+        own = schedule.own_s - parts["findings"]  # finding work excepted (finding_s)
+        self.window = (steps, own, schedule.timed_s, dict(parts))
+        rate = (own - own0) / elapsed
+        if rate <= self.budget:
+            return
+        spent = {}
+        for key, seconds in parts.items():
+            spent[key] = seconds - parts0.get(key, 0.0)
+        # the parts whose interval the guard can widen (logged steps are sampled whatever the interval)
+        controllable = {"lingering": spent["lingering"]}
+        if schedule.read_every < self.max_interval:
+            controllable["read"] = spent["read"]
+        if not schedule.explicit and (not schedule.logs or schedule.sample_every < schedule.log_every):
+            controllable["sample"] = spent["sample"]
+        part = max(controllable, key=lambda k: controllable[k])
+        self.over_budget_windows += 1
+        if controllable[part] <= 0 or self.backoff[part] >= MAX_BACKOFF:
+            if self.say("floor"):  # what is left is the logged steps and the tripwire
+                logger, owner = self.announce  # type: ignore[misc]
+                logger.info(
+                    "%s: its own time was %.2f%% of step time over the last %d steps, above overhead_budget=%g, "
+                    "and nothing it can sample less often is left: the rest is the logged steps (every %s), which "
+                    "log_every_n_steps sets, and its hooks' calls (%.3g s of %.3g s), which every step makes.",
+                    owner, 100 * rate, steps - start, self.budget, schedule.log_every if schedule.logs else "-",
+                    spent.get("hooks", 0.0), own - own0,
+                )
+            return
+        self.backoff[part] *= 2
+        self.backoffs.append({"step": steps, "part": part, "own_time": round(rate, 5), "factor": self.backoff[part]})
+        if len(self.backoffs) > 64:
+            del self.backoffs[:32]
+        if self.say("backoff"):
+            logger, owner = self.announce  # type: ignore[misc]
+            logger.info(
+                "%s: its own time was %.2f%% of step time over the last %d steps, above overhead_budget=%g; "
+                "the costliest part (%s: %.3g s of %.3g s) now runs half as often. Later back-offs are listed "
+                "in report.json (summary.cadence.backoffs).",
+                owner, 100 * rate, steps - start, self.budget, PART_NAMES[part], spent[part], own - own0,
+            )
+
+    def say(self, what: str) -> bool:
+        """Whether to say ``what`` now: once per run, on rank zero (where :attr:`announce` is set)."""
+        if self.announce is None or what in self.said:
+            return False
+        self.said.add(what)
+        return True

@@ -19,7 +19,7 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "MemoryBackend", "CudaBackend", "AcceleratorBackend", "CpuBackend", "select_backend", "host_rss_reader", "heap_in_use_bytes",
-    "HwmReader", "StatmReader", "HWM_PINNED_SLACK", "PEAK_ALLOCATOR", "PEAK_RSS_HWM", "PEAK_SAMPLED", "set_mmap_threshold",
+    "HwmReader", "StatmReader", "HWM_PINNED_SLACK", "PEAK_ALLOCATOR", "PEAK_RSS_HWM", "PEAK_SAMPLED", "set_mmap_threshold", "watch_reader",
 ]
 
 from memcallbacks._base.backend import PEAK_ALLOCATOR, PEAK_RSS_HWM, PEAK_SAMPLED, MemoryBackend, allocator_counters
@@ -75,6 +75,13 @@ class CudaBackend(MemoryBackend):
             except Exception:
                 self._capacity = int(torch.cuda.get_device_properties(self.index).total_memory)
         return int(self._capacity * _torch_private.cuda_memory_fraction(self.index))
+
+    def free(self) -> int | None:
+        """``cudaMemGetInfo``'s free bytes (``torch.cuda.mem_get_info``): what ``cudaMalloc`` can still get."""
+        try:
+            return int(torch.cuda.mem_get_info(self.index)[0])
+        except Exception:
+            return None
 
 
 class AcceleratorBackend(MemoryBackend):
@@ -180,6 +187,16 @@ class AcceleratorBackend(MemoryBackend):
                 return None
         return None
 
+    def free(self) -> int | None:
+        """The free bytes of ``torch.accelerator.get_memory_info`` where the accelerator has it."""
+        info = getattr(getattr(torch, "accelerator", None), "get_memory_info", None)
+        if info is None:
+            return None
+        try:
+            return int(info(self.device)[0])
+        except Exception:
+            return None
+
 
 def select_backend(device: torch.device | str | None, *, cpu_mmap_threshold: int | None = None) -> MemoryBackend:
     """Pick the backend for ``device`` (``None`` means CPU)."""
@@ -192,3 +209,11 @@ def select_backend(device: torch.device | str | None, *, cpu_mmap_threshold: int
     if device.type == "cuda":
         return CudaBackend(device)
     return AcceleratorBackend(device)
+
+
+def watch_reader(backend: Any) -> Callable[[], int | None]:
+    """The read that sees a tensor leak step over step: glibc's in-use heap on CPU (it sees a leak
+    that refills freed heap, which RSS does not), the caching allocator's counter elsewhere."""
+    if backend.kind == "cpu":
+        return heap_in_use_bytes if heap_in_use_bytes() is not None else (lambda: backend.current()[0])
+    return lambda: backend.current()[0]

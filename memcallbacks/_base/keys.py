@@ -9,15 +9,18 @@ from __future__ import annotations
 import difflib
 from typing import Any
 
-__all__ = ["TRAINING_KEYS", "EVAL_KEYS", "ALL_KEYS", "DEFAULT_KEYS", "OPTION_KEYS", "check_log_keys", "logged_keys"]
+__all__ = ["TRAINING_KEYS", "EVAL_KEYS", "ALL_KEYS", "DEFAULT_KEYS", "CPU_DEFAULT_KEYS", "OPTION_KEYS", "WHEN_FORECAST",
+           "MIN_OVER_RANKS", "check_log_keys", "logged_keys"]
 
 TRAINING_KEYS = (
     "allocated_GiB", "reserved_GiB", "peak_forward_GiB", "peak_backward_GiB", "peak_optimizer_GiB", "peak_step_GiB",
+    "peak_forward_above_start_GiB", "peak_backward_above_start_GiB", "peak_optimizer_above_start_GiB",
+    "peak_step_above_start_GiB",
     "peak_reserved_GiB", "max_allocated_GiB", "host_rss_GiB", "monitor_time_ms", "alloc_retries", "ooms",
     "inactive_split_GiB", "findings", "overhead", "capacity_GiB", "expected_GiB", "unexplained_GiB", "snapshots",
     "host_python_GiB", "host_private_GiB", "host_workers_GiB", "gc_time_ms", "gc_collected", "gc_freed_GiB",
     "predicted_peak_forward_GiB", "predicted_peak_backward_GiB", "predicted_peak_optimizer_GiB", "predicted_peak_GiB",
-    "preflight_error_GiB", "peak_step_rank", "allocated_rank",
+    "preflight_error_GiB", "peak_step_rank", "allocated_rank", "runs_out_in_steps",
 )
 """Every key a training step can log."""
 
@@ -29,11 +32,24 @@ ALL_KEYS = TRAINING_KEYS + EVAL_KEYS
 
 DEFAULT_KEYS = (
     "peak_forward_GiB", "peak_backward_GiB", "peak_optimizer_GiB", "reserved_GiB", "allocated_GiB", "findings",
-    "host_rss_GiB", "val/peak_step_GiB", "test/peak_step_GiB", "predict/peak_step_GiB",
+    "host_rss_GiB", "runs_out_in_steps", "val/peak_step_GiB", "test/peak_step_GiB", "predict/peak_step_GiB",
 )
 """What a person reads (``log_keys="default"``): the per-phase peaks, reserved and the step-start floor
 (``allocated``) at step start, the open findings and the host's resident memory; an evaluation
-loop's peak at its end. Seven keys on a training step, one on an evaluation loop's."""
+loop's peak at its end. Seven keys on a training step, one on an evaluation loop's; and, only while a
+growth finding forecasts when memory runs out, the steps left (:data:`WHEN_FORECAST`)."""
+
+WHEN_FORECAST = ("runs_out_in_steps",)
+"""Default keys logged only while a forecast stands (empty otherwise: not a column of a healthy run)."""
+
+MIN_OVER_RANKS = ("runs_out_in_steps",)
+"""Keys whose ranks' values meet as a minimum, not a maximum: the rank that runs out first."""
+
+CPU_DEFAULT_KEYS = tuple(name.replace("_GiB", "_above_start_GiB") if name.startswith("peak_") and "/" not in name else name
+                         for name in DEFAULT_KEYS)
+"""The default list on CPU: each phase's rise above the step's start in place of its peak. There the
+peaks are the resident set's high-water mark, often one number for the three phases (glibc keeps
+freed blocks), while what each phase rose above the resident memory at the step's start differs."""
 
 OPTION_KEYS = {
     "preflight": ("predicted_peak_forward_GiB", "predicted_peak_backward_GiB", "predicted_peak_optimizer_GiB",
@@ -67,14 +83,15 @@ def check_log_keys(value: Any, owner: str) -> str | tuple[str, ...]:
     return names
 
 
-def logged_keys(log_keys: str | tuple[str, ...], prefix: str, options: dict[str, bool]) -> frozenset[str] | None:
+def logged_keys(log_keys: str | tuple[str, ...], prefix: str, options: dict[str, bool], cpu: bool = False) -> frozenset[str] | None:
     """The full keys (prefix included) a run hands its loggers; None: every key. ``options``: which
-    of :data:`OPTION_KEYS`' options are on."""
+    of :data:`OPTION_KEYS`' options are on; ``cpu``: the device's peaks are the resident set's
+    high-water mark (``"default"`` is then :data:`CPU_DEFAULT_KEYS`)."""
     if log_keys == "all":
         return None
     names = set(log_keys) - {"default"} if not isinstance(log_keys, str) else set()
     if log_keys == "default" or "default" in log_keys:
-        names.update(DEFAULT_KEYS)
+        names.update(CPU_DEFAULT_KEYS if cpu else DEFAULT_KEYS)
         for option, keys in OPTION_KEYS.items():
             if options.get(option):
                 names.update(keys)

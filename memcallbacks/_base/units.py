@@ -1,4 +1,4 @@
-"""Byte units, the one byte formatter every report and finding uses, and size strings ("80 GiB")."""
+"""Byte units, the one byte formatter every report and finding uses, sizes ("80 GiB"), durations."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ import math
 import re
 from typing import Any
 
-__all__ = ["KiB", "MiB", "GiB", "TiB", "KB", "MB", "GB", "UNITS", "format_bytes", "format_delta", "parse_size", "ordinal"]
+__all__ = ["KiB", "MiB", "GiB", "TiB", "KB", "MB", "GB", "UNITS", "format_bytes", "format_delta", "parse_size", "parse_threshold",
+           "ordinal", "format_duration"]
 
 KiB = 2**10
 MiB = 2**20
@@ -76,7 +77,42 @@ def parse_size(value: Any, name: str) -> int:
     )
 
 
+def parse_threshold(text: str, name: str, *, percent: bool = True, size: bool = True) -> tuple[float, bool]:
+    """A limit given on a command line: ``"5%"`` -> ``(0.05, True)``, ``"64 MiB"`` -> ``(67108864, False)``.
+    A number without a unit is refused (``5`` is not 5 bytes), the error naming ``name`` and the fix;
+    ``percent`` / ``size``: which of the two the option takes."""
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*(%|[A-Za-z]*)\s*", str(text))
+    number, unit = (match.group(1), match.group(2)) if match else ("", "")
+    fixes = ([f"{float(number) * 100:g}%" if number and float(number) < 1 and not size else f"{number or 5}%"] if percent else [])
+    fixes += [f"{number or 64} MiB"] if size else []
+    kinds = " or ".join(k for k, on in (("a percentage", percent), ("a size", size)) if on)
+    if match and unit == "":
+        raise ValueError(f"{name} {text!r} has no unit; pass {' or '.join(fixes)} ({kinds}).")
+    if match and unit == "%" and percent:
+        return float(number) / 100.0, True
+    if match and unit.lower() in _SIZE_UNITS and size:
+        return float(number) * _SIZE_UNITS[unit.lower()], False
+    raise ValueError(f"{name} {text!r} is not {kinds}; pass e.g. {' or '.join(fixes)}.")
+
+
 def ordinal(n: int) -> str:
     """``2`` -> ``"2nd"``, ``11`` -> ``"11th"``, ``23`` -> ``"23rd"``: "every 2nd step"."""
     suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
     return f"{n}{suffix}"
+
+
+def format_duration(seconds: float | None, *, missing: str = "-") -> str:
+    """``25.4`` -> ``"25 s"``, ``200`` -> ``"3.3 min"``, ``9000`` -> ``"2.5 h"``, ``400000`` -> ``"4.6 days"``."""
+    if seconds is None or not math.isfinite(seconds):
+        return missing
+    if seconds < 0.1:
+        return "<0.1 s"
+    if seconds < 10:
+        return f"{seconds:.1f} s"
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 90 * 60:
+        return f"{seconds / 60:.1f} min"
+    if seconds < 48 * 3600:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} days"

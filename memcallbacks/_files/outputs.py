@@ -179,8 +179,10 @@ def _matplotlib_figure() -> Any:
     return Figure
 
 
-_PHASES = (("peak_forward", "forward", "tab:blue"), ("peak_backward", "backward", "tab:orange"),
-           ("peak_optimizer", "optimizer", "tab:green"))
+_PHASES = (("peak_forward", "forward", "tab:blue", {"linewidth": 4.5}), ("peak_backward", "backward", "tab:orange", {"linewidth": 2.2}),
+           ("peak_optimizer", "optimizer", "tab:green", {"linewidth": 1.6, "linestyle": (0, (4, 3))}))
+"""Column, label, colour and the style of its line below: each narrower than the one drawn before it, the
+last dashed, so phases that rose by the same amount show as one striped line, not as the last one drawn."""
 
 
 def history_figure(history: Any, *, title: str = "", peak_source: str = "", eval_history: Any = None,
@@ -200,13 +202,17 @@ def history_figure(history: Any, *, title: str = "", peak_source: str = "", eval
     heap = history["allocated"].to_numpy(dtype=float)
     floor = history["reserved"].to_numpy(dtype=float) if cpu else heap
     fig = Figure(figsize=(10, 7.5), dpi=100)
-    ax, ax2 = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [3, 2]})
+    # CPU: the phases' peaks are one resident high-water mark, drawn once; what differs is each phase's rise (below)
+    ax, ax2 = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [2, 3] if cpu else [3, 2]})
     measure = "resident memory" if cpu else "allocated"
-    for col, label, color in _PHASES:
+    if cpu and "peak_allocated" in history and history["peak_allocated"].notna().any():
+        _line(ax, x, history["peak_allocated"].to_numpy() / gib, label="step peak (its high-water mark)", color="tab:brown", linewidth=1.4)
+    for col, label, color, style in _PHASES:
         if col in history and history[col].notna().any():
-            _line(ax, x, history[col].to_numpy() / gib, label=f"{label} peak", color=color, linewidth=1.4)
+            if not cpu:
+                _line(ax, x, history[col].to_numpy() / gib, label=f"{label} peak", color=color, linewidth=1.4)
             rise = np.maximum(history[col].to_numpy(dtype=float) - floor, 0.0)  # a peak never lies below its step's start
-            _line(ax2, x, rise / mib, label=label, color=color, linewidth=1.4)
+            _line(ax2, x, rise / mib, label=label, color=color, **style)
         if f"predicted_{col}" in history:  # pre-flight's prediction, in the same frame as the measured peak
             _line(ax, x, history[f"predicted_{col}"].to_numpy() / gib, label=f"{label} predicted", color=color, linestyle="--", linewidth=1.0)
             _line(ax2, x, (history[f"predicted_{col}"].to_numpy() - floor) / mib, color=color, linestyle="--", linewidth=1.0)
@@ -227,6 +233,8 @@ def history_figure(history: Any, *, title: str = "", peak_source: str = "", eval
     ax.legend(loc="best", fontsize=8)
     ax2.axhline(0, color="black", linewidth=0.8)
     ax2.set_ylabel(f"peak above {measure}\nat step start (MiB)")
+    if cpu:
+        ax2.set_title("what each phase rose above the resident memory at its step's start", fontsize=10)
     ax2.set_xlabel("optimizer step")
     ax2.grid(True, alpha=0.3)
     ax2.legend(loc="best", fontsize=8)

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from memcallbacks._base.columns import frame_column
-from memcallbacks._base.findings import finding_counts, finding_label, step_text
+from memcallbacks._base.findings import evidence_lines, finding_counts, finding_label, step_text
 from memcallbacks._base.units import format_bytes, format_delta, ordinal
 from memcallbacks._files.verdict import measure_names, verdict_lines
 
@@ -22,7 +22,7 @@ def find_output_dir(folder: str | Path) -> Path:
     try:
         if not folder.is_dir() or _has_report(folder):
             return folder
-        found = sorted({p.parent for depth in ("*", "*/*", "*/*/*") for name in ("report.json", "report.rank*.json")
+        found = sorted({p.parent for depth in ("*", "*/*", "*/*/*") for name in ("report.json", "report.rank*.json", "journal*.jsonl")
                         for p in folder.glob(f"{depth}/{name}")})
     except OSError:
         return folder  # load_output_dir says what is wrong with it
@@ -33,11 +33,13 @@ def find_output_dir(folder: str | Path) -> Path:
 
 
 def _has_report(folder: Path) -> bool:
-    return (folder / "report.json").is_file() or any(folder.glob("report.rank*.json"))
+    return (folder / "report.json").is_file() or any(folder.glob("report.rank*.json")) or any(folder.glob("journal*.jsonl"))
 
 
 def load_output_dir(folder: str | Path) -> tuple[dict[str, Any], Any]:
-    """Read ``report.json`` (or the rank-zero one) and its history CSV from a monitor's output_dir.
+    """Read ``report.json`` (or the rank-zero one) and its history CSV from a monitor's output_dir; for a run
+    that did not finish (a journal whose run id no report matches: unfinished.py), what its journal recorded,
+    with an ``unfinished`` section that :func:`format_report` says first.
 
     Raises ``FileNotFoundError`` or ``ValueError`` with one line naming the file and what is
     wrong: not a folder, no report, a report of the wrong shape, a history that is not a
@@ -51,6 +53,11 @@ def load_output_dir(folder: str | Path) -> tuple[dict[str, Any], Any]:
         raise FileNotFoundError(f"{str(folder)[:200]!r} cannot be looked up ({exc.strerror or exc}).") from None
     if not is_dir:
         raise FileNotFoundError(f"{str(folder)!r} is not a folder; pass the monitor's output_dir (it holds report.json).")
+    from memcallbacks._files.unfinished import journal_report, unfinished_runs
+
+    left, finished = unfinished_runs(folder)
+    if left:
+        return journal_report(folder, left, finished)
     candidates = [folder / "report.json", *sorted(folder.glob("report.rank*.json"))]
     path = next((p for p in candidates if p.is_file()), None)
     if path is None:
@@ -74,6 +81,10 @@ def read_eval_history(folder: str | Path, report: dict[str, Any]) -> Any:
     """The evaluation loops' rows (``eval_history.csv``) next to a report, or None."""
     import pandas as pd
 
+    if isinstance(report.get("unfinished"), dict):  # a run that did not finish: its journal's evaluation rows
+        from memcallbacks._runtime.readout import eval_frame
+
+        return eval_frame(report["unfinished"].get("eval_rows") or [])
     folder = find_output_dir(folder)
     name = (report.get("files") or {}).get("eval_history")
     for path in ([folder / Path(name).name] if isinstance(name, str) and name else []) + [folder / "eval_history.csv", folder / "eval_history.rank0.csv"]:
@@ -122,8 +133,13 @@ def format_report(report: dict[str, Any], history: Any = None) -> str:
     evaluation loops, the checks, the monitor's own time, the findings and the files."""
     s = report.get("summary", {})
     names = measure_names(report)
-    lines = verdict_lines(report, history)
-    lines += _measure_lines(s, names)
+    lines = []
+    if report.get("unfinished"):  # a run that did not finish says so first (unfinished.py), then what it recorded
+        from memcallbacks._files.unfinished import unfinished_lines
+
+        lines += unfinished_lines(report) + ["", "what it recorded until then:"]
+    lines += verdict_lines(report, history)
+    lines += _measure_lines(s, names, report.get("events") or [])
     lines += _peak_lines(s, names, history)
     for stage, e in (s.get("eval") or {}).items():
         lines.append(f"  {stage:<26} {e['runs']} run(s), peak {format_bytes(e['peak_allocated_bytes'])} {names['peak']}")
@@ -133,13 +149,25 @@ def format_report(report: dict[str, Any], history: Any = None) -> str:
     snaps = report.get("snapshots") or []
     if snaps:
         lines.append(f"  snapshots                  {len(snaps)}: " + "; ".join(f"step {r.get('step')} ({r.get('trigger')})" for r in snaps[:3]))
-    lines += _rows_lines(s, history)
-    lines += _cost_lines(s, report.get("config") if isinstance(report.get("config"), dict) else {})
+    lines += _rows_lines(s, history, "rows in history.csv" if not report.get("unfinished") else "rows in the journal")
+    lines += _cost_lines(s, report.get("config") if isinstance(report.get("config"), dict) else {}, report.get("findings") or [])
     lines += _closing_lines(report, s)
     return "\n".join(lines)
 
 
-def _measure_lines(s: dict[str, Any], names: dict[str, str]) -> list[str]:
+def _capacity_text(s: dict[str, Any], names: dict[str, str], events: list[Any]) -> str:
+    """The host's RAM or the device's capacity; before it, where an out-of-memory error's explanation read the limit the
+    run ran into (an address-space limit, a per-process fraction, ``capacity_bytes``), that limit (docs/oom.md)."""
+    held = format_bytes(s["capacity_bytes"]) + (" (host RAM)" if names["cpu"] else "") if s.get("capacity_bytes") else ""
+    memory = next(((e.get("explanation") or {}).get("memory") or {} for e in events if isinstance(e, dict) and e.get("kind") == "oom"), {})
+    limit, source = memory.get("capacity_bytes"), memory.get("capacity_source") or ""
+    if not limit or source in ("host RAM", "device total", "device capacity"):
+        return held
+    source = "the address-space limit, RLIMIT_AS" if source == "RLIMIT_AS" else source
+    return f"{format_bytes(limit)} ({source}, at the out-of-memory error)" + (f"; {held}" if held else "")
+
+
+def _measure_lines(s: dict[str, Any], names: dict[str, str], events: list[Any] = ()) -> list[str]:
     """What was read, in the reader's terms, and the run's highest figures."""
     device = s.get("device", {})
     if names["cpu"]:
@@ -147,8 +175,9 @@ def _measure_lines(s: dict[str, Any], names: dict[str, str]) -> list[str]:
     else:
         what = f"the allocator's allocated and reserved bytes ({device.get('peak_source', '?')} peaks)"
     lines = [f"  device                     {device.get('device', '?')}: {what}"]
-    if s.get("capacity_bytes"):
-        lines.append(f"  capacity                   {format_bytes(s['capacity_bytes'])}" + (" (host RAM)" if names["cpu"] else ""))
+    capacity = _capacity_text(s, names, list(events))
+    if capacity:
+        lines.append(f"  capacity                   {capacity}")
     if names["cpu"]:
         lines.append(f"  peak over the run          {format_bytes(s.get('max_reserved_bytes'))} resident memory")
     else:
@@ -200,14 +229,14 @@ def step_segments(steps: list[int]) -> list[str]:
     return out
 
 
-def _rows_lines(s: dict[str, Any], history: Any) -> list[str]:
-    """Which steps have a row in history.csv, said from the rows themselves, and why the others have none."""
+def _rows_lines(s: dict[str, Any], history: Any, where: str) -> list[str]:
+    """Which steps have a row in ``where`` (history.csv, or an unfinished run's journal), said from the rows themselves, and why the others have none."""
     seen = s.get("steps_seen", 0)
     if history is None or not len(history) or "step" not in history:
-        return [f"  rows in history.csv        {s.get('steps_recorded', 0)} of {seen} steps"]
+        return [f"  {where:<26} {s.get('steps_recorded', 0)} of {seen} steps"]
     steps = sorted({int(x) for x in history["step"].dropna()})
     if len(steps) >= seen:
-        return [f"  rows in history.csv        every step ({len(steps)})"]
+        return [f"  {where:<26} every step ({len(steps)})"]
     segments = step_segments(steps)
     shown = ", ".join(segments[:4]) + (", ..." if len(segments) > 4 else "")
     cadence = s.get("cadence") or {}
@@ -216,12 +245,57 @@ def _rows_lines(s: dict[str, Any], history: Any) -> list[str]:
     if cadence.get("sample_every_n_steps"):
         n = cadence["sample_every_n_steps"]
         why += f": {'every step' if n == 1 else f'every {ordinal(n)} step'} after the first ones, and the logged ones"
-    return [f"  rows in history.csv        {len(steps)} of {seen} steps ({shown})",
+    return [f"  {where:<26} {len(steps)} of {seen} steps ({shown})",
             f"                             the other steps were only watched for leaks ({why})"]
 
 
-def _cost_lines(s: dict[str, Any], config: dict[str, Any]) -> list[str]:
-    """The monitor's own time against its budget, and what to do when it is over."""
+# the own time's parts in words (summary.cadence.overhead_by_part), in the order the text lists them
+_PART_WORDS = {"hooks": "hooks", "dispatch": "torch's dispatch (estimate)", "read": "reads", "sample": "sampled steps",
+               "watch": "leak watch", "lingering": "lingering checks", "tripwire": "RSS tripwire", "gc": "collection watch",
+               "imports": "imports"}
+
+
+def _part_line(cadence: dict[str, Any]) -> list[str]:
+    """``by part: hooks 0.21%, reads 0.10%, ...``: the share's parts, largest first (the imports always)."""
+    shares = cadence.get("overhead_by_part")
+    if not isinstance(shares, dict):
+        return []
+    order = list(_PART_WORDS)
+    shown = [(-v, order.index(k), k) for k, v in shares.items() if k in _PART_WORDS and (v >= 5e-5 or k == "imports")]
+    words = [f"{_PART_WORDS[k]} {-v * 100:.2f}%" for v, _, k in sorted(shown)]
+    return [f"    by part: {', '.join(words)}"] if words else []
+
+
+def _apart_lines(cadence: dict[str, Any], findings: list[dict[str, Any]]) -> list[str]:
+    """The one-off diagnoses, each with its step and time and the finding it named holders for, and the run's end."""
+    lines = []
+    diagnoses = cadence.get("diagnoses")
+    if diagnoses is None and cadence.get("finding_time_s"):  # a report.json from before diagnoses were listed
+        diagnoses = [{"step": None, "seconds": cadence["finding_time_s"]}]
+    diagnoses = [d for d in diagnoses or [] if d.get("seconds", 0.0) >= 0.005]  # report.json lists every one
+    for d in diagnoses[:4]:
+        step = d.get("step")
+        named = [f for f in findings if step is not None and isinstance(f.get("first_step", f.get("step")), int)
+                 and f.get("first_step", f.get("step")) <= step and f.get("kind") != "oom"]
+        where = f" at step {step}" if step is not None else ""
+        if named:
+            f = max(named, key=lambda f: f.get("first_step", f.get("step")))
+            first = f.get("first_step", f.get("step"))
+            what = f"to name what holds the {f.get('kind')} found at step {first}" if first != step else f"to name what holds the {f.get('kind')} found there"
+        else:
+            what = "a census for a suspicion that raised no finding"
+        lines.append(f"    plus {d.get('seconds', 0.0):.2f} s once{where}, {what}")
+    if diagnoses and len(diagnoses) > 4:
+        rest = diagnoses[4:]
+        lines.append(f"    plus {sum(d.get('seconds', 0.0) for d in rest):.2f} s in {len(rest)} more diagnoses (report.json: summary.cadence.diagnoses)")
+    if cadence.get("end_of_run_s"):
+        lines.append(f"    plus {cadence['end_of_run_s']:.2f} s at the end of the run (its report and files)")
+    return lines
+
+
+def _cost_lines(s: dict[str, Any], config: dict[str, Any], findings: list[dict[str, Any]] | None = None) -> list[str]:
+    """The monitor's own time during the steps against its budget, its parts, what it spent once apart
+    from it (diagnoses, the run's end), and what to do when it is over."""
     cadence = s.get("cadence") or {}
     overhead, budget = cadence.get("overhead"), cadence.get("overhead_budget")
     cost = s.get("monitor_time_per_step_us") or {}
@@ -233,14 +307,12 @@ def _cost_lines(s: dict[str, Any], config: dict[str, Any]) -> list[str]:
         text += f" ({100 * after:.2f}% after the first {cadence['dense_read_steps']} steps)"
     if budget:
         text += f", budget {100 * budget:g}%"
-    lines = [text]
+    lines = [text, *_part_line(cadence), *_apart_lines(cadence, findings or [])]
     extra = [f"{n} {what}" for n, what in ((cadence.get("read_bursts"), "burst(s) of every-step reads after a risen floor"),
                                            (cadence.get("rss_trips"), "read(s) the RSS tripwire asked for")) if n]
     if cadence.get("backoffs"):
         parts = sorted({b["part"] for b in cadence["backoffs"]})
         extra.append(f"{len(cadence['backoffs'])} back-off(s) to keep the budget ({', '.join(parts)})")
-    if cadence.get("finding_time_s"):
-        extra.append(f"{cadence['finding_time_s']:.2f} s naming holders for findings")
     if extra:
         lines.append(f"    {'; '.join(extra)}")
     if budget and max(overhead, after or 0.0) > budget:
@@ -284,6 +356,7 @@ def _closing_lines(report: dict[str, Any], s: dict[str, Any]) -> list[str]:
         lines.append(f"    [{finding_label(f)}] {step_text(f)}: {message}")
         for holder in f.get("holders", [])[:5]:
             lines.append(f"        held by {holder}")
+        lines.extend(f"        {line}" for line in evidence_lines(f))
     for event in report.get("events") or []:
         lines.append(f"  event: {event.get('kind')} at step {event.get('step')}: {event.get('error', '')[:200]}")
         explanation = event.get("explanation") or {}
@@ -346,7 +419,8 @@ def _host_lines(report: dict[str, Any]) -> list[str]:
     for f in found:
         holders = f.get("holders") or []
         what = f"held by {holders[0]}" if holders else str(f.get("message") or "")[:160]
-        lines.append(f"      [{finding_label(f)}] {f.get('key') or f.get('kind')} {step_text(f)}: {what}")
+        key = f.get("key") if f.get("key") not in (None, f.get("kind")) else ""  # host_growth:native, rank_imbalance:host
+        lines.append(f"      [{finding_label(f)}] {key + ' ' if key else ''}{step_text(f)}: {what}")
     reads, seconds = host.get("reads") or 0, host.get("seconds") or 0.0
     cost = f"{reads} reads, {1e6 * seconds / reads:.0f} µs each" if reads else "no reads"
     census = host.get("census_seconds") or 0.0

@@ -5,9 +5,27 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from memcallbacks._base.columns import PEAK_FORWARD, PHASES, STEP
 from memcallbacks._files.verdict import run_peak, verdict_lines
 
-__all__ = ["shape_report"]
+__all__ = ["shape_report", "row_peak"]
+
+
+def row_peak(rows: list[list[Any]]) -> dict[str, Any] | None:
+    """``{"bytes", "phase", "step"}`` of the highest per-phase peak in the history rows (columns.py's layout),
+    as :func:`~memcallbacks._files.verdict.run_peak` finds it in their frame (each phase's first highest row,
+    the earlier phase on a tie); None when no row has a peak."""
+    best: dict[str, Any] | None = None
+    for i, phase in enumerate(PHASES):
+        col = PEAK_FORWARD + i
+        top: tuple[float, Any] | None = None
+        for row in rows:
+            value = float(row[col])
+            if value == value and (top is None or value > top[0]):
+                top = (value, row[STEP])
+        if top is not None and (best is None or top[0] > best["bytes"]):
+            best = {"bytes": int(top[0]), "phase": phase, "step": int(top[1])}
+    return best
 
 
 def shape_report(report: dict[str, Any], output_dir: Path | None, history: Any = None) -> dict[str, Any]:

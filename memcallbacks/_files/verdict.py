@@ -9,9 +9,10 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
+from memcallbacks._base.findings import step_text
 from memcallbacks._base.units import format_bytes
 
-__all__ = ["measure_names", "run_peak", "verdict_lines", "console_lines", "console_channel", "problems", "fix_words"]
+__all__ = ["ConsoleVerdict", "measure_names", "run_peak", "run_rise", "verdict_lines", "console_lines", "console_channel", "problems", "fix_words"]
 
 _PHASES = ("forward", "backward", "optimizer", "other")
 
@@ -91,17 +92,48 @@ def _what(finding: dict[str, Any]) -> str:
     holders = finding.get("holders") or []
     if holders:
         return f"held by {holders[0]}"
-    first = re.split(r"(?<=[.;:])\s", " ".join(str(finding.get("message") or "").split()), maxsplit=1)[0]
+    message = re.sub(r"^rank \d+: ", "", " ".join(str(finding.get("message") or "").split()))
+    first = re.split(r"(?<=[.;:])\s", message, maxsplit=1)[0]
     first = first.rstrip(".;:")
     return first if len(first) <= 90 else first[:87] + "..."
+
+
+def run_rise(report: dict[str, Any], history: Any = None) -> dict[str, Any] | None:
+    """``{"bytes", "phase", "step"}`` of the most a phase (forward, backward, optimizer) rose above its
+    step's start (on CPU the resident memory then): from the history's rows when there are any, else
+    from the summary's ``peak_<phase>_above_baseline_bytes`` (step None). Ties go to the earlier phase."""
+    names = measure_names(report)
+    best: dict[str, Any] | None = None
+    if history is not None and len(history) and names["floor_column"] in history:
+        floor = history[names["floor_column"]].astype(float)
+        for phase in _PHASES[:3]:
+            if f"peak_{phase}" in history:
+                rise = history[f"peak_{phase}"].astype(float) - floor
+                if rise.notna().any() and (best is None or rise.max() > best["bytes"]):
+                    i = rise.idxmax()
+                    best = {"bytes": max(int(rise[i]), 0), "phase": phase, "step": int(history.loc[i, "step"])}
+        return best
+    s = report.get("summary") or {}
+    for phase in _PHASES[:3]:
+        value = _number(s.get(f"peak_{phase}_above_baseline_bytes"))
+        if value is not None and (best is None or value > best["bytes"]):
+            best = {"bytes": max(int(value), 0), "phase": phase, "step": None}
+    return best
 
 
 def _peak_text(report: dict[str, Any], history: Any) -> str:
     peak = run_peak(report, history)
     if peak is None:
         return "no peak was read"
-    where = peak["phase"] + (f", step {peak['step']}" if peak.get("step") is not None else "")
-    return f"peak {format_bytes(peak['bytes'])} {measure_names(report)['peak']} ({where})"
+    names = measure_names(report)
+    at = f"step {peak['step']}" if peak.get("step") is not None else ""
+    rise = run_rise(report, history) if names["cpu"] else None
+    if rise is None:
+        return f"peak {format_bytes(peak['bytes'])} {names['peak']} ({peak['phase']}{', ' + at if at else ''})"
+    # CPU: the phases' peaks are one resident high-water mark; the phase is named by what it rose above its step's start
+    where = f" (step {rise['step']})" if rise.get("step") is not None else ""
+    return (f"peak {format_bytes(peak['bytes'])} {names['peak']}{f' ({at})' if at else ''}; "
+            f"{rise['phase']} rose most above its step's start, +{format_bytes(rise['bytes'])}{where}")
 
 
 def verdict_lines(report: dict[str, Any], history: Any = None) -> list[str]:
@@ -125,9 +157,19 @@ def verdict_lines(report: dict[str, Any], history: Any = None) -> list[str]:
         head += f" ({others} more: advice or settled growth)"
     lines = [head]
     for f in found:
-        fix = fix_words(str(f.get("message") or ""))
-        lines.append(f"  - {f.get('kind')}, step {f.get('step')}: {_what(f)}" + (f"; fix: {fix}" if fix else ""))
+        fix = fix_words(f"Fix: {f['details']['fix']}" if "fix" in (f.get("details") or {}) else str(f.get("message") or ""))
+        lines.append(f"  - {finding_name(f)}, {step_text(f)}: {_what(f)}" + (f"; fix: {fix}" if fix else ""))
     return lines
+
+
+def finding_name(finding: dict[str, Any]) -> str:
+    """``lingering``; ``rank 1: lingering`` for another rank's finding that rank zero reports; ``growth (ranks 0, 1)``
+    for one that several ranks found."""
+    details = finding.get("details") or {}
+    rank, ranks, kind = details.get("rank"), details.get("ranks") or [], str(finding.get("kind"))
+    if len(ranks) > 1:
+        return f"{kind} (ranks {', '.join(str(r) for r in ranks)})"
+    return f"rank {rank}: {kind}" if rank is not None and re.match(r"rank\d+:", str(finding.get("key", ""))) else kind
 
 
 def files_folder(report: dict[str, Any]) -> str | None:
@@ -163,3 +205,32 @@ def console_channel(framework: str) -> Callable[[str], None]:
     tqdm = sys.modules.get("tqdm")
     write = getattr(getattr(tqdm, "tqdm", None), "write", None)
     return write if callable(write) else print
+
+
+VERDICT_ABOVE = "memcallbacks: the report of the run whose verdict is printed above, where it ended"
+"""The text report's first line after the console showed the verdict (the report points at it rather than repeating it)."""
+
+
+class ConsoleVerdict:
+    """The verdict rank zero's console shows at the end of a run, said once: a later end of the same run (Lightning's
+    ``test()`` or ``validate()`` after ``fit()``) prints it again only when it changed, and the text report asked for
+    after it (``print(monitor.format_report())``, as the docs show) points at it instead of repeating it."""
+
+    def __init__(self) -> None:
+        self.shown: list[str] = []
+        """The verdict lines the console showed last (without the files' line); empty before the first end."""
+
+    def to_show(self, lines: list[str]) -> list[str]:
+        """``lines`` (:func:`console_lines`), or none when the console shows this verdict already."""
+        verdict = [line for line in lines if not line.startswith("memcallbacks: files in ")]
+        if verdict == self.shown:
+            return []
+        self.shown = verdict
+        return lines
+
+    def report_text(self, text: str) -> str:
+        """The text report with its verdict lines replaced by :data:`VERDICT_ABOVE` when they are the console's."""
+        lines = text.splitlines()
+        if not self.shown or lines[: len(self.shown)] != self.shown:
+            return text
+        return "\n".join([VERDICT_ABOVE, *lines[len(self.shown):]])

@@ -1,15 +1,19 @@
-"""This rank's end-of-run files, written by a fresh interpreter (``python -m`` this module).
+"""A run's end-of-run files, built by a fresh interpreter from its journal (``python -m`` this module).
 
-The rank (see :mod:`memcallbacks._runtime.end_write`) saves what :func:`write_outputs` needs as
-plain data (the history frames, the report and the rank summaries as JSON values, the plot's
-title) to ``PAYLOAD``, a temporary file in the output folder, and starts this module in a
-session of its own. It imports no torch and no framework; it shares no thread, lock or device
-with the rank (it is not a fork of it). It loads the payload, removes it, writes the set with
-the same :func:`write_outputs` the rank would call, and writes one JSON line to its standard
-output: ``{"files": {kind: path}}``, or ``{"error": ..., "errno": ...}`` (a full disk stays an
-``OSError`` in the rank), with the log records of level INFO and above, which the rank replays
-through its own loggers. A rank killed meanwhile is not waited for: the set is finished all the
-same, and the result goes nowhere.
+The training process (see :mod:`memcallbacks._runtime.end_write`) appends the run's ``end``
+record to its journal (:mod:`memcallbacks._files.journal`): the report and the rank summaries
+as JSON values, the evaluation rows, the plot's title, and the history rows themselves only
+where the journal's row records do not replay into them exactly. It then starts this module on
+the journal, in a session of its own. The writer imports no torch and no framework; it shares no
+thread, lock or device with the training process (it is not a fork of it), which pays neither
+the time nor the resident memory of pandas, matplotlib and the drawing. It reads the journal,
+builds the history frames, writes the set with the same :func:`write_outputs` the training
+process would call (so the files are the ones it would write), removes the journal, and writes
+one JSON line to its standard output: ``{"files": {kind: path}, "console": [...], "text": ...}``
+(the end-of-run console lines and the text report), or ``{"error": ..., "errno": ...}`` (a full
+disk stays an ``OSError`` in the training process), with the log records of level INFO and
+above, which the training process replays through its own loggers. A training process killed
+meanwhile is not waited for: the set is finished all the same, and the result goes nowhere.
 """
 
 from __future__ import annotations
@@ -17,49 +21,19 @@ from __future__ import annotations
 import json
 import logging
 import os
-import pickle
 import sys
-import tempfile
 import time
 import traceback
 from pathlib import Path
 from typing import Any
 
-__all__ = ["save_payload", "plain_json", "main"]
+__all__ = ["build_files", "main"]
 
-PAYLOAD_VERSION = 1
-
-
-def plain_json(value: Any) -> Any:
-    """``value`` as the JSON values ``report.json`` would hold (what the file is written from, unchanged)."""
-    from memcallbacks._files.outputs import json_safe
-
-    return json.loads(json.dumps(json_safe(value), default=str))
-
-
-def save_payload(folder: Path, rank: int, arguments: dict[str, Any]) -> str:
-    """Write ``write_outputs(folder, **arguments)``'s arguments to a new temporary file in ``folder``; return its path.
-
-    ``report`` and ``ranks`` are turned into JSON values here (nothing in the payload needs torch
-    to load); the history frames go as pandas pickles, so their columns' types are kept."""
-    arguments = dict(arguments)
-    for key in ("report", "ranks"):
-        if arguments.get(key) is not None:
-            arguments[key] = plain_json(arguments[key])
-    data = pickle.dumps({"version": PAYLOAD_VERSION, "folder": str(folder), "cwd": os.getcwd(), "arguments": arguments},
-                        protocol=pickle.HIGHEST_PROTOCOL)
-    fd, path = tempfile.mkstemp(prefix=f".memcallbacks-writer.rank{rank}.", suffix=".tmp", dir=folder)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-    except BaseException:
-        _unlink(path)
-        raise
-    return os.path.abspath(path)
+PAYLOAD_VERSION = 2
 
 
 class _Records(logging.Handler):
-    """The writer's log records, for the rank to replay."""
+    """The writer's log records, for the training process to replay."""
 
     def __init__(self) -> None:
         super().__init__(logging.INFO)
@@ -73,6 +47,54 @@ class _Records(logging.Handler):
             self.records.append({"name": record.name, "levelno": record.levelno, "message": message})
         except Exception:  # pragma: no cover - a record that cannot be formatted is dropped
             pass
+
+
+def _rows_check(rows: list[list[Any]]) -> list[Any]:
+    """What the end record says of the engine's rows, to check a replay against: count, first and last step, step sum."""
+    steps = [row[0] for row in rows]
+    return [len(rows), steps[0] if steps else None, steps[-1] if steps else None, sum(steps)]
+
+
+def build_files(journal: Path) -> dict[str, Any]:
+    """Write the file set of the run whose ``end`` record closes ``journal``; return the files, the console
+    lines and the text report. Raises ``ValueError`` for a journal without one, or whose rows do not replay."""
+    from memcallbacks._files.journal import read_journal, replay_rows
+    from memcallbacks._files.outputs import write_outputs
+    from memcallbacks._files.report import format_report
+    from memcallbacks._files.verdict import console_lines
+    from memcallbacks._runtime.readout import eval_frame, history_frame, predicted_columns
+
+    record = read_journal(journal)
+    end = record.end
+    if end is None or not isinstance(end.get("payload"), dict):
+        raise ValueError(f"{journal} has no end record: the run did not finish (memcallbacks report reads it as it is).")
+    payload = end["payload"]
+    try:  # a relative output folder means what it meant in the training process
+        os.chdir(payload["cwd"])
+    except (OSError, KeyError):
+        pass
+    rows = payload.get("rows")
+    if rows is None:
+        rows = replay_rows(record.rows, int(payload["max_history_rows"]))
+        if _rows_check(rows) != payload.get("rows_check"):
+            raise ValueError(f"{journal}: its row records do not replay into the run's {payload.get('rows_check')} rows.")
+    history = predicted_columns(history_frame(rows, payload.get("device_kind", "cpu")), payload.get("predicted"))
+    eval_history = eval_frame(payload.get("eval_rows") or [])
+    report = payload["report"]
+    files = write_outputs(Path(payload["folder"]), rank=int(payload["rank"]), world_size=int(payload["world_size"]),
+                          history=history, eval_history=eval_history, report=report, plot=bool(payload.get("plot")),
+                          title=str(payload.get("title") or ""), ranks=payload.get("ranks"))
+    try:
+        os.unlink(journal)  # the set is in place: the stream it replaces goes
+    except OSError:
+        pass
+    result: dict[str, Any] = {"files": files}
+    if payload.get("console"):
+        result["console"] = console_lines(dict(report, files=files), history)
+    if payload.get("text", True):
+        with open(files["report"]) as fh:
+            result["text"] = format_report(json.load(fh), history)
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,20 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     root.setLevel(logging.INFO)
     result: dict[str, Any]
     try:
-        try:
-            with open(argv[0], "rb") as fh:
-                payload = pickle.load(fh)  # pandas is imported here, for the frames
-        finally:
-            _unlink(argv[0])
-        loaded = time.perf_counter()
-        try:  # a relative output folder means what it meant in the rank (the writer started in the folder itself)
-            os.chdir(payload["cwd"])
-        except OSError:
-            pass
-        from memcallbacks._files.outputs import write_outputs
-
-        files = write_outputs(Path(payload["folder"]), **payload["arguments"])
-        result = {"files": files, "load_s": loaded - started, "write_s": time.perf_counter() - loaded}
+        result = build_files(Path(argv[0]))
+        result["write_s"] = time.perf_counter() - started
     except OSError as exc:
         result = {"error": f"{type(exc).__name__}: {exc}", "errno": exc.errno, "strerror": exc.strerror,
                   "filename": None if exc.filename is None else str(exc.filename)}
@@ -115,16 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         while data:
             data = data[os.write(result_fd, data):]
-    except OSError:  # the rank is gone (killed by its launcher): the files are written all the same
+    except OSError:  # the training process is gone (killed by its launcher): the files are written all the same
         pass
     return 0 if "files" in result else 1
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
 
 
 if __name__ == "__main__":

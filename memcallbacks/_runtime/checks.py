@@ -13,10 +13,12 @@ import logging
 from typing import Any, Callable
 from memcallbacks._base.config import MonitorConfig
 from memcallbacks._base.findings import Finding
+from memcallbacks._runtime.forecast import Forecast
 from memcallbacks._runtime.preflight_check import PreflightCheck
 from memcallbacks._runtime.sampling import MemoryEngine
 from memcallbacks._runtime.schedule import Schedule
 from memcallbacks.host.channel import HostChannel
+from memcallbacks.host.forked import guard_forked_children, unguard_forked_children
 from memcallbacks._base.cpu import own_time
 from memcallbacks.leaks.attribution import Attribution
 from memcallbacks.leaks.census import format_top_holders
@@ -25,7 +27,7 @@ from memcallbacks.leaks.gc_watch import CollectionWatch
 from memcallbacks.leaks.growth import GrowthDetector
 from memcallbacks.leaks.lingering import LingeringDetector
 from memcallbacks.leaks.search_failure import search_or_note
-from memcallbacks._base.columns import ALLOCATED
+from memcallbacks._base.columns import ALLOCATED, STEP
 from memcallbacks._base.units import GiB, format_bytes
 from memcallbacks.estimate.measure import estimate_for, hidden_state_bytes, measure_model_states
 from memcallbacks.leaks.tensors import batch_bytes
@@ -52,6 +54,8 @@ class StepChecks:
         self.watch: LeakWatch | None = None
         self.host: HostChannel | None = None  # the host channel: Python objects, private memory, DataLoader workers
         self.state = StateCheck(config)
+        # when memory runs out: the growth findings' forecasts (nothing runs while none is open)
+        self.forecast = Forecast(engine, schedule, owner=owner, logger=logger)
         # preflight=True: the first batch's step predicted, then compared
         self.preflight = PreflightCheck(config, engine, owner, logger, add_finding, current_step)
 
@@ -64,16 +68,20 @@ class StepChecks:
     def reset(self) -> None:
         self.state = StateCheck(self.config)
         self.preflight.reset()
+        self.forecast.reset()
 
     def start(self, ignore: list[Any], device_is_host: bool, keep_host: bool = False) -> None:
         """A new leak watch (``ignore``: the monitor's own objects, never holders) and host channel;
         ``keep_host``: a later stage of the same run (fit, then test) keeps the fit's host channel."""
         if self.watch is not None:
             self.watch.stop()
+        guard_forked_children(self)  # DataLoader workers forked from now on do not copy the heap (docs/host.md)
         schedule = self.schedule
         self.watch = LeakWatch(self.config, self.allocated_now, ignore=ignore, charge=schedule.charge_other, wake=schedule.wake,
                                schedule=schedule)
         self.watch.start()
+        if self.watch.growth is not None:
+            self.watch.growth.forecast = self.forecast.device
         if device_is_host:  # under an address-space limit: room to explain an OOM (memcallbacks/oom)
             hold_reserve()
         growth = self.watch.growth
@@ -85,6 +93,8 @@ class StepChecks:
         if self.host is not None:
             self.host.close()
         self.host = HostChannel(device_is_host=device_is_host, device_growth=device_growth) if self.config.watch_host else None
+        if self.host is not None:
+            self.host.growth.forecast = self.forecast.host
 
     def set_objects(
         self, model: Any, optimizer: Any, *, precision: str | None = None, strategy: str | None = None, world_size: int | None = None
@@ -165,6 +175,15 @@ class StepChecks:
             self.schedule.book_finding(host.finding_seconds - finding_s)
         return found
 
+    def plan_after(self, schedule: Any, count: int, **plan: bool) -> None:
+        """:meth:`Schedule.plan_after`, its quiet stretch ended where the DataLoader workers' watch asks for a step
+        (their faults counted every few steps while they live: docs/host.md)."""
+        schedule.plan_after(count, **plan)
+        host = self.host
+        workers = host.workers.next_step(count) if host is not None and host.enabled else None
+        if workers is not None and workers < schedule.quiet_until:
+            schedule.quiet_until = workers
+
     # ------------------------------------------------------------------ what the session asks
     @property
     def lingering_wants_mark(self) -> bool:
@@ -201,6 +220,9 @@ class StepChecks:
             extra[f"{p}/unexplained_GiB"] = (
                 (baseline - state.expected_level - state.batch_bytes) / GiB if known and baseline == baseline else nan  # type: ignore[operator]
             )
+        if keep is None or f"{p}/runs_out_in_steps" in keep:  # an attribute read: no forecast runs on a logged step
+            out = self.forecast.steps_out
+            extra[f"{p}/runs_out_in_steps"] = max(0.0, out - row[STEP]) if out == out and row is not None else nan
         if snap is not None or config.auto_snapshot:  # its key joins the default list with the option
             extra[f"{p}/snapshots"] = float(len(snap.records)) if snap is not None else nan
         if config.watch_host:  # off: no host keys at all (rather than NaN columns)
@@ -232,6 +254,8 @@ class StepChecks:
 
     def stop(self, snap: Any) -> None:
         """Undo what the checks changed (``snap``, the session's snapshots, stops in between as it always did)."""
+        unguard_forked_children(self)
+        self.forecast.snap = None
         if self.host is not None:
             try:
                 self.host.close()
@@ -307,7 +331,7 @@ class LeakWatch:
         )
         # who holds what is found: holder searches and censuses, booked as finding work
         self.attribution = Attribution(config.census_time_budget_s, ignore, collections=self.collections,
-                                       book=schedule.book_finding if schedule is not None else None)
+                                       book=schedule.book_finding if schedule is not None else None, allocated_now=allocated_now)
         self.gc_results: list[dict[str, Any]] = []
         self._last_scan: tuple[int, float] | None = None  # (step, seconds) of the last check that scanned the heap
 
@@ -340,12 +364,8 @@ class LeakWatch:
         try:
             found = []
             finding = lingering.check(step, current_batch=batch)
-            if finding is not None:
-                attribution = self.attribution
-                finding.holders = search_or_note(finding, lambda: attribution.lingering_holders(lingering), [])
-                if not finding.holders and "holders_unavailable" not in finding.details:
-                    search_or_note(finding, lambda: attribution.blame_garbage(finding, lingering), None)
-                found.append(finding)
+            if finding is not None:  # who keeps it, and the fix for that holder (or the cycle that does)
+                found.append(self.attribution.explain_lingering(finding, lingering))
             chain = lingering.chains.check(step)
             if chain is not None:
                 finding = self.attribution.chain(step, chain)  # booked as finding work there

@@ -20,13 +20,15 @@ from __future__ import annotations
 
 import functools
 import logging
+from traceback import format_exception
 from typing import Any, Callable, TypeVar
 
 from memcallbacks._base.errors import OutputDirError, UsageError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["UsageError", "OutputDirError", "Guarded", "session_of", "entry_point", "self_guarded", "contain", "safe_str"]
+__all__ = ["UsageError", "OutputDirError", "Guarded", "session_of", "entry_point", "self_guarded", "contain", "safe_str",
+           "log_internal_error"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -61,6 +63,17 @@ def session_of(owner: Any) -> Any:
         return None
 
 
+def log_internal_error(logger: logging.Logger, where: str, exc: BaseException, *, unwinding: bool = False) -> None:
+    """An internal error, logged with its traceback. ``unwinding``: the run's own exception is ending the run, so
+    training does not go on; ``exc``'s context (that exception, printed where it propagates) is left out."""
+    if not unwinding:
+        logger.exception("memcallbacks: internal error in %s; the memory monitor disables itself and training goes on.", where,
+                         exc_info=exc)
+        return
+    logger.error("memcallbacks: internal error in %s while the run's own exception unwinds; the memory monitor disables itself "
+                 "and that exception propagates unchanged.\n%s", where, "".join(format_exception(exc, chain=False)).rstrip())
+
+
 def contain(owner: Any, exc: BaseException, where: str, *, unwinding: bool = False) -> None:
     """Hand an internal error to the owner's session (log once, disable); never raises when ``unwinding``.
     A :class:`UsageError` is not internal: it is raised again, for the user to fix."""
@@ -69,9 +82,9 @@ def contain(owner: Any, exc: BaseException, where: str, *, unwinding: bool = Fal
     session = session_of(owner)
     try:
         if session is not None:
-            session.fail(exc, where)  # re-raises under strict
+            session.fail(exc, where, unwinding=unwinding)  # re-raises under strict
         else:
-            log.exception("memcallbacks: internal error in %s; the memory monitor disables itself and training goes on.", where, exc_info=exc)
+            log_internal_error(log, where, exc, unwinding=unwinding)
     except Exception as again:
         if not unwinding:
             raise

@@ -9,12 +9,20 @@ run. ``Cleanup`` keeps the undo for each one without holding the adapter, so tha
 adapter weakly for the same reason: torch's global hook table would otherwise keep it alive
 forever. ``mallopt`` (``cpu_mmap_threshold``) cannot be undone within a process: glibc has no way
 back to its adaptive threshold; docs/reliability.md says so.
+
+An exception that nobody catches (the README's plain loop without ``with``: the error leaves the
+loop and ``close()`` is never reached) ends a run too: while a monitor runs, ``sys.excepthook`` is
+an :class:`ExceptHook` chained to the hook it replaced (as sentry-python and faulthandler chain
+theirs). The previous hook prints the traceback first, as it would have, then each running monitor
+records the exception, explains an out-of-memory error and writes its files. The hook is restored
+when the last monitor stops.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import weakref
 from typing import Any, Callable
@@ -26,7 +34,8 @@ from memcallbacks._base.torch_private import lazily_disabled
 
 log = logging.getLogger(__name__)
 
-__all__ = ["weak_method", "WeakHook", "GatedHook", "InertHook", "Cleanup", "claim_folder", "release_folder", "output_folder"]
+__all__ = ["weak_method", "WeakHook", "GatedHook", "InertHook", "Cleanup", "claim_folder", "release_folder", "output_folder",
+           "ExceptHook", "watch_uncaught", "unwatch_uncaught"]
 
 
 def weak_method(method: Any) -> "WeakHook":
@@ -91,13 +100,15 @@ class GatedHook(WeakHook):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if _is_compiling():  # first: dynamo must not trace (and guard on) the gate
             return _run_eagerly(self, args, kwargs)
+        meter = self.meter
+        if meter is not None:
+            meter.calls += 1  # every call, open or closed, went through torch's hooked call path (the dispatch estimate)
         if not self.open:
             return None
         bound = self._ref()
         if bound is None:
             _unhook(self, args)
             return None
-        meter = self.meter
         return bound(*args, **kwargs) if meter is None else meter.call(bound, args, kwargs)
 
 
@@ -247,3 +258,81 @@ def output_folder(output_dir: Any, default: Any) -> str:
     else ``memcallbacks_output`` in the working directory (not ``./memcallbacks``: from a source
     checkout that is the package). Resolved once, at start: a later ``chdir`` must not move them."""
     return os.path.realpath(output_dir or default or os.path.join(os.getcwd(), "memcallbacks_output"))
+
+
+# ---------------------------------------------------------------------- an exception nobody caught
+class ExceptHook:
+    """``sys.excepthook`` while a monitor runs. The hook it replaced (``previous``) prints the traceback
+    first, unchanged and undelayed: if explaining ends the process (a C library's ``exit`` when an
+    allocation fails), the error has been shown. Then every running monitor's handler gets the
+    exception (record it, explain an OOM, write the files, undo the hooks). Each handler on its own,
+    and nothing escapes: Python would print "Error in sys.excepthook" over the user's error.
+    ``active`` is False once the last monitor stopped while a later hook chained to this one: it
+    then only passes the exception on."""
+
+    def __init__(self, previous: Callable[..., Any]) -> None:
+        self.previous = previous
+        self.active = True
+
+    def __call__(self, exc_type: type[BaseException], exc: BaseException, tb: Any) -> Any:
+        handlers = _handlers() if self.active else []
+        try:
+            return self.previous(exc_type, exc, tb)
+        finally:
+            for handler in handlers:
+                try:
+                    handler(exc)
+                except BaseException:  # a second Ctrl-C, an internal error: the user's error was printed above
+                    log.debug("memcallbacks: a monitor could not finish its run at an uncaught exception", exc_info=True)
+
+    def __repr__(self) -> str:
+        return f"<memcallbacks excepthook ({'active' if self.active else 'passing on'}), chained to {self.previous!r}>"
+
+
+_uncaught: dict[int, "weakref.WeakMethod[Any]"] = {}  # id(session) -> what finishes its run at an uncaught exception
+_hooks: list[ExceptHook] = []  # the installed hook, while a monitor runs
+_uncaught_lock = threading.RLock()  # reentrant: a collected session's callback may run while the lock is held
+
+
+def _handlers() -> list[Callable[[BaseException], Any]]:
+    with _uncaught_lock:
+        refs = list(_uncaught.values())
+    return [h for h in (ref() for ref in refs) if h is not None]
+
+
+def watch_uncaught(owner: object, handler: Callable[[BaseException], Any]) -> None:
+    """Call ``handler(exc)`` (a bound method, held weakly) when an exception reaches ``sys.excepthook`` while
+    ``owner`` runs; the first watch installs the chained hook."""
+    key = id(owner)
+    with _uncaught_lock:
+        _uncaught[key] = weakref.WeakMethod(handler, lambda ref: _forget(key, ref))  # collected without stop(): forgotten
+        if not _hooks:
+            _hooks.append(ExceptHook(sys.excepthook))
+            sys.excepthook = _hooks[0]
+
+
+def unwatch_uncaught(owner: object) -> None:
+    """``owner`` stopped; the last one restores the previous hook (or, where a later hook chained to ours,
+    turns ours into a pass-through). Safe to call twice."""
+    with _uncaught_lock:
+        _uncaught.pop(id(owner), None)
+        _restore_hook()
+
+
+def _forget(key: int, ref: Any) -> None:
+    with _uncaught_lock:
+        if _uncaught.get(key) is ref:
+            del _uncaught[key]
+            _restore_hook()
+
+
+def _restore_hook() -> None:
+    """With no monitor left, the previous hook is back (or, where a later hook chained to ours, ours passes on)."""
+    with _uncaught_lock:
+        if _uncaught or not _hooks:
+            return
+        hook = _hooks.pop()
+        if sys.excepthook is hook:
+            sys.excepthook = hook.previous
+        else:
+            hook.active = False

@@ -17,6 +17,7 @@ import weakref
 from typing import TYPE_CHECKING, Any, Iterator, TypeVar
 
 from memcallbacks._runtime.adapter_support import saved_step
+from memcallbacks._runtime.end_write import write_at_exit
 from memcallbacks._runtime.guard import entry_point
 from memcallbacks._runtime.lifecycle import Cleanup
 from memcallbacks._runtime.model_hooks import remove_all
@@ -30,7 +31,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 log = logging.getLogger("memcallbacks.monitor")  # the name users filter on (Monitor's module)
 
-__all__ = ["PlainControls", "plain_cleanup"]
+__all__ = ["PlainControls", "PlainCleanup", "plain_cleanup"]
 
 _Self = TypeVar("_Self", bound="PlainControls")
 
@@ -40,10 +41,38 @@ def plain_cleanup(owner: str, session: Session, forward_handles: list[Any]) -> C
     finalizer of a monitor dropped without it: the session stopped, the forward hooks removed (the
     optimizer hooks' handles join ``Cleanup.handles``). It holds the session and the very list of
     forward hook handles, never the monitor."""
-    cleanup = Cleanup(owner)
+    cleanup = PlainCleanup(owner, session)
     cleanup.add("stop the session", session.stop)
     cleanup.add("remove its forward hooks", lambda: remove_all(forward_handles))
     return cleanup
+
+
+class PlainCleanup(Cleanup):
+    """:class:`Cleanup` for a plain-loop monitor: dropped without ``close()``, it leaves the run's journal ended
+    with the run's plain data so far, and the writer process builds the file set from it when the interpreter
+    exits (end_write.py): nothing is imported or drawn in the finalizer."""
+
+    def __init__(self, owner: str, session: Session) -> None:
+        super().__init__(owner)
+        self.session = session
+
+    def abandoned(self) -> None:
+        """The finalizer of a monitor dropped without ``close()``."""
+        if self.done:
+            return
+        path = self.session.ending.abandon()
+        if path is None and self.session.files:  # its run ended already (an exception hook wrote the files)
+            self.run()
+            return
+        if path is None:  # nothing to leave: write_files=False, or no step recorded
+            super().abandoned()
+            return
+        log.warning("memcallbacks: a %s was dropped without close(); its hooks are removed and the process state it changed "
+                    "is restored. Its journal %s keeps the run's record (memcallbacks report %s), and its files are written "
+                    "there when the interpreter exits. Call close(), or use `with %s(...) as monitor:`.",
+                    self.owner, path.name, path.parent, self.owner)
+        write_at_exit(path, self.owner)
+        self.run()
 
 
 class PlainControls(SessionResults):

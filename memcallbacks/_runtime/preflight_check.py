@@ -26,6 +26,7 @@ from memcallbacks._base.findings import Finding
 from memcallbacks._base.columns import MICRO_BATCHES, OPTIMIZER_STEPS, PEAK_ALLOCATED, PEAK_BACKWARD, PEAK_FORWARD, PEAK_OPTIMIZER, RESERVED, STEP
 from memcallbacks._base.units import GiB, format_bytes
 from memcallbacks._runtime.lifecycle import weak_method
+from memcallbacks._runtime.readout import predicted_columns
 
 if TYPE_CHECKING:  # pragma: no cover
     from memcallbacks.preflight import BatchFit, Prediction
@@ -365,15 +366,14 @@ class PreflightCheck:
     def add_columns(self, frame: Any) -> Any:
         """``predicted_peak_{forward,backward,optimizer}`` (in the measured peaks' frame) and
         ``predicted_peak_error`` (measured step peak minus the predicted one), when there is a prediction."""
-        if self.prediction is None or frame.empty:
-            return frame
-        base = frame["reserved"].astype(float) if self.relative else 0.0
-        start = self.start_bytes if self.relative else 0
-        columns = [f"predicted_peak_{ph}" for ph in PHASES]
-        for ph, col in zip(PHASES, columns):
-            frame[col] = base + float(self.peaks[ph] - start)
-        frame["predicted_peak_error"] = frame["peak_allocated"] - frame[columns].max(axis=1)
-        return frame
+        return predicted_columns(frame, self.column_spec())
+
+    def column_spec(self) -> dict[str, Any] | None:
+        """What :meth:`add_columns` adds, as plain data (the writer process adds them to its frame): None without a prediction."""
+        if self.prediction is None:
+            return None
+        return {"relative": bool(self.relative), "start": self.start_bytes if self.relative else 0,
+                "peaks": {ph: self.peaks[ph] for ph in PHASES}}
 
     def report(self) -> dict[str, Any] | None:
         """``report.json``'s ``"preflight"``: status, the prediction, capacity, and measured vs predicted per phase."""

@@ -1,16 +1,20 @@
-"""The engine's rows read out at the run's end: the history frames and the summary.
+"""The engine's rows read out at the run's end: the history frames and the summary (the cadence's too).
 
 Functions of plain data (rows in :mod:`memcallbacks._base.columns`' layout), called by
-:class:`~memcallbacks._runtime.sampling.MemoryEngine` (a logged step's keys are the engine's own).
+:class:`~memcallbacks._runtime.sampling.MemoryEngine` (a logged step's keys are the engine's own), and
+:func:`cadence_summary`, what :meth:`Schedule.summary <memcallbacks._runtime.schedule.Schedule.summary>` says.
 """
 
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from statistics import median_high
+from typing import Any, Sequence
+
 from memcallbacks._base.columns import ALLOCATED, COLUMNS, EVAL_COLUMNS, PHASES
 
-__all__ = ["history_frame", "eval_frame", "summarise", "empty_history", "empty_eval_history"]
+__all__ = ["history_frame", "eval_frame", "predicted_columns", "summarise", "empty_history", "empty_eval_history", "cadence_summary"]
 
 
 def history_frame(rows: list[list[Any]], device_kind: str) -> Any:
@@ -24,6 +28,19 @@ def history_frame(rows: list[list[Any]], device_kind: str) -> Any:
                 frame[col] = frame[col].astype("int64")
         if device_kind == "cpu":
             frame = frame.drop(columns=["alloc_retries", "ooms", "inactive_split"])
+    return frame
+
+
+def predicted_columns(frame: Any, spec: dict[str, Any] | None) -> Any:
+    """``predicted_peak_{forward,backward,optimizer}`` (in the measured peaks' frame) and ``predicted_peak_error``
+    (measured step peak minus the predicted one), from the pre-flight's ``spec`` (``PreflightCheck.column_spec``)."""
+    if spec is None or frame.empty:
+        return frame
+    base = frame["reserved"].astype(float) if spec["relative"] else 0.0
+    columns = [f"predicted_peak_{ph}" for ph in spec["peaks"]]
+    for col, peak in zip(columns, spec["peaks"].values()):
+        frame[col] = base + float(peak - spec["start"])
+    frame["predicted_peak_error"] = frame["peak_allocated"] - frame[columns].max(axis=1)
     return frame
 
 
@@ -82,3 +99,54 @@ def empty_eval_history() -> Any:
     import pandas as pd
 
     return pd.DataFrame(columns=list(EVAL_COLUMNS))
+
+
+def _us(values: Sequence[float]) -> float | None:
+    return round(float(median_high(values)) * 1e6, 2) if values else None
+
+
+def cadence_summary(schedule: Any, *, step_times: Sequence[float], costs: tuple[Sequence[float], ...], started: tuple[float, float, float] | None,
+                    hooked_calls: int | None, constants: dict[str, Any]) -> dict[str, Any]:
+    """report.json's ``summary.cadence``: the intervals chosen, the own time by part, the share of step
+    time (the parts :data:`~memcallbacks._runtime.schedule.APART` reported apart), and the measured costs.
+    ``started``: (own time, step time, hooks) when the first steps were done."""
+    s = schedule
+    after, timed, parts = s.overhead_after_start, s.timed_s, s.parts
+    overhead = s.overhead
+    step = float(median_high(step_times)) if step_times else math.nan
+    hooks = None if math.isnan(after) or started is None else round((parts["hooks"] - started[2]) / (timed - started[1]), 5)
+    return {
+        "overhead_budget": s.budget,
+        "overhead": None if math.isnan(overhead) else round(overhead, 5),
+        "overhead_after_start": None if math.isnan(after) else round(after, 5),
+        "overhead_by_part": {k: round(v / timed, 5) for k, v in parts.items() if k not in constants["apart"]} if timed > 0 else None,
+        "hooks_after_start": hooks,  # the hooks' part of overhead_after_start (a floor no interval lowers)
+        "step_time_timed_s": round(timed, 4),  # the step time the pauses leave: the shares' denominator
+        "finding_time_s": round(s.finding_s, 4),
+        "diagnoses": [{"step": d["step"], "seconds": round(d["seconds"], 4)} for d in s.diagnoses],
+        "end_of_run_s": round(parts["end"], 4),
+        "imports_during_run": s.imports[0], "imports_at_end": s.imports[1],  # modules the monitor's code imported
+        "hooked_calls": hooked_calls,  # torch's calls through the monitor's module hooks (None: none hooked)
+        "dispatch_call_cost_us": round(s.meters[0].call_cost_s * constants["cold_factor"] * 1e6, 3) if s.meters else None,
+        "read_every_n_steps": s.read_every,
+        "dense_read_steps": constants["dense_read_steps"],
+        "read_bursts": s.bursts,
+        "rss_trips": s.trips,
+        "rss_checks": s.trip_checks,
+        "rss_tripwire": s.tripwire,
+        "sample_every_n_steps": s.sample_every,
+        "sample_interval_source": "config" if s.explicit else "overhead_budget",
+        "log_every_n_steps": s.log_every if s.logs else None,
+        "step_time_median_s": None if math.isnan(step) else step,
+        "step_time_budgeted_s": s.step_s or None,  # the lower quartile the intervals were chosen from
+        "watch_cost_median_us": _us(costs[0]),
+        "read_cost_median_us": _us(costs[1]),
+        "sample_cost_median_us": _us(costs[2]),
+        "lingering_every_n_samples": s.mark_every,
+        "lingering_checks": s.lingering_checks,
+        "lingering_heap_scans": s.heap_scans,
+        "own_time_s": round(s.own_s, 4),
+        "own_time_by_part_s": {k: round(v, 4) for k, v in parts.items()},
+        "backoffs": list(s.guard.backoffs),
+        "over_budget_windows": s.guard.over_budget_windows,
+    }

@@ -54,12 +54,12 @@ class SessionResults(Guarded):
     def max_allocated(self) -> int:
         """Peak allocated bytes since the start (the monitor resets the device's own peak counter)."""
         session = self._current_session()
-        return session.lifetime_peaks()[0] if session is not None else 0
+        return session.engine.max_allocated if session is not None else 0  # the engine keeps it: the device's own counter is reset
 
     @property
     def max_reserved(self) -> int:
         session = self._current_session()
-        return session.lifetime_peaks()[1] if session is not None else 0
+        return session.engine.max_reserved if session is not None else 0
 
     @property
     def enabled(self) -> bool:
@@ -96,9 +96,12 @@ class SessionResults(Guarded):
         return session.report() if session is not None else {}
 
     def format_report(self) -> str:
-        """The report as text (what ``memcallbacks report OUTPUT_DIR`` prints)."""
+        """The report as text (what ``memcallbacks report OUTPUT_DIR`` prints); after the run's end printed the verdict
+        on the console, its first line points at it instead of repeating it."""
         session = self._current_session()
-        return session.format_report() if session is not None else "memcallbacks: no training has run yet."
+        if session is None:
+            return "memcallbacks: no training has run yet."
+        return session.ending.console.report_text(session.ending.format_report())
 
     def explain(self, batch: Any = None) -> Any:
         """Take a census now: live tensors by category (parameters, gradients, optimizer state,

@@ -17,6 +17,7 @@ from typing import Any, Callable
 from memcallbacks._base import distributed as _distributed
 from memcallbacks._base.config import MonitorConfig
 from memcallbacks._base.cpu import own_time
+from memcallbacks._base.keys import MIN_OVER_RANKS
 from memcallbacks._base.units import GiB
 from memcallbacks._base.devices import MemoryBackend, host_rss_reader, select_backend
 from memcallbacks._runtime.readout import eval_frame, history_frame, summarise
@@ -58,6 +59,7 @@ STATE_VERSION = 1
 
 
 _NAN = math.nan
+_MIN_KEYS = tuple(f"/{name}" for name in MIN_OVER_RANKS)  # keys whose ranks meet as a minimum (the rank that runs out first)
 
 
 class MemoryEngine:
@@ -86,6 +88,7 @@ class MemoryEngine:
         self.max_allocated = 0
         self.max_reserved = 0
         self._row: list[Any] | None = None
+        self.kept: list[Any] | None = None  # the last row kept (appended to rows)
         self._open = False
         self._step_opt = 0
         self._eval: list[Any] | None = None
@@ -218,6 +221,7 @@ class MemoryEngine:
         self._sampled_steps += 1
         if self._sampled_steps % self._stride == 0:
             self.rows.append(row)
+            self.kept = row  # the session's journal writes it (also when the halving below drops it)
             if len(self.rows) > self.config.max_history_rows:
                 self.rows = self.rows[1::2]
                 self._stride *= 2
@@ -301,22 +305,36 @@ class MemoryEngine:
         counters = self.device_info.get("kind", "cpu") != "cpu"  # the allocator's counters: not on CPU
         keys = [f"{p}/allocated_GiB", f"{p}/reserved_GiB", f"{p}/peak_forward_GiB", f"{p}/peak_backward_GiB",
                 f"{p}/peak_optimizer_GiB", f"{p}/peak_step_GiB", f"{p}/peak_reserved_GiB", f"{p}/max_allocated_GiB",
-                f"{p}/host_rss_GiB", f"{p}/monitor_time_ms"]
+                f"{p}/host_rss_GiB", f"{p}/monitor_time_ms", f"{p}/peak_forward_above_start_GiB",
+                f"{p}/peak_backward_above_start_GiB", f"{p}/peak_optimizer_above_start_GiB", f"{p}/peak_step_above_start_GiB"]
         if counters:
             keys += [f"{p}/alloc_retries", f"{p}/ooms", f"{p}/inactive_split_GiB"]
         if row is None or not self.enabled:
             values = [_NAN] * len(keys)
         else:
+            # what each phase rose above the step's start (RSS on CPU, where the peaks are its high-water
+            # mark; allocated elsewhere): a rise below zero is none, a phase that did not run stays NaN
+            start = row[RESERVED] if self.device_info.get("peak_source") == "rss_high_water_mark" else row[ALLOCATED]
             values = [row[ALLOCATED] / GiB, row[RESERVED] / GiB, row[PEAK_FORWARD] / GiB, row[PEAK_BACKWARD] / GiB,
                       row[PEAK_OPTIMIZER] / GiB, row[PEAK_ALLOCATED] / GiB, row[PEAK_RESERVED] / GiB,
                       self.max_allocated / GiB, row[HOST_RSS] / GiB, row[MONITOR_TIME_S] * 1e3]
+            for col in (PEAK_FORWARD, PEAK_BACKWARD, PEAK_OPTIMIZER, PEAK_ALLOCATED):  # a loop: no frame per logged step
+                rise = row[col] - start
+                values.append(0.0 if rise < 0 else rise / GiB)
             if counters:
                 values += [float(row[ALLOC_RETRIES]), float(row[OOMS]), row[INACTIVE_SPLIT] / GiB]
+        flip = self.world_size > 1  # the ranks' values meet as a maximum: a minimum is the maximum of the negated
         if extra:
             for key, value in extra.items():
                 keys.append(key)
-                values.append(float(value) if self.enabled else _NAN)
-        return self.reduce(keys, values, (f"{p}/peak_step_GiB", f"{p}/allocated_GiB"))
+                value = float(value) if self.enabled else _NAN
+                values.append(-value if flip and key.endswith(_MIN_KEYS) else value)
+        out = self.reduce(keys, values, (f"{p}/peak_step_GiB", f"{p}/allocated_GiB"))
+        if flip:
+            for key in out:
+                if key.endswith(_MIN_KEYS):
+                    out[key] = -out[key]
+        return out
 
     def eval_log_values(self, row: list[Any] | None, stage: str) -> dict[str, float]:
         p = self.config.prefix

@@ -11,20 +11,25 @@ from __future__ import annotations
 
 import collections
 import enum
-import logging
 import math
+import os
 import time
 from statistics import median_high
 from typing import Any, Callable
 
 from memcallbacks._base.config import MonitorConfig
-from memcallbacks._base.cpu import Tripwire, heap_in_use_bytes, own_time, rss_tripwire, unwatch_collections, watch_collections
+from memcallbacks._base.cpu import (
+    IMPORTS, BudgetGuard, Tripwire, heap_in_use_bytes, own_time, rss_tripwire, unwatch_collections, watch_collections,
+)
+from memcallbacks._base.devices import watch_reader
+from memcallbacks._base.hidden_costs import HookMeter, unwatch_imports, watch_imports
+from memcallbacks._files.journal import TICK_MASK, Journal
 
 __all__ = [
-    "StepKind", "Schedule", "BudgetGuard", "HookMeter", "watch_reader", "aligned_reads",
-    "aligned_samples", "median", "LINGERING_EVERY_STEP_UNTIL", "MARK_EVERY_SAMPLES", "MEASURE_STEPS", "DENSE_READ_STEPS",
-    "CONFIRM_STEPS", "TRIP_EVERY", "TRIP_MASK", "QUIET_FROM", "CHOOSE_EVERY", "MAX_INTERVAL", "MAX_READ_INTERVAL",
-    "READ_SHARE", "COLD_FACTOR", "CHEAP_HEAP_S", "LINGERING_SHARE", "CONTROL_STEPS", "CONTROL_S", "MAX_BACKOFF", "PARTS",
+    "StepKind", "Schedule", "HookMeter", "aligned_reads",
+    "aligned_samples", "median", "LINGERING_EVERY_STEP_UNTIL", "MARK_EVERY_SAMPLES", "MEASURE_STEPS", "DENSE_READ_STEPS", "DENSE_READ_MAX",
+    "CONFIRM_STEPS", "TRIP_EVERY", "TRIP_MASK", "QUIET_FROM", "CHOOSE_EVERY", "MAX_INTERVAL", "MAX_READ_INTERVAL", "READ_SHARE",
+    "COLD_FACTOR", "CHEAP_HEAP_S", "LINGERING_SHARE", "PARTS", "APART", "MAX_DIAGNOSES",
 ]
 
 # Lingering references are checked after every one of the first steps, then after every
@@ -32,10 +37,12 @@ __all__ = [
 LINGERING_EVERY_STEP_UNTIL = 20
 MARK_EVERY_SAMPLES = 4
 # Steps sampled at the start, before the budget has measurements to choose from.
-MEASURE_STEPS = 8
-# The watch reads memory at every one of a run's first steps, whatever it costs: a leak in the
-# training code leaks from step 0, and growth detection needs about this many steps to confirm one.
-DENSE_READ_STEPS = 48
+MEASURE_STEPS = 4
+# The watch reads memory at every one of a run's first steps, whatever it costs: a leak in the training code
+# leaks from step 0, and growth confirms one within these (256 KiB/step: at step 27); a floor risen in their
+# second half (a slower leak, not confirmed yet) keeps the reads dense up to DENSE_READ_MAX.
+DENSE_READ_STEPS = 32
+DENSE_READ_MAX = 48
 # A read that finds the floor risen makes the watch read every step for this many steps.
 CONFIRM_STEPS = 24
 # The RSS tripwire is checked on the quiet steps whose count is a multiple of this (a power of two).
@@ -57,16 +64,14 @@ COLD_FACTOR = 2.0
 CHEAP_HEAP_S = 5e-6
 # The share of the budget the lingering check may take.
 LINGERING_SHARE = 0.25
-# The budget's guard: own time over windows of at least this many steps after the first QUIET_FROM.
-CONTROL_STEPS = 32
-# ... and of at least this much step time: over a few tens of milliseconds (32 steps of 1.6 ms), one
-# read's cost or one time slice on a busy machine decides the rate, and a back-off is never undone.
-CONTROL_S = 0.25
-MAX_BACKOFF = 1024
 # what each part of the monitor's own time is called in report.json (summary.cadence.own_time_by_part_s)
-PARTS = ("read", "sample", "watch", "lingering", "tripwire", "gc", "findings", "hooks")
-# the parts whose interval the guard widens, as its log line names them
-PART_NAMES = {"lingering": "the lingering check", "read": "the memory reads", "sample": "sampled steps"}
+PARTS = ("read", "sample", "watch", "lingering", "tripwire", "gc", "findings", "hooks", "imports", "dispatch", "end")
+# the parts reported apart from the share of step time: the one-off diagnoses (censuses and holder
+# searches for findings) and the end of the run (its report, its files)
+APART = ("findings", "end")
+# The one-off diagnoses kept in report.json, each with its step and time (later ones add to the last).
+MAX_DIAGNOSES = 32
+
 
 
 class StepKind(enum.Enum):
@@ -115,108 +120,6 @@ def median(values: Any) -> float:
     return float(median_high(values)) if values else math.nan
 
 
-def watch_reader(backend: Any) -> Callable[[], int | None]:
-    """The read that sees a tensor leak step over step: glibc's in-use heap on CPU (it sees a leak
-    that refills freed heap, which RSS does not), the caching allocator's counter elsewhere."""
-    if backend.kind == "cpu":
-        return heap_in_use_bytes if heap_in_use_bytes() is not None else (lambda: backend.current()[0])
-    return lambda: backend.current()[0]
-
-
-class HookMeter:
-    """Times a hook call whole and books what the step's own timers inside it did not see as the
-    ``hooks`` part: the call's frames, the guard and the cold caches they run in. Right over the
-    run, not call by call: a step timed in one call and charged in a later one makes the later
-    call's difference negative by what the earlier one counted twice."""
-
-    __slots__ = ("schedule",)
-
-    def __init__(self, schedule: Schedule) -> None:
-        self.schedule = schedule
-
-    def call(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        schedule = self.schedule
-        before = schedule.own_s
-        t0 = own_time()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            schedule.charge_hooks(own_time() - t0 - (schedule.own_s - before))
-
-
-class BudgetGuard:
-    """Over windows of at least :data:`CONTROL_STEPS` steps and :data:`CONTROL_S` seconds of step time
-    after the first ``QUIET_FROM``, the own
-    time measured (finding work excepted) against the budget; over it, the costliest part that has
-    an interval (the lingering check, sampling, the reads) backs off: its interval doubles. Said
-    once in the log; every back-off is in report.json. Picklable."""
-
-    def __init__(self, budget: float, first: int, max_interval: int) -> None:
-        self.budget = budget
-        self.max_interval = max_interval  # an interval at this is not widened further
-        self.backoff = {"read": 1, "sample": 1, "lingering": 1}  # the multipliers of the intervals
-        self.backoffs: list[dict[str, Any]] = []  # each time the guard widened an interval
-        self.over_budget_windows = 0
-        self.said: set[str] = set()  # what the guard has said in the log (each once)
-        self.announce: tuple[logging.Logger, str] | None = None  # (logger, owner): where the back-off is said
-        self.window: tuple[int, float, float, dict[str, float]] = (first, 0.0, 0.0, {})
-
-    def check(self, schedule: Schedule) -> None:
-        """One window's check: reads ``schedule``'s totals and widens its intervals."""
-        start, own0, step0, parts0 = self.window
-        steps = schedule.steps
-        elapsed = schedule.timed_s - step0
-        if steps < start + CONTROL_STEPS or elapsed < CONTROL_S:
-            return
-        parts = schedule.parts
-        own = schedule.own_s - parts["findings"]  # finding work excepted (finding_s)
-        self.window = (steps, own, schedule.timed_s, dict(parts))
-        rate = (own - own0) / elapsed
-        if rate <= self.budget:
-            return
-        spent = {}
-        for key, seconds in parts.items():
-            spent[key] = seconds - parts0.get(key, 0.0)
-        # the parts whose interval the guard can widen (logged steps are sampled whatever the interval)
-        controllable = {"lingering": spent["lingering"]}
-        if schedule.read_every < self.max_interval:
-            controllable["read"] = spent["read"]
-        if not schedule.explicit and (not schedule.logs or schedule.sample_every < schedule.log_every):
-            controllable["sample"] = spent["sample"]
-        part = max(controllable, key=lambda k: controllable[k])
-        self.over_budget_windows += 1
-        if controllable[part] <= 0 or self.backoff[part] >= MAX_BACKOFF:
-            if self.say("floor"):  # what is left is the logged steps and the tripwire
-                logger, owner = self.announce  # type: ignore[misc]
-                logger.info(
-                    "%s: its own time was %.2f%% of step time over the last %d steps, above overhead_budget=%g, "
-                    "and nothing it can sample less often is left: the rest is the logged steps (every %s), which "
-                    "log_every_n_steps sets, and its hooks' calls (%.3g s of %.3g s), which every step makes.",
-                    owner, 100 * rate, steps - start, self.budget, schedule.log_every if schedule.logs else "-",
-                    spent.get("hooks", 0.0), own - own0,
-                )
-            return
-        self.backoff[part] *= 2
-        self.backoffs.append({"step": steps, "part": part, "own_time": round(rate, 5), "factor": self.backoff[part]})
-        if len(self.backoffs) > 64:
-            del self.backoffs[:32]
-        if self.say("backoff"):
-            logger, owner = self.announce  # type: ignore[misc]
-            logger.info(
-                "%s: its own time was %.2f%% of step time over the last %d steps, above overhead_budget=%g; "
-                "the costliest part (%s: %.3g s of %.3g s) now runs half as often. Later back-offs are listed "
-                "in report.json (summary.cadence.backoffs).",
-                owner, 100 * rate, steps - start, self.budget, PART_NAMES[part], spent[part], own - own0,
-            )
-
-    def say(self, what: str) -> bool:
-        """Whether to say ``what`` now: once per run, on rank zero (where :attr:`announce` is set)."""
-        if self.announce is None or what in self.said:
-            return False
-        self.said.add(what)
-        return True
-
-
 class Schedule:
     """What each step is, the intervals the budget allows, and the monitor's own time.
 
@@ -235,6 +138,8 @@ class Schedule:
         self.trip_cost_s = 0.0  # one tripwire check, as measured when the run starts (0: no tripwire)
         self.clock: Callable[[], float] = time.perf_counter  # the step clock (a test may drive its own)
         self.watching = False  # own time leaves Python's automatic collections out (the CPU clock in _base/cpu.py)
+        self.meters: list[HookMeter] = []  # the adapter's hook meters: their calls are the dispatch estimate's
+        self.journal = Journal()  # the session's (its start opens it): step_kind writes its ticks
         self.new_run()
 
     def new_run(self) -> None:
@@ -256,6 +161,7 @@ class Schedule:
         self._anchor: tuple[int, float] | None = None  # (count, time) of the last step start timed
         self._next_choice = MEASURE_STEPS
         self.dense_until = 0  # reads every step below this count (a burst after a suspicious read)
+        self._window_min = math.inf  # the lowest read in the second half of the dense reads
         self.bursts = 0
         self.trips = 0  # reads the RSS tripwire asked for between the scheduled ones
         self.trip_checks = 0  # quiet steps that checked the tripwire (counted, not timed one by one)
@@ -269,9 +175,17 @@ class Schedule:
         self._watch_costs: collections.deque[float] = collections.deque(maxlen=64)
         self._read_costs: collections.deque[float] = collections.deque(maxlen=32)
         self._sample_costs: collections.deque[float] = collections.deque(maxlen=32)
+        self._log_costs: collections.deque[float] = collections.deque(maxlen=16)  # a logged step's keys and writes
         self._check_costs: collections.deque[float] = collections.deque(maxlen=16)  # the lingering checks'
         self.own_s = 0.0
         self.parts: dict[str, float] = dict.fromkeys(PARTS, 0.0)
+        self.count_now = 0  # the count of the last step whose start was timed (the step a diagnosis is booked at)
+        self.diagnoses: list[dict[str, Any]] = []  # one-off finding work: {"step", "seconds"}, apart from the share
+        self._imports_at: tuple[float, int] | None = None  # import_seconds() when the run's first step began
+        self.imports = [0, 0]  # modules the monitor's code imported since then: during the steps, at the run's end
+        self._calls_at = sum(meter.calls for meter in getattr(self, "meters", ()))  # hook calls already estimated
+        self._calls_run0, self._hooks_at = self._calls_at, 0.0  # ... when this run began; the hooks' part estimated
+        self._end_at: tuple[float, float] | None = None  # (own_time(), own_s) while the run's end is being timed
         self.timed_s = 0.0
         self.steps = 0
         self.step_s = 0.0  # the lower quartile of the recent step times (0 until measured)
@@ -288,6 +202,7 @@ class Schedule:
         state = dict(self.__dict__)
         state["read"] = state["trip"] = state["backend"] = None  # rebuilt by arm() when a run starts
         state["watching"] = False
+        state["_end_at"] = None
         return state
 
     # ------------------------------------------------------------------ set-up
@@ -305,7 +220,7 @@ class Schedule:
         """The watch's read and the tripwire for ``backend`` (None: neither); a tripwire check is
         charged at the cost measured here (quiet steps are not timed one by one)."""
         if not self.watching:  # a collection Python starts by itself costs the heap, not the monitor
-            self.watching = watch_collections()
+            self.watching = watch_collections() and watch_imports()  # the imports it starts: their own part
         self.read = watch_reader(backend) if backend is not None else None
         self.backend, self.heap_at, self.heap_rss = backend, -1, math.inf
         self.trip = rss_tripwire(self.read, hwm_resets=bool(getattr(backend, "resets_hwm", False)))
@@ -318,18 +233,33 @@ class Schedule:
             self.trip_cost_s = COLD_FACTOR * (own_time() - t0) / 4
 
     def release(self) -> None:
-        """The run's end: stop leaving collections out of own time (safe to call twice)."""
+        """The run's end: stop leaving collections out of own time, close the journal (safe to call twice)."""
+        self.journal.close()
         if self.watching:
-            self.watching = unwatch_collections()
+            self.watching = unwatch_collections() or unwatch_imports()
 
     # ------------------------------------------------------------------ what a step is
     def step_kind(self, count: int) -> StepKind:
         """What the step after ``count`` steps is. A planned quiet step checks the tripwire every
         :data:`TRIP_EVERY`-th step: a tripped one reads memory and ends the quiet stretch. Cannot
         raise (:class:`~memcallbacks._base.cpu.Tripwire` reads 0 when the kernel stops answering)."""
+        level = 0
         if count < self.quiet_until:
+            if count & TRIP_MASK:
+                return StepKind.QUIET
             trip = self.trip
-            if count & TRIP_MASK or trip is None or trip() < self.trip_at:
+            level = trip() if trip is not None else 0
+        journal = self.journal
+        if not count & TICK_MASK and journal.fd >= 0:  # the journal's tick, inline: the last step reached (RSS then, if read)
+            try:
+                journal.bytes += os.write(journal.fd, b'{"t":"tick","step":%d,"time":%.3f,"rss":%d}\n' % (count, time.time(), level)
+                                          if level else b'{"t":"tick","step":%d,"time":%.3f}\n' % (count, time.time()))
+            except OSError as exc:
+                journal.failed(exc)
+            if journal.bytes > journal.cap:  # past its cap: rewritten from the session's state (the journal's callback)
+                journal.compact()
+        if count < self.quiet_until:
+            if self.trip is None or level < self.trip_at:
                 return StepKind.QUIET
             self._tripped(count)
             self.quiet_until = 0
@@ -424,10 +354,16 @@ class Schedule:
     def after_read(self, count: int, allocated: int) -> None:
         """A read was taken: the tripwire measures the rise from here, and a floor risen by the growth
         test's minimum since the last few scheduled reads (a quarter of it on a read the tripwire
-        asked for) starts a burst of reads at every step."""
+        asked for) starts a burst of reads at every step. The dense reads' last one extends them to
+        :data:`DENSE_READ_MAX` when the floor rose by the tripwire's rise over their second half."""
         if self.trip is not None:
             self.trip_at = self.trip() + self.trip_bytes
-        if count < DENSE_READ_STEPS or count < self.dense_until:
+        if count < DENSE_READ_STEPS:
+            self._window_min = min(self._window_min, allocated) if count >= DENSE_READ_STEPS // 2 else math.inf
+            if count == DENSE_READ_STEPS - 1 and allocated - self._window_min >= self.trip_bytes:
+                self.dense_until = DENSE_READ_MAX
+            return
+        if count < self.dense_until:
             return
         recent = self._recent_reads
         need = self.trip_bytes if count == self._forced else self._burst_bytes
@@ -469,6 +405,9 @@ class Schedule:
                 self.own_s += checks * self.trip_cost_s
                 self.parts["tripwire"] += checks * self.trip_cost_s
         self._anchor = (count, now)
+        self.count_now = count
+        if self._imports_at is None:  # the run's first step: what was imported before is the monitor's build
+            self._imports_at = (IMPORTS[0], IMPORTS[1])
         if self._started is None and self.steps >= QUIET_FROM:
             own = self.own_s - self.parts["findings"]  # finding work excepted (finding_s)
             self._started = (own, self.timed_s, self.parts["hooks"])
@@ -520,16 +459,29 @@ class Schedule:
         finding = min(max(0.0, self.booked_finding_s - seen_f), seconds - lingering)
         self._booked_seen = (seen_l + lingering, seen_f + finding)
         self.parts["lingering"] += lingering
-        self.parts["findings"] += finding
+        if finding > 0:
+            self.parts["findings"] += finding
+            self._diagnosed(finding)
         return seconds - lingering - finding
 
-    def charge(self, seconds: float, sampled: bool, typical: bool = True) -> None:
+    def _diagnosed(self, seconds: float) -> None:
+        """One-off finding work at the current step: a diagnosis of its own in report.json."""
+        entries = self.diagnoses
+        if entries and (entries[-1]["step"] == self.count_now or len(entries) >= MAX_DIAGNOSES):
+            entries[-1]["seconds"] += seconds
+        else:
+            entries.append({"step": self.count_now, "seconds": seconds})
+
+    def charge(self, seconds: float, sampled: bool, typical: bool = True, logging: bool = False) -> None:
         """One step's own time, its watch read excepted. ``typical=False`` (the step found
-        something) keeps the step out of the costs that choose the intervals."""
+        something) keeps the step out of the costs that choose the intervals; ``logging``: a logged
+        step's keys and loggers' writes, a cost of its own there."""
         self.own_s += seconds
         rest = self._split(seconds)
         self.parts["sample" if sampled else "watch"] += rest
-        if typical:
+        if logging:
+            self._log_costs.append(rest)
+        elif typical:
             (self._sample_costs if sampled else self._watch_costs).append(rest)
 
     def charge_read(self, seconds: float) -> None:
@@ -547,11 +499,54 @@ class Schedule:
             return
         rest = self._split(seconds)  # first: _split adds to parts["findings"], which part may be
         self.parts[part] += rest
+        if part == "findings" and rest > 0:
+            self._diagnosed(rest)
 
     def charge_hooks(self, seconds: float) -> None:
         """A hook call's time its inner timers did not see (:class:`HookMeter`)."""
         self.own_s += seconds
         self.parts["hooks"] += seconds
+
+    def _fold(self) -> None:
+        """Book what no timer sees: the imports the monitor's code started (left out of every other part), and
+        the dispatch estimate (docs/findings.md: each gate call at the cost measured once, and the hooks' time again)."""
+        seconds, count = IMPORTS
+        if self._imports_at is None:  # no step yet
+            self._imports_at = (seconds, count)
+        elif seconds > self._imports_at[0]:
+            new = seconds - self._imports_at[0]
+            ending = self._end_at is not None
+            self.imports[ending] += count - self._imports_at[1]
+            self._imports_at = (seconds, count)
+            self.own_s += new
+            self.parts["end" if ending else "imports"] += new
+        meters = self.meters
+        calls = sum(meter.calls for meter in meters) if meters else 0  # at the choice of intervals only: not every step
+        if calls > self._calls_at or self.parts["hooks"] > self._hooks_at:
+            new = (calls - self._calls_at) * meters[0].call_cost_s * COLD_FACTOR if meters else 0.0
+            new += (COLD_FACTOR - 1) * (self.parts["hooks"] - self._hooks_at)
+            self._calls_at, self._hooks_at = calls, self.parts["hooks"]
+            self.own_s += new
+            self.parts["dispatch"] += new
+
+    # ------------------------------------------------------------------ the run's end
+    def end_started(self) -> None:
+        """The run's end begins (``Session.finish``): its time is the ``end`` part, apart from the share."""
+        self._fold()
+        self._end_at = (own_time(), self.own_s)
+
+    def end_finished(self, done: bool = False) -> None:
+        """Book the run's end so far (at every summary while it runs: report.json has it up to the report);
+        ``done``: the end is over, its clock stopped."""
+        at = self._end_at
+        if at is None:
+            return
+        now = own_time()
+        seconds = max(0.0, now - at[0] - (self.own_s - at[1]))  # the censuses inside are booked as findings
+        self.own_s += seconds
+        self.parts["end"] += seconds
+        self._fold()
+        self._end_at = None if done else (now, self.own_s)
 
     # ------------------------------------------------------------------ the intervals
     def choose(self) -> None:
@@ -559,6 +554,7 @@ class Schedule:
         take :data:`READ_SHARE` of it, the logged steps what they cost, sampling what is left."""
         # the lower quartile of the step times: noise only makes steps slower, and the steps a busy
         # machine slowed do not buy more reads
+        self._fold()  # imports and the dispatch estimate: in the guard's windows too
         times = sorted(self._step_times)
         step = times[(len(times) - 1) // 4] if times else math.nan
         if not step > 0:
@@ -566,13 +562,19 @@ class Schedule:
         self.step_s = step
         if self._started is not None:
             self.guard.check(self)
-        allowed = self.budget * step
+        # first what no interval lowers: hooks, dispatch, tripwire, gc, imports a step, the logged steps' keys and writes
+        parts = self.parts
+        floor = (parts["hooks"] + parts["dispatch"] + parts["tripwire"] + parts["gc"] + parts["imports"]) / max(1, self.steps)
+        if self.logs and self._log_costs:
+            floor += COLD_FACTOR * median(self._log_costs) / self.log_every
+        least = 1e-3 * self.budget * step  # what is left when the floor takes the budget: the rest as rare as can be
+        allowed = max(self.budget * step - floor, least)
         costs = self._check_costs
         if costs:  # a lingering check every mark_every sampled steps, at its mean cost, within its share
             check = COLD_FACTOR * sum(costs) / len(costs)
             every = max(MARK_EVERY_SAMPLES, _ceil(check / (allowed * LINGERING_SHARE) / max(1, self.sample_every)))
             self.mark_every = min(MAX_INTERVAL, every * self.guard.backoff["lingering"])
-            allowed -= check / (self.mark_every * max(1, self.sample_every))
+            allowed = max(allowed - check / (self.mark_every * max(1, self.sample_every)), least)
         watches, reads, samples = self._watch_costs, self._read_costs, self._sample_costs
         watch = median(watches) if watches else 0.0
         if reads:
@@ -598,9 +600,21 @@ class Schedule:
 
     # ------------------------------------------------------------------ what it says about itself
     @property
+    def step_time_median_s(self) -> float:
+        """The median of the recent step times (NaN before two timed steps): what "in about T" counts in."""
+        return median(self._step_times)
+
+    @property
+    def steady_s(self) -> float:
+        """Own time during the steps: every part but the one-off diagnoses and the run's end (:data:`APART`)."""
+        parts = self.parts
+        return self.own_s - parts["findings"] - parts["end"]
+
+    @property
     def overhead(self) -> float:
-        """The monitor's own time as a fraction of the step time (NaN before two steps)."""
-        return self.own_s / self.timed_s if self.timed_s > 0 else math.nan
+        """The monitor's own time during the steps (:attr:`steady_s`) as a fraction of the step time
+        the pauses leave (NaN before two steps)."""
+        return self.steady_s / self.timed_s if self.timed_s > 0 else math.nan
 
     @property
     def overhead_after_start(self) -> float:
@@ -610,41 +624,14 @@ class Schedule:
             return math.nan
         own0, step0, _ = self._started
         step = self.timed_s - step0
-        return (self.own_s - self.finding_s - own0) / step if step > 0 else math.nan
+        return (self.own_s - self.finding_s - self.parts["end"] - own0) / step if step > 0 else math.nan
 
     def summary(self) -> dict[str, Any]:
-        step = median(self._step_times)
-        after = self.overhead_after_start
-
-        def us(values: Any) -> float | None:
-            return round(median(values) * 1e6, 2) if values else None
-
-        hooks = None if math.isnan(after) else round((self.parts["hooks"] - self._started[2]) / (self.timed_s - self._started[1]), 5)  # type: ignore[index]
-        return {
-            "overhead_budget": self.budget,
-            "overhead": None if math.isnan(self.overhead) else round(self.overhead, 5),
-            "overhead_after_start": None if math.isnan(after) else round(after, 5),
-            "hooks_after_start": hooks,  # the hooks' part of overhead_after_start (a floor no interval lowers)
-            "finding_time_s": round(self.finding_s, 4),
-            "read_every_n_steps": self.read_every,
-            "dense_read_steps": DENSE_READ_STEPS,
-            "read_bursts": self.bursts,
-            "rss_trips": self.trips,
-            "rss_checks": self.trip_checks,
-            "rss_tripwire": self.tripwire,
-            "sample_every_n_steps": self.sample_every,
-            "sample_interval_source": "config" if self.explicit else "overhead_budget",
-            "log_every_n_steps": self.log_every if self.logs else None,
-            "step_time_median_s": None if math.isnan(step) else step,
-            "step_time_budgeted_s": self.step_s or None,  # the lower quartile the intervals were chosen from
-            "watch_cost_median_us": us(self._watch_costs),
-            "read_cost_median_us": us(self._read_costs),
-            "sample_cost_median_us": us(self._sample_costs),
-            "lingering_every_n_samples": self.mark_every,
-            "lingering_checks": self.lingering_checks,
-            "lingering_heap_scans": self.heap_scans,
-            "own_time_s": round(self.own_s, 4),
-            "own_time_by_part_s": {k: round(v, 4) for k, v in self.parts.items()},
-            "backoffs": list(self.guard.backoffs),
-            "over_budget_windows": self.guard.over_budget_windows,
-        }
+        """What report.json says of the cadence and the own time (``summary.cadence``): the run's end so far included."""
+        from memcallbacks._runtime.readout import cadence_summary  # loaded with the engine (sampling.py)
+        self.end_finished()  # the run's end so far (a summary while it runs: report.json's)
+        self._fold()
+        return cadence_summary(self, step_times=self._step_times, costs=(self._watch_costs, self._read_costs, self._sample_costs),
+                               started=self._started,
+                               hooked_calls=self._calls_at - self._calls_run0 if self.meters else None,
+                               constants={"dense_read_steps": DENSE_READ_STEPS, "apart": APART, "cold_factor": COLD_FACTOR})

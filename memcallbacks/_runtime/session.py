@@ -8,6 +8,7 @@ Nothing here imports a framework.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -23,7 +24,8 @@ from memcallbacks._files.outputs import check_writable
 from memcallbacks._runtime.auto_snapshot import AutoSnapshot
 from memcallbacks._runtime.checks import StepChecks
 from memcallbacks._runtime.finding_sink import FindingSink
-from memcallbacks._runtime.lifecycle import claim_folder, output_folder, release_folder
+from memcallbacks._runtime.guard import log_internal_error
+from memcallbacks._runtime.lifecycle import claim_folder, output_folder, release_folder, unwatch_uncaught, watch_uncaught
 from memcallbacks._runtime.run_end import RunEnd, is_oom
 from memcallbacks._runtime.sampling import MemoryEngine
 from memcallbacks._runtime.schedule import LINGERING_EVERY_STEP_UNTIL, Schedule, StepKind
@@ -150,13 +152,12 @@ class Session:
             self._warned.add(key)
             self.log.warning(message)
 
-    def fail(self, exc: BaseException, where: str) -> None:
-        """The one containment path for an internal error (the guard's, and each step part's): logged
-        once with its traceback, and the monitor turns itself off for the run (``strict``: raised)."""
+    def fail(self, exc: BaseException, where: str, *, unwinding: bool = False) -> None:
+        """The one containment path for an internal error (the guard's, each step part's): logged once, the monitor off (strict: raised)."""
         if self.config.strict:
             raise exc
-        if not self.failed:
-            log.exception("memcallbacks: internal error in %s; the memory monitor disables itself and training goes on.", where, exc_info=exc)
+        if not self.failed:  # ``unwinding``: the run's own exception is ending it (said so, without it as the context)
+            log_internal_error(log, where, exc, unwinding=unwinding)
         self.failed = True
         self.engine.enabled = False
 
@@ -189,10 +190,8 @@ class Session:
         default_output_dir: str | os.PathLike[str] | None = None, framework_log_every: int | None = None,
         logs: bool = True, log_first_step: bool = False,
     ) -> None:
-        """Choose the device backend, the output folder and the sampling/logging intervals.
-
-        Raises ``PermissionError`` for an unwritable output folder, or one another live monitor writes
-        to; any other fault is contained."""
+        """Choose the device backend, the output folder (its journal opens) and the sampling/logging intervals. Raises
+        ``PermissionError`` for an unwritable output folder, or one another live monitor writes to; any other fault is contained."""
         config = self.config
         if config.write_files:
             folder = output_folder(config.output_dir, default_output_dir)
@@ -201,6 +200,7 @@ class Session:
             if config.auto_snapshot:
                 check_writable(os.path.join(folder, "snapshots"), "auto_snapshot")
         self.live = True
+        watch_uncaught(self, self.ending.on_uncaught)  # an exception nobody catches ends this run too (lifecycle.ExceptHook)
         # the schedule first: even a monitor whose start fails below must agree with the other ranks on logged steps
         log_every = config.log_every_n_steps or max(int(framework_log_every or 50), 1)
         # a later stage of the same run (fit, then test) keeps the training cadence
@@ -210,6 +210,7 @@ class Session:
             self._start_parts(device, rank, world_size)
         except Exception as exc:  # backend selection, the first reads, the leak watch: never fatal
             self.fail(exc, "monitor start")
+        self.ending.open_journal()  # the record that streams (journal.py)
         if self.trackers is not None:
             self.trackers.look(self.sink.kept.version)
 
@@ -227,11 +228,13 @@ class Session:
         if config.auto_snapshot and self.output_dir is not None and engine.backend is not None:
             self.snap = AutoSnapshot.for_backend(config, engine.backend, self.output_dir, engine.rank, engine.world_size, self.log)
             self.snap.start()
+        self.checks.forecast.snap = self.snap  # a snapshot before memory runs out
 
     def stop(self) -> None:
         """Undo everything the session changed in the process; each part on its own, safe to call twice."""
         self.live = False
-        self.schedule.release()
+        unwatch_uncaught(self)
+        self.schedule.release()  # its journal closed, not removed: a run that did not finish leaves it (journal.py)
         release_folder(self.output_dir, self)
         self.checks.stop(self.snap)  # the host channel, the snapshots, the leak watch, the model copies
         try:
@@ -423,8 +426,7 @@ class Session:
     def end_step(
         self, closing: int = OPTIMIZER, *, log_step: int | None = None, batch: Any = None, loss: Any = None, outputs: Any = None
     ) -> list[Any] | None:
-        """Close the step: its row, the quiet stretch after it and, on logged steps, its metrics. ``batch``,
-        ``loss`` (the step's last) and ``outputs`` (the model's) go to leak detection as weak references."""
+        """Close the step: its row, its quiet stretch, a logged step's metrics; ``batch``, ``loss``, ``outputs``: leak detection's (weakly)."""
         kind = self.kind
         if kind is StepKind.QUIET:
             self.kind = None
@@ -445,7 +447,10 @@ class Session:
                 self.fail(exc, "step end")
         self.kind = None
         self._plan_quiet()
+        if self.schedule.journal.fd >= 0 and self.schedule.journal.version != self.sink.kept.version:  # findings raised or
+            self.schedule.journal.note_findings(self.sink.kept.findings, self.sink.kept.version)  # changed: journaled once a step
         if kind is StepKind.LOGGED and (row is not None or engine.world_size > 1):
+            t_log = own_time()  # the keys and the loggers' writes: the logged step's own time too
             try:
                 capacity = engine.capacity if self.dashboard.capacity else None  # the capacity line the charts show
                 extra = self.checks.logged_keys(row, findings=self.sink.kept.open_problems, capacity=capacity, snap=self.snap)
@@ -453,6 +458,7 @@ class Session:
                 self.emit(metrics, self.current_step if log_step is None else log_step)
             except Exception as exc:
                 self.fail(exc, "logging")
+            self.schedule.charge(own_time() - t_log, sampled=True, logging=True)
         if self.schedule.shares and self.schedule.share_due(self.current_count):  # a collective: each rank's news reach rank zero
             t0 = own_time()
             try:
@@ -488,7 +494,13 @@ class Session:
                 self.log.debug("memcallbacks: the resident-set high-water mark is pinned above the resident set; the RSS tripwire reads statm")
             if checks.preflight.prediction is not None:  # preflight=True, and it predicted this run's steps
                 checks.preflight.compare(row)
-            self.schedule.charge(row[MONITOR_TIME_S], sampled=True)
+            journal, t0 = self.schedule.journal, own_time()
+            if journal.fd >= 0 and engine.kept is row:  # a kept row, whole, into the journal (journal.py)
+                try:
+                    journal.bytes += os.write(journal.fd, b'{"t":"row","time":%.3f,"r":%b}\n' % (time.time(), json.dumps(row).encode()))
+                except Exception as exc:  # a full disk: the journal stops, the run goes on
+                    journal.failed(exc)
+            self.schedule.charge(row[MONITOR_TIME_S] + own_time() - t0, sampled=True)  # its write is own time, not the row's
         elif kind is StepKind.WATCHED:  # its start and its end, as one cost
             self.schedule.charge(self.watched_s + own_time() - t_end, sampled=False, typical=self.watched_typical)
         if self.snap is not None and (row is not None or self.sink.new):
@@ -511,17 +523,18 @@ class Session:
                                        or watch.collections is not None and watch.collections.due))
         )
         theory = theory_pending and self.engine.optimizer_steps_total > 0  # the theory check samples the next step
-        self.schedule.plan_after(self.current_count, busy=busy, reads=watch is not None, sample_next=theory)
+        checks.plan_after(self.schedule, self.current_count, busy=busy, reads=watch is not None, sample_next=theory)
 
     def _dashboard(self) -> Dashboard:
         """What the trackers' charts show; a capacity line where the device has one (not host RAM on CPU)."""
-        return Dashboard(self.config.prefix, capacity=self.device_kind != "cpu" and bool(self.engine.capacity), keys=self.config.logged_keys)
+        cpu, config = self.device_kind == "cpu", self.config  # on CPU the default list has the phases' rises
+        return Dashboard(config.prefix, capacity=not cpu and bool(self.engine.capacity), keys=config.logged_keys_cpu if cpu else config.logged_keys)
 
     def emit(self, metrics: dict[str, float], step: int) -> None:
         """Hand the ``log_keys`` part of ``metrics`` to the loggers (rank zero); every rank reduced all of them."""
         if self.log_fn is None or self.engine.rank != 0:
             return
-        keep, shown = self.config.logged_keys, metrics
+        keep, shown = self.dashboard.keys, metrics  # the device's (_dashboard)
         if keep is not None:  # a loop, not a comprehension: no frame per logged step
             shown = {}
             for key in metrics:
@@ -575,6 +588,7 @@ class Session:
                 row = engine.end_eval(keep_empty)
             except Exception as exc:
                 self.fail(exc, "evaluation end")
+            self.schedule.journal.eval_row(row)
         stage = row[E_STAGE] if row is not None else "validate"
         if not emit or stage == "sanity_check" or (row is None and (engine.world_size <= 1 or not keep_empty)):
             return row
@@ -585,11 +599,6 @@ class Session:
         return row
 
     # ------------------------------------------------------------------ results
-    def format_report(self) -> str:
-        from memcallbacks._files.report import format_report
-
-        return format_report(self.report(), self.history_frame())
-
     def history_frame(self) -> Any:
         """The engine's history, with the pre-flight's predicted columns when there is a prediction."""
         return self.checks.preflight.add_columns(self.engine.history_frame())
@@ -597,21 +606,14 @@ class Session:
     def eval_history_frame(self) -> Any:  # one row per evaluation loop (validate, test, predict)
         return self.engine.eval_frame()
 
-    def lifetime_peaks(self) -> tuple[int, int]:
-        """Peak allocated and reserved bytes since the start (the monitor resets the device's own peak counter)."""
-        return self.engine.max_allocated, self.engine.max_reserved
-
     # ------------------------------------------------------------------ the run's end (run_end.py)
     def record_exception(self, exc: BaseException, step: int) -> None:
         """Note an exception that is ending the run as an event (``"oom"`` or ``"exception"``); never raises."""
         self.ending.record_exception(exc, step)
 
     def finish(self, *, gather: bool) -> dict[str, str]:
-        """Close any open step and write this rank's files. ``gather`` (a collective: every rank must
-        call it) also puts every rank's summary into rank zero's ``report.json``.
-
-        A run that recorded nothing (a second ``fit`` that had no step left to run) writes no
-        files: the folder keeps the previous run's set rather than an empty history."""
+        """Close any open step and write this rank's files (run_end.py); ``gather`` (a collective: every rank calls it)
+        puts every rank's summary into rank zero's ``report.json``. A run that recorded nothing writes none."""
         if self._observers:
             self._notify("run_finishing")
         self.kind = None  # an open step ends with the run: the run's end closes the engine's row
@@ -638,3 +640,4 @@ class Session:
             return
         self.events = read["events"]
         self.sink.restore(read["findings"])
+        self.schedule.journal.rows_exact = False  # the rows are the saved ones now: the end record carries them

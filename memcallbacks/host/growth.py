@@ -27,6 +27,7 @@ import time
 from typing import Any, Callable, NamedTuple
 
 from memcallbacks._base.findings import Finding
+from memcallbacks._base.limits import runs_out_text
 from memcallbacks._base.units import KiB, MiB, format_bytes
 from memcallbacks._base.cpu import heap_in_use_bytes, pymalloc_bytes
 from memcallbacks.leaks.growth import GrowthDetector, thinned_rate
@@ -129,6 +130,9 @@ class HostGrowth:
         """The latest finding per key (open or settled)."""
         self._climb_since: int | None = None  # where the private climb under judgement began
         self._owner: dict[str, _Series] = {}  # the series that last confirmed each key: its lifecycle decides
+        self.forecast: Callable[[str, int, float, bool], dict[str, Any] | None] | None = None
+        """``forecast(key, step, rate, new)``: when host memory runs out at ``rate`` bytes/step (``new``: raised
+        or re-opened now; rate 0: settled), asked at every open finding (the runtime's ``Forecast.host``)."""
 
     def update(self, reading: HostReading) -> Finding | None:
         """Fold one read in; a Finding when a cause is confirmed, updated, settled or re-opened."""
@@ -265,6 +269,9 @@ class HostGrowth:
         if reopened:
             message = (f"Re-opened at step {step}: the host growth that settled at step {old.details['settled_at_step']} "
                        "grows again. ") + message
+        runs_out = self.forecast(key, step, self._resident_rate(series, d), old is None or reopened) if self.forecast else None
+        if runs_out:
+            message += " " + runs_out_text(runs_out)
         finding = Finding(
             kind="host_growth",
             step=step,
@@ -280,6 +287,7 @@ class HostGrowth:
                 "z": d["z"],
                 "open": True,
                 "python_share": None if python_share is None else round(python_share, 2),
+                "runs_out": runs_out,
             },
         )
         if old is not None:
@@ -314,13 +322,25 @@ class HostGrowth:
                 **finding.details,
                 "open": False,
                 "settled_at_step": step,
+                "runs_out": None,  # withdrawn
                 **{k: d[k] for k in ("settled_step", "settled_bytes", "floor_bytes", "last_rise_step", "grew_steps",
                                      "flat_steps", "settle_after_steps") if k in d},
             }
             self.findings[key] = settled
+            withdrawn = self.forecast(key, step, 0.0, False) if self.forecast is not None else None
+            if withdrawn is not None:  # the settled line says it (announce)
+                settled.details["runs_out_withdrawn"] = withdrawn["step"]
             if finding.step > latest:
                 out, latest = settled, finding.step
         return out
+
+    def _resident_rate(self, series: _Series, d: dict[str, Any]) -> float:
+        """The rate host memory grows at, for the forecast: the private resident series' while it grows
+        (what the limits count), else the finding's own (Python objects, on the block count's scale)."""
+        last = self.private.detector.last
+        if series is not self.private and last is not None and last.state == "open":
+            return float(last.details["rate_bytes_per_step"])
+        return float(d["rate_bytes_per_step"])
 
     def measure_python(self, step: int) -> None:
         """Measure the bytes Python objects hold (``pymalloc_bytes()`` and the malloc heap, ~0.2-1.5 ms):

@@ -1,23 +1,23 @@
 """DataLoader workers' private memory: per worker, over the run, and the copy-on-access finding.
 
-Workers are found as the ``multiprocessing`` children of this process that a live DataLoader
-iterator lists in its ``_workers`` (torch starts every worker as a ``multiprocessing`` process
-running ``torch.utils.data._utils.worker._worker_loop``, whatever the start method); the worker id
-is its index there. Each worker's minor page faults (``/proc/<pid>/stat``, a few µs) are counted at
-every update on a small share of the budget; its USS and PSS (``/proc/<pid>/smaps_rollup``, 9-22 ms a
-worker: the kernel walks its page tables) are read when the faults since the last read could have
-made half of ``min_growth_bytes`` private (finding work, apart from the budget, backing off where
-faults bring no growth), and otherwise within ``max_overhead`` of the wall time, ``min_interval_s``
-or ``max_gap_steps`` after the last read. A worker grows when it keeps what it faults (copy on access,
-a cache); one that maps and unmaps large batches faults far more than it keeps. A worker that grew
-past twice its parent's Dataset grows inside itself (a cache in ``__getitem__``), which copy on
-access cannot explain.
-Non-persistent workers are started again every epoch: a new set of pids is a new *generation*,
-and each worker's growth is measured over its own life.
+Workers are found as the ``multiprocessing`` children of this process that a live DataLoader iterator lists in its
+``_workers`` (torch starts every worker as a ``multiprocessing`` process running
+``torch.utils.data._utils.worker._worker_loop``, whatever the start method); the worker id is its index there. Each
+worker's minor page faults (``/proc/<pid>/stat``, a few µs) are counted at every update on a small share of the
+budget; its USS and PSS (``/proc/<pid>/smaps_rollup``, 9-22 ms a worker: the kernel walks its page tables) are read
+when the faults since the last read could have made half of ``min_growth_bytes`` private (finding work, apart from the
+budget, backing off where faults bring no growth), and otherwise within ``max_overhead`` of the wall time,
+``min_interval_s`` or ``max_gap_steps`` after the last read. A worker grows when it keeps what it faults (copy on
+access, a cache); one that maps and unmaps large batches faults far more than it keeps. A worker that grew past twice
+its parent's Dataset grows inside itself (a cache in ``__getitem__``), which copy on access cannot explain.
+Non-persistent workers are started again every epoch: a new set of pids is a new *generation*, and each worker's growth is
+measured over its own life.
 """
 
 from __future__ import annotations
 
+import collections
+import copy
 import gc
 import multiprocessing
 import operator
@@ -115,12 +115,22 @@ def _weak(obj: Any) -> Any:
 
 
 _INSIDE_FACTOR = 2
-"""A worker that grew by more than this many times what its parent's Dataset holds (plus
-``min_growth_bytes``) grows inside itself: copy on access can copy no more than the parent has."""
+"""A worker that grew by more than this many times what its parent's Dataset holds (plus half of
+``min_growth_bytes``) grows inside itself: copy on access can copy no more than the parent has. Half, not all:
+a worker confirmed at 8 MiB over a Dataset of paths (0.1 MiB) was judged copy on access, then inside."""
 
 _DATASET_BUDGET = 20_000
 """Objects a Dataset's deep size walks at most (once per Dataset, after a worker grew); past it the
 Dataset counts as large (copy on access can explain any growth)."""
+
+_COPY_FIX = (
+    "Copy on access: a worker starts sharing its parent's pages, and a Dataset ({datasets}) that holds a Python list "
+    "(or dict) of objects has every page it reads copied into the worker, because reading an object writes its "
+    "reference count (pytorch/pytorch#13246); each worker ends up with its own copy of the data. Fix: keep the data "
+    "in NumPy arrays or tensors (one buffer, no per-item reference counts: `np.array(strings, dtype=np.bytes_)`, "
+    "offsets into one array), or load it per worker in `worker_init_fn` / lazily from disk; fewer workers bound the "
+    "cost meanwhile."
+)
 
 _INSIDE_FIX = (
     "It grows inside the workers: their private memory (USS) grew by more than their parent's Dataset "
@@ -149,6 +159,17 @@ class _Track:
     """Reads the faults asked for that showed no growth."""
     reported: bool = False
     """In a finding: its reads are the budget's again."""
+    peak: int = 0
+    """Once reported: its USS at its last rise, and that read's step."""
+    last_rise_step: int = 0
+    climb_step: int = 0
+    """Once reported: the step of the read before its climb began (its growth's length runs from there)."""
+    dataset_bytes: int | None = -1
+    """Deep size of its parent's Dataset (None: past the walk's budget; -1: not sized), kept when the worker exits."""
+    grew_inside: bool = False
+    """It grew by more than copy on access can copy: a cache filled inside it (kept once seen)."""
+    cache_attributes: tuple[str, ...] = ()
+    """The Dataset's containers that are empty in this process (the cache each worker fills, most likely)."""
 
     @property
     def growth(self) -> int:
@@ -168,15 +189,43 @@ class _Track:
         share = self.kept_share()
         return share is None or share >= _KEPT_SHARE
 
+    def climb(self) -> int:
+        """Index of the read its climb starts from: the last within :data:`_RISE_BYTES` of its baseline (the level it
+        came back to, or never left before a step)."""
+        floor = self.reads[0][1] + _RISE_BYTES
+        return max(i for i, r in enumerate(self.reads) if r[1] < floor)
+
     def rising(self) -> bool:
-        """Growth step over step: most read-to-read changes are rises, the last read is the highest seen, and the
-        reads span :data:`_SPAN_STEPS` steps or more."""
-        reads = self.reads
+        """Growth step over step: its climb's reads are 3 or more over :data:`_SPAN_STEPS` steps or more, most of
+        their moves are rises, and the last read is the highest seen (15 -> 18.6 -> 55 MiB then flat, a table
+        built at once, climbs over 2 steps). A read within :data:`_FLAT_BYTES` of the one before is no move: read
+        every step, each of 2 workers builds every other batch and reads flat in between."""
+        reads = self.reads[self.climb():]
         if len(reads) < 3 or reads[-1][0] - reads[0][0] < _SPAN_STEPS:
             return False
         ys = [r[1] for r in reads]
-        rises = sum(b > a for a, b in zip(ys, ys[1:]))
-        return rises >= 0.6 * (len(ys) - 1) and ys[-1] >= max(ys) - MiB
+        rises = sum(b - a >= _FLAT_BYTES for a, b in zip(ys, ys[1:]))
+        falls = sum(a - b >= _FLAT_BYTES for a, b in zip(ys, ys[1:]))
+        return rises >= 2 and rises >= 0.6 * (rises + falls) and ys[-1] >= max(ys) - MiB
+
+    def late(self, min_growth: int) -> bool:
+        """Still climbing: its reads in the second half of its climb rose by ``min_growth`` / :data:`_STEP_SHARE`. A
+        table built at once (15 -> 24 -> 40 -> 55 MiB in 3 steps, then flat), or a heap copied by one collection, rose
+        in the first half; copy on access and a cache rise in both. Its rises there keep the climb's pace (4x its mean
+        per step at most): reads mid-build after a long gap and the top (23 -> 46 -> 50 in 2 steps) are a step."""
+        reads = self.reads[self.climb():]
+        middle = (reads[0][0] + reads[-1][0]) / 2
+        second = [r for r in reads if r[0] >= middle]
+        pace = (reads[-1][1] - reads[0][1]) / max(reads[-1][0] - reads[0][0], 1)
+        fastest = max(((b[1] - a[1]) / max(b[0] - a[0], 1) for a, b in zip(second, second[1:])), default=0.0)
+        return second[-1][1] - second[0][1] >= min_growth // _STEP_SHARE and fastest <= 4 * pace
+
+    def report(self) -> None:
+        """Named in a finding: its peak so far, and where its climb began."""
+        reads = self.reads
+        self.climb_step = reads[self.climb()][0]
+        self.peak, self.last_rise_step = reads[-1][1], reads[-1][0]
+        self.reported = True
 
 
 _WARMUP_STEPS = 10
@@ -185,19 +234,40 @@ in flight at start) map and keep tens of MiB (22-41 -> 56-88 MiB in 2 steps with
 64x3x224x224 floats), which is not growth."""
 
 _SPAN_STEPS = 16
-"""The fewest steps from a worker's baseline to its last read for a finding. A worker's USS swings by the batch
-it builds (50 -> 88 -> 52 MiB with batches of 64x3x224x224 floats): a baseline in a trough and reads at the next
-two peaks, 2-3 steps later, rose by what the worker faulted (kept share 0.83-1.0) and were reported now and then
-on a busy machine. Over 16 steps it builds several batches, whose faults the kept share counts against the swing."""
+"""The fewest steps a worker's climb spans (from its last read at its baseline's level) for a finding. A worker's
+USS swings by the batch it builds (50 -> 88 -> 52 MiB with batches of 64x3x224x224 floats): a baseline in a trough
+and reads at the next two peaks, 2-3 steps later, rose by what the worker faulted (kept share 0.83-1.0) and were
+reported now and then on a busy machine. Over 16 steps it builds several batches, whose faults the kept share
+counts against the swing; a step to a plateau (a table built at once) rises over the few steps it takes."""
 
 _KEPT_SHARE = 0.8
 """A worker grows when its USS growth is this share or more of the bytes it faulted since its baseline.
 Measured: copy on access 0.96-1.4, a cache filled in ``__getitem__`` 0.97-1.0; batches of 64x3x224x224
 floats 0.12-0.79 while the worker warms up (its USS swings by a batch), a few percent after."""
 
+_CACHE_KEPT_SHARE = 0.3
+"""...or this share where its Dataset has a container empty in the parent (:meth:`WorkerWatch._fills_cache`)."""
+
+_STEP_SHARE = 4
+"""Over its climb's second half a growing worker rose by ``min_growth_bytes`` over this (2 MiB): copy on access 3-5."""
+
+_FLAT_BYTES = 64 * 1024
+"""Two reads of a worker this close are no move (a 4 KiB page is the smallest change a read shows)."""
+
+_RISE_BYTES = MiB
+"""Once reported, a worker grows on when a read is this far above its peak (flat, it moves a few hundred KiB)."""
+
+_SETTLE_STEPS = 8
+_SETTLE_READS = 2
+"""A worker finding settles when none of its workers rose for the longest of as many steps as they grew (from the
+read before the climb) and ``_SETTLE_STEPS``, with ``_SETTLE_READS`` reads or more of each live one since."""
+
 _FAULT_FRACTION = 2
 """A USS read is due when the worker's faults since its last one could have made ``min_growth_bytes``
 / this private: a copy-on-access growth of 8 MiB is seen in 3 reads after the baseline."""
+
+_COUNT_EVERY = 4
+"""While workers live, a step this many steps after the last update is not quiet (:meth:`WorkerWatch.next_step`)."""
 
 _FAULT_SHARE = 0.5
 """Counting the workers' faults may take this share of ``max_overhead`` (the reads and discovery the rest)."""
@@ -205,6 +275,20 @@ _FAULT_SHARE = 0.5
 _FREE_MISSES = 2
 """Reads asked for by faults that showed no growth, per worker, before the faults need the budget too
 (a worker whose allocator maps and unmaps memory faults without growing)."""
+
+
+def _empty_containers(dataset: Any) -> tuple[str, ...]:
+    """``Type.attribute`` of the Dataset's (and a wrapped ``.dataset``'s) dicts, lists, sets and deques that are
+    empty in this process: a cache filled in ``__getitem__`` is filled in each worker, never in the parent."""
+    out: list[str] = []
+    for obj in (dataset, getattr(dataset, "dataset", None)):
+        attributes = getattr(obj, "__dict__", None)
+        if not isinstance(attributes, dict):
+            continue
+        for name, value in attributes.items():
+            if isinstance(value, (dict, list, set, collections.deque)) and not value:
+                out.append(f"{type(obj).__name__}.{name}")
+    return tuple(out[:4])
 
 
 def _minflt(data: bytes) -> int:
@@ -278,6 +362,7 @@ class WorkerWatch:
         self.last_time = -float("inf")
         """When the last read was taken (``time.monotonic``), and at which step (None: none yet)."""
         self.last_step: int | None = None
+        self.last_call = self._asked = 0  # the step of the last update; the last step next_step asked the session for
         self.next_update_s = -float("inf")
         """Before this ``time.monotonic()``, an update without ``force`` would do nothing unless
         ``max_gap_steps`` steps passed since :attr:`last_step`: a caller may skip the call."""
@@ -311,12 +396,16 @@ class WorkerWatch:
         self.finding_seconds = 0.0
         """Finding work, like a census after suspicion: the reads the faults asked for outside the budget
         (CPU time; at most ``_FREE_MISSES`` per worker find nothing) and sizing a grown worker's Dataset."""
+        self.finding: Finding | None = None
+        """The latest ``worker_growth`` finding (open, or settled once its workers stopped growing)."""
+        self._cost = ""  # the finding's last sentences: the live workers' memory, the cause and its fix
 
     def update(self, step: int, *, force: bool = False, now: float | None = None) -> Finding | None:
         """Count the workers' faults; read the USS of those whose faults ask for it, or of all when the time
         budget allows (or ``force``); a Finding while they grow. ``now``: ``time.monotonic()`` as the
         caller read it (default: read here). The caller may skip calls before :attr:`next_update_s`."""
         now = time.monotonic() if now is None else now
+        self.last_call = step
         if self._started is None:
             self._started = now
         due = force or self._due(step, now)
@@ -352,6 +441,17 @@ class WorkerWatch:
         self.figures = {"host_worker_uss_bytes": float(totals["uss_bytes"])} if totals["workers"] else {}
         self._plan_next(now, bool(workers))
         return found
+
+    def next_step(self, step: int) -> int | None:
+        """While workers live, the step the quiet stretch ends at (None: none): 50-step stretches gave 3 reads in 160."""
+        if not self._pids:
+            return None
+        if self._asked > step:
+            return self._asked
+        # the last step asked for did not count (its time share not yet earned): ask again a few steps on
+        nxt = self.last_call + _COUNT_EVERY if self.last_call >= self._asked else step + _COUNT_EVERY
+        self._asked = max(nxt, step + 1)
+        return self._asked
 
     def _plan_next(self, now: float, watching: bool = True) -> None:
         """:attr:`next_update_s`: when the faults' share of the budget next pays for a count, or, with no
@@ -453,69 +553,129 @@ class WorkerWatch:
                 pss += track.reads[-1][2]
         return {"workers": workers, "uss_bytes": uss, "pss_bytes": pss}
 
-    def _dataset_bytes(self, pid: int) -> int | None:
-        """Deep size of the parent's Dataset of worker ``pid`` (once per Dataset; its time is the watch's)."""
-        ref = self._datasets.get(pid)
-        dataset = ref() if ref is not None else None
-        if dataset is None:
-            return None
-        key = id(dataset)
-        if key not in self._held:
+    def _size(self, track: _Track) -> None:
+        """Once per worker, while its Dataset lives (its time is the watch's finding work): the deep size of the
+        parent's Dataset (once per Dataset), its empty containers, and whether the worker grew past what copy on
+        access can copy (sticky: a worker that exited keeps what was seen, so the cause does not flip later)."""
+        if track.dataset_bytes == -1:
+            ref = self._datasets.get(track.info.pid)
+            dataset = ref() if ref is not None else None
+            if dataset is None:
+                return
+            key = id(dataset)
             t0 = time.perf_counter()
-            seen: dict[type, list[int]] = {}
-            size = deep_size([dataset], budget=_DATASET_BUDGET, by_type=seen)
-            self._held[key] = None if sum(c for c, _ in seen.values()) >= _DATASET_BUDGET else size
+            if key not in self._held:
+                seen: dict[type, list[int]] = {}
+                size = deep_size([dataset], budget=_DATASET_BUDGET, by_type=seen)
+                self._held[key] = None if sum(c for c, _ in seen.values()) >= _DATASET_BUDGET else size
+            track.dataset_bytes = self._held[key]
+            track.cache_attributes = _empty_containers(dataset)
             self.seconds += time.perf_counter() - t0
             self.finding_seconds += time.perf_counter() - t0  # after a worker grew: finding work
-        return self._held[key]
+        held = track.dataset_bytes
+        if held is not None and held >= 0 and track.growth > _INSIDE_FACTOR * held + self.min_growth_bytes // 2:
+            track.grew_inside = True
 
-    def _inside(self, grown: list[_Track]) -> int | None:
-        """What the parent's Dataset holds, when every grown worker grew by far more than that (growth
-        inside the workers); None when copy on access can explain it."""
-        held = [self._dataset_bytes(t.info.pid) for t in grown]
-        if any(h is None for h in held):
-            return None
-        if all(t.growth > _INSIDE_FACTOR * h + self.min_growth_bytes for t, h in zip(grown, held)):  # type: ignore[operator]
-            return max(held)  # type: ignore[type-var]
-        return None
+    def _fills_cache(self, t: _Track) -> bool:
+        """A climb past what copy on access can copy, whose Dataset has a container empty here: a cache filled in
+        ``__getitem__``, found without :meth:`_Track.late` (persistent workers fill it in epoch 1, then plateau) at a
+        kept share of 0.44-0.62 (each batch it hands over is faulted into shared memory too: docs/host.md)."""
+        share = t.kept_share()
+        if share is None or share < _CACHE_KEPT_SHARE:
+            return False
+        self._size(t)
+        return t.grew_inside and bool(t.cache_attributes)
 
     def _check(self, step: int) -> Finding | None:
-        grown = [t for t in self.tracks.values() if t.growth >= self.min_growth_bytes and t.rising() and t.keeps()]
-        if not grown:
+        """A finding when a worker is newly seen growing or a reported one grows on; else, while one is open,
+        whether its workers have stopped growing (settled)."""
+        grows = False
+        # once settled, a worker grows again by half of min_growth_bytes above its peak (a full cache's last items,
+        # read one by one, are no new climb)
+        again = self.min_growth_bytes // 2 if self.finding is not None and self.finding.state == "settled" else _RISE_BYTES
+        for t in self.tracks.values():
+            if not t.reported:
+                if t.growth >= self.min_growth_bytes and t.rising() and (
+                        t.keeps() and t.late(self.min_growth_bytes) or self._fills_cache(t)):
+                    t.report()
+                    grows = True
+            elif t.info.pid in self._pids and t.reads and t.reads[-1][1] >= t.peak + again:
+                t.peak, t.last_rise_step = t.reads[-1][1], t.reads[-1][0]
+                grows = True
+        if not grows:
+            return self._settle(step)
+        grown = [t for t in self.tracks.values() if t.reported]
+        for t in grown:
+            self._size(t)
+        finding = self._growth_finding(step, grown)
+        old = self.finding
+        if old is not None and old.state == "settled":
+            finding.message = (f"Re-opened at step {step}: the workers' growth that settled at step "
+                               f"{old.details['settled_at_step']} grows again. ") + finding.message
+            finding.details["reopened"] = int(old.details.get("reopened", 0)) + 1
+        elif old is not None:
+            finding.details["reopened"] = old.details.get("reopened", 0)
+        self.finding = finding
+        return finding
+
+    def _settle(self, step: int) -> Finding | None:
+        """The open finding settled when its workers stopped growing (:data:`_SETTLE_STEPS`, :data:`_SETTLE_READS`)."""
+        open_ = self.finding
+        if open_ is None or open_.state != "open":
+            return None
+        grown = [t for t in self.tracks.values() if t.reported]
+        last_rise = max(t.last_rise_step for t in grown)
+        grew = last_rise - min(t.climb_step for t in grown)
+        if step - last_rise < max(_SETTLE_STEPS, grew):
             return None
         for t in grown:
-            t.reported = True  # named: its further reads are the budget's
+            if t.info.pid in self._pids and sum(r[0] > t.last_rise_step for r in t.reads) < _SETTLE_READS:
+                return None
+        settled = copy.copy(open_)
+        settled.step, settled.state, settled.count = step, "settled", 0  # an update of the same cause
+        settled.details = {**open_.details, "open": False, "settled_at_step": step, "last_rise_step": last_rise,
+                           "grew_steps": grew, "flat_steps": step - last_rise, "settled_bytes": open_.bytes,
+                           "floor_bytes": sum(t.peak for t in grown)}
+        settled.message = (
+            f"Settled: the DataLoader workers' private memory grew until step {last_rise} ({grew} steps), then stayed "
+            f"flat for {step - last_rise} steps (to step {step}): growth that stopped (a warm-up, a table or cache "
+            f"that filled), not a leak. The plateau is the workers' cost: {self._cost}"
+        )
+        self.finding = settled
+        return settled
+
+    def _growth_finding(self, step: int, grown: list[_Track]) -> Finding:
         totals = self.totals()
         per = "; ".join(
             f"worker {t.info.worker_id} (pid {t.info.pid}{', epoch set ' + str(t.generation) if self.generation > 1 else ''}): "
             f"{format_bytes(t.reads[0][1])} -> {format_bytes(t.reads[-1][1])}" for t in grown[:8]
         )
         datasets = sorted({t.info.dataset for t in grown})
-        held = self._inside(grown)
-        if held is not None:
-            cause = _INSIDE_FIX.format(held=format_bytes(held))
+        inside = [t for t in grown if t.grew_inside]
+        held = max(int(t.dataset_bytes or 0) for t in inside) if inside else None
+        if inside:
+            cause = _INSIDE_FIX.format(held=format_bytes(held or 0))
+            names = sorted({a for t in inside for a in t.cache_attributes})
+            if names:
+                cause += (" In the training process, " + ", ".join(f"`{n}`" for n in names[:4])
+                          + (" is empty: the cache each worker fills, most likely." if len(names) == 1 else
+                             " are empty: one of them is most likely the cache each worker fills."))
         else:
-            cause = (
-                f"Copy on access: a worker starts sharing its parent's pages, and a Dataset ({', '.join(datasets)}) that "
-                "holds a Python list (or dict) of objects has every page it reads copied into the worker, because reading "
-                "an object writes its reference count (pytorch/pytorch#13246); each worker ends up with its own copy of the "
-                "data. Fix: keep the data in NumPy arrays or tensors (one buffer, no per-item reference counts: "
-                "`np.array(strings, dtype=np.bytes_)`, offsets into one array), or load it per worker in `worker_init_fn` / "
-                "lazily from disk; fewer workers bound the cost meanwhile."
-            )
+            names = []
+            cause = _COPY_FIX.format(datasets=", ".join(datasets))
+        self._cost = (f"the {totals['workers']} live workers hold {format_bytes(totals['uss_bytes'])} of private memory in "
+                      f"all (PSS {format_bytes(totals['pss_bytes'])}). {cause}")
         return Finding(
             kind="worker_growth",
             step=step,
             key="worker_growth",
             bytes=sum(t.growth for t in grown),
-            message=(
-                f"DataLoader workers' private memory (USS) grew step over step: {per}. The {totals['workers']} live "
-                f"workers hold {format_bytes(totals['uss_bytes'])} of private memory in all "
-                f"(PSS {format_bytes(totals['pss_bytes'])}). {cause}"
-            ),
+            message=f"DataLoader workers' private memory (USS) grew step over step: {per}. T{self._cost[1:]}",
             details={
-                "cause": "inside_workers" if held is not None else "copy_on_access",
+                "cause": "inside_workers" if inside else "copy_on_access",
                 "dataset_bytes": held,
+                "cache_attributes": names[:4],
+                "open": True,
                 "workers": [
                     {"pid": t.info.pid, "worker_id": t.info.worker_id, "generation": t.generation, "dataset": t.info.dataset,
                      "first_uss_bytes": t.reads[0][1], "uss_bytes": t.reads[-1][1], "pss_bytes": t.reads[-1][2],

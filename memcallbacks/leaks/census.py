@@ -15,6 +15,7 @@ from memcallbacks._base.units import format_bytes
 from memcallbacks.leaks.classify import StorageClassifier, as_list, scan_heap, unique
 from memcallbacks.leaks.frozen import visible_heap
 from memcallbacks.leaks.holders import HolderPath, search_paths
+from memcallbacks.leaks.paths import GRAPH_HOP
 
 __all__ = [
     "CATEGORIES",
@@ -24,6 +25,8 @@ __all__ = [
     "Census",
     "HolderDelta",
     "TensorRecord",
+    "UNNAMED",
+    "container_of",
     "format_top_holders",
     "scan_heap",
     "take_census",
@@ -44,11 +47,24 @@ CATEGORIES = (
 MODEL_STATES = ("parameters", "gradients", "optimizer state", "buffers")
 """The model's own states: a storage that is one of them now and existed before is never growth."""
 
+BATCHES = ("current batch", "previous batches")
+"""The batches a census is told of: they get no holder path, so a census does not know which list held them."""
+
 SUSPICIOUS = ("previous batches", "graph-held", "other")
 """Categories whose tensors get a holder path in a census."""
 
 NO_ROOT = "(no root: a reference cycle awaiting gc, or held outside Python)"
 NOT_SEARCHED = "(not searched: census time budget ran out)"
+
+UNNAMED = frozenset((NO_ROOT, NOT_SEARCHED, *CATEGORIES))
+"""The groups of :meth:`Census.by_holder` that name no holder: storages with no root, not searched, or not
+searched for (a category: ``optimizer state`` of an optimizer in cyclic garbage)."""
+
+
+def container_of(holder: str) -> str:
+    """What holds a storage and everything it reaches through autograd graphs: ``FSDPBlocks.kept -> autograd graph``
+    is ``FSDPBlocks.kept``, as ``FSDPBlocks.kept`` (the holder of a path, :func:`~memcallbacks.leaks.paths.holder_of`)."""
+    return holder[: -len(GRAPH_HOP)] if holder.endswith(GRAPH_HOP) else holder
 
 
 @dataclass
@@ -75,16 +91,27 @@ class TensorRecord:
 
 @dataclass
 class HolderDelta:
-    """Change of one holder between two censuses."""
+    """Change of one holder between two censuses: what it keeps itself and what it keeps through the autograd
+    graphs of its tensors (their leaves, grads and saved tensors), together."""
 
     holder: str
     tensors: int
     bytes: int
+    graph_bytes: int = 0
+    """Of :attr:`bytes`, what it keeps through autograd graphs (``FSDPBlocks.kept -> autograd graph``)."""
+    held_tensors: int | None = None
+    """What the holder keeps alive in all at the later census (``None``: not known)."""
+    held_bytes: int | None = None
 
     def __str__(self) -> str:
         verb = "grew" if self.bytes >= 0 else "shrank"
         n = abs(self.tensors)
-        return f"{self.holder} {verb} by {n} tensor{'s' if n != 1 else ''} / {format_bytes(abs(self.bytes))}"
+        text = f"{self.holder} {verb} by {n} tensor{'s' if n != 1 else ''} / {format_bytes(abs(self.bytes))}"
+        if self.graph_bytes and self.bytes > 0:
+            text += f" ({format_bytes(self.graph_bytes)} of it through their autograd graphs)"
+        if self.held_bytes is not None and self.bytes > 0 and self.held_bytes > 1.1 * self.bytes:
+            text += f"; it keeps {self.held_tensors} tensors / {format_bytes(self.held_bytes)} alive in all"
+        return text
 
 
 @dataclass
@@ -110,15 +137,29 @@ class Census:
     def by_holder(self, skip: frozenset[tuple[str, int, int]] = frozenset()) -> dict[str, tuple[int, int]]:
         """``{holder: (tensors, bytes)}``; unattributed storages group under their category.
         ``skip``: storages (``(device, data_ptr, nbytes)``) left out."""
+        return {k: (v[0], v[1]) for k, v in self._by_container(skip).items()}
+
+    def _by_container(self, skip: frozenset[tuple[str, int, int]] = frozenset()) -> dict[str, list[int]]:
+        """``{container: [tensors, bytes, bytes through autograd graphs]}``: a holder and what it keeps through the
+        graphs of its tensors are one container (:func:`container_of`)."""
         out: dict[str, list[int]] = {}
         for r in self.records:
             if skip and (r.device, r.data_ptr, r.nbytes) in skip:
                 continue
-            key = r.holder if r.holder is not None else r.category
-            acc = out.setdefault(key, [0, 0])
+            key = container_of(r.holder) if r.holder is not None else r.category
+            acc = out.setdefault(key, [0, 0, 0])
             acc[0] += 1
             acc[1] += r.nbytes
-        return {k: (v[0], v[1]) for k, v in out.items()}
+            if r.holder is not None and key != r.holder:
+                acc[2] += r.nbytes
+        return out
+
+    def grown_keys(self, before: Census, holders: Iterable[str]) -> set[tuple[str, int]]:
+        """``(device, data_ptr)`` of the storages of ``holders`` (containers of :meth:`by_holder`) that ``before`` did not have."""
+        names = set(holders)
+        then = {(r.device, r.data_ptr, r.nbytes) for r in before.records}
+        return {(r.device, r.data_ptr) for r in self.records if (r.device, r.data_ptr, r.nbytes) not in then
+                and (container_of(r.holder) if r.holder is not None else r.category) in names}
 
     def diff(self, before: Census, *, min_bytes: int = 1) -> list[HolderDelta]:
         """What changed since ``before``, by holder: growth first, largest first, with the
@@ -132,21 +173,41 @@ class Census:
         before and is now bound to a frame's variable itself (``local x``, no subscript or
         attribute), or that is a model state now (a model the first census missed). A storage that
         a frame held the first time (the step's batch) and a container keeps now counts as that
-        container's growth."""
+        container's growth; one that was a batch of the step the first time (not searched for a holder)
+        does not, when it is all a container gained: a fixed list of batches (``for x in
+        monitor.track(loader)``) is reached through ``loader[i]`` at one census and is the current
+        batch at the other, a list that never grew."""
         held = {(r.device, r.data_ptr, r.nbytes) for r in before.records if r.holder and " local " not in r.holder and r.holder not in (NOT_SEARCHED, NO_ROOT)}
         existed = {(r.device, r.data_ptr, r.nbytes) for r in before.records}
         now_keys = {(r.device, r.data_ptr, r.nbytes) for r in self.records}
         settled = {(r.device, r.data_ptr, r.nbytes) for r in self.records if _bare_local(r) or r.category in MODEL_STATES}
         both = frozenset((held & now_keys) | (settled & existed))
-        now, then = self.by_holder(both), before.by_holder(both)
+        now, then, whole = self._by_container(both), before._by_container(both), self._by_container()
+        moved = self._batches_only(before, both)
         deltas = []
         for key in set(now) | set(then):
-            n1, b1 = now.get(key, (0, 0))
-            n0, b0 = then.get(key, (0, 0))
-            if abs(b1 - b0) >= min_bytes:
-                deltas.append(HolderDelta(key, n1 - n0, b1 - b0))
+            n1, b1, g1 = now.get(key, (0, 0, 0))
+            n0, b0, g0 = then.get(key, (0, 0, 0))
+            if abs(b1 - b0) >= min_bytes and not (key in moved and b1 > b0):
+                held = whole.get(key) if key not in UNNAMED else None  # what a named holder keeps now, in all
+                deltas.append(HolderDelta(key, n1 - n0, b1 - b0, max(0, g1 - g0), *((held[0], held[1]) if held else (None, None))))
         deltas.sort(key=lambda d: (d.bytes <= 0, d.holder == NOT_SEARCHED, -d.bytes))
         return deltas
+
+    def _batches_only(self, before: Census, skip: frozenset[tuple[str, int, int]]) -> set[str]:
+        """The named containers whose every storage new to them since ``before`` was a batch of ``before``'s step
+        (:data:`BATCHES`): a batch the list held all along, seen as the step's batch the first time."""
+        then: dict[str, set[tuple[str, int, int]]] = {}
+        for r in before.records:
+            then.setdefault(container_of(r.holder) if r.holder is not None else r.category, set()).add(key_of(r))
+        batches = {key_of(r) for r in before.records if r.category in BATCHES}
+        gained: dict[str, set[tuple[str, int, int]]] = {}
+        for r in self.records:
+            if r.holder is not None and r.holder not in UNNAMED and key_of(r) not in skip:
+                container = container_of(r.holder)
+                if key_of(r) not in then.get(container, ()):
+                    gained.setdefault(container, set()).add(key_of(r))
+        return {c for c, keys in gained.items() if keys <= batches}
 
     def top_holders(self, n: int = 5, categories: Iterable[str] = SUSPICIOUS) -> list[tuple[str, int, int]]:
         """``(holder, tensors, bytes)`` of the ``n`` largest holders among the given categories.
@@ -191,6 +252,11 @@ class Census:
         parts = [f"{c} {format_bytes(b)}" for c, b in self.bytes_by_category.items() if b]
         cost = f"{self.seconds:.2f} s, {self.objects_scanned} objects{', truncated' if self.truncated else ''}"
         return f"census: {', '.join(parts) or 'no tensors'} ({cost})"
+
+
+def key_of(record: TensorRecord) -> tuple[str, int, int]:
+    """A storage as two censuses both name it: ``(device, data_ptr, nbytes)``."""
+    return record.device, record.data_ptr, record.nbytes
 
 
 def _bare_local(record: TensorRecord) -> bool:

@@ -12,7 +12,7 @@ from typing import Any, Callable
 import torch
 
 from memcallbacks._base.cpu import counted_collection
-from memcallbacks._base.findings import Finding
+from memcallbacks._base.findings import Finding, cycle_types
 from memcallbacks._base.storage import storage_keys
 from memcallbacks._base.units import MiB, format_bytes
 from memcallbacks.leaks.paths import edge_fragment
@@ -20,7 +20,22 @@ from memcallbacks.leaks.tensors import describe_tensor, graph_tensors, is_parame
 
 log = logging.getLogger(__name__)
 
-__all__ = ["GarbageCollector", "GcResult"]
+__all__ = ["GarbageCollector", "GcResult", "cycle_fix"]
+
+
+def cycle_fix(cycles: list[str]) -> str:
+    """The fix for the cycles described (``"Foo -> LambdaLR -> list -> function -> Foo holds ..."``): for a kept
+    exception, for a scheduler's function that refers back to its owner, or the general one."""
+    types = {t for c in cycles for t in c.removeprefix("cyclic garbage: ").split(" holds ")[0].split(" -> ")}
+    if "traceback" in types:  # pytorch#10348: `err = e` keeps the frame of the step, and every local of it
+        return ("Fix: do not keep the exception (`err = e`: its traceback holds the frame it was caught in, and every "
+                "local of that step, batch and loss included): keep `str(e)` or `repr(e)`, or `del err` once it is used.")
+    if any(t.endswith("LR") or "Scheduler" in t for t in types):  # pytorch#47589: a LambdaLR whose lambda refers to its owner
+        return ("Fix: the scheduler's function refers back to the object that holds the scheduler (`lambda s: self.lr`): "
+                "give it what it needs by value (`lr = self.lr; lambda s: lr`) or a module-level function, or `del` the "
+                "scheduler and optimizer when done; until then each one keeps its optimizer's state alive.")
+    return ("Fix: break the cycle: keep back-references as `weakref.ref(obj)`, clear the attribute when done "
+            "(`node.buf = None`), or do not store tensors on objects that reference each other.")
 
 
 @dataclass
@@ -60,9 +75,7 @@ class GcResult:
                 f"Reference cycles kept {self.tensors} tensor{'s' if self.tensors != 1 else ''} "
                 f"({format_bytes(self.tensor_bytes)}) alive until the garbage collector ran at step "
                 f"{self.step}: {names}. Reference counting cannot free a cycle, so these tensors live "
-                "until the next full collection (never, if gc is disabled). Break the cycle: keep "
-                "back-references as `weakref.ref(obj)`, clear the attribute when done "
-                "(`node.buf = None`), or do not store tensors on objects that reference each other."
+                "until the next full collection (never, if gc is disabled). " + cycle_fix(self.cycles)
             ),
             holders=list(self.cycles),
             details={
@@ -72,6 +85,7 @@ class GcResult:
                 "bytes_freed": self.bytes_freed,
                 "types": dict(self.types),
                 "gc_seconds": round(self.seconds, 6),
+                "cycles": [cycle_types(c) for c in self.cycles],  # what ties a lingering step or a growth to this cycle
             },
         )
 

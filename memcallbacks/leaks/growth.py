@@ -7,8 +7,10 @@ import copy
 import math
 import operator
 from dataclasses import dataclass
+from typing import Any, Callable
 
 from memcallbacks._base.findings import Finding
+from memcallbacks._base.limits import runs_out_text
 from memcallbacks._base.units import KiB, MiB, format_bytes
 
 __all__ = ["GrowthDetector", "RiseTracker", "RAISE_MAX_GAPS", "SETTLE_MIN_GAPS", "settled_finding", "thinned_rate"]
@@ -131,6 +133,7 @@ def settled_finding(last: Finding, step: int, rises: RiseTracker, floor_step: in
     settled.details.update(
         settled_step=step,
         settled_bytes=int(last.bytes or 0),
+        runs_out=None,  # a growth that stopped does not run memory out: its forecast is withdrawn
         last_rise_step=rises.last_rise,
         grew_steps=grew,
         flat_steps=flat,
@@ -286,6 +289,9 @@ class GrowthDetector:
         self.max_two_jumps_fraction = max_two_jumps_fraction
         self.fast_block_steps = tuple(n for n in fast_block_steps if 1 <= n < block_steps)
         self.min_step_fraction = min_step_fraction
+        self.forecast: Callable[[int, float, bool], dict[str, Any] | None] | None = None
+        """``forecast(step, rate, new)``: when memory runs out at ``rate`` bytes/step (``new``: a finding raised or
+        re-opened now; rate 0: it settled), asked at every open finding (the runtime's ``Forecast.device``)."""
         self.reset()
 
     def reset(self) -> None:
@@ -393,6 +399,7 @@ class GrowthDetector:
             return None
         floor_step, floor_bytes = self._floor0
         growth = lo - floor_bytes
+        runs_out = self.forecast(step, trend.rate, last is None or last.state == "settled") if self.forecast is not None else None
         finding = Finding(
             kind="growth",
             step=step,
@@ -400,7 +407,7 @@ class GrowthDetector:
             bytes=int(growth),
             message=(
                 f"Memory at step start grew steadily by {format_bytes(trend.rate)}/step since step "
-                f"{trend.since_step} (+{format_bytes(growth)} since step {floor_step}). Something keeps "
+                f"{trend.since_step} (+{format_bytes(growth)} since step {floor_step}). {runs_out_text(runs_out, end=' ')}Something keeps "
                 "memory from every step, most often tensors: a list or dict on a module or a global that gets "
                 "a tensor per step (`self.cache.append(out)`), a running total without `.detach()` "
                 "(`total += loss` — use `total += loss.item()`), or outputs stored on `self`. Store "
@@ -416,6 +423,7 @@ class GrowthDetector:
                 "noise_bytes": int(trend.noise),
                 "floor_bytes": int(lo),
                 "steps_since_rise": rises.since_rise(step),
+                "runs_out": runs_out,
             },
         )
         if last is not None:
@@ -458,6 +466,9 @@ class GrowthDetector:
             return None
         floor_step = self._floor0[0] if self._floor0 is not None else (last.first_step or 0)
         self.last = settled_finding(last, step, self.rises, floor_step, rate)
+        withdrawn = self.forecast(step, 0.0, False) if self.forecast is not None else None
+        if withdrawn is not None:  # the settled line says it (announce)
+            self.last.details["runs_out_withdrawn"] = withdrawn["step"]
         return self.last
 
     def _test(self, blocks: collections.deque[tuple[int, int, int]]) -> _Trend | None:

@@ -14,7 +14,7 @@ import torch
 
 from memcallbacks._base.torch_private import node_metadata
 
-__all__ = ["CO_OPTIMIZED", "METADATA_KEY", "PACKAGE_DIR", "Roots", "frame_locals", "find_graph_root"]
+__all__ = ["find_graph_roots", "CO_OPTIMIZED", "METADATA_KEY", "PACKAGE_DIR", "Roots", "frame_locals", "find_graph_root"]
 
 METADATA_KEY = "memcallbacks"
 """Key of the sentinel the lingering detector puts into ``grad_fn.metadata`` (here: the graph root's search reads it)."""
@@ -168,6 +168,36 @@ def find_graph_root(sentinel: Any, *, heap: bool = True) -> Any:
     if found is not None or not heap:
         return found
     return _root_in_heap(sentinel)
+
+
+def find_graph_roots(sentinels: list[Any]) -> list[Any]:
+    """A live tensor for each of several marked graphs (a chain's steps) that has one: the variables first, then at
+    most one heap scan for all of the others, matching a tensor whose node, or the node after it, carries a mark."""
+    found: dict[int, Any] = {}
+    for sentinel in sentinels:
+        root = _root_in_variables(sentinel)
+        if root is not None:
+            found[id(sentinel)] = root
+    missing = {id(s) for s in sentinels} - set(found)
+    if missing:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            objects = [obj for obj in gc.get_objects() if isinstance(obj, _Tensor)]
+        for obj in objects:
+            try:
+                fn = obj.grad_fn
+                if fn is None:
+                    continue
+                nodes = [fn, *(n for n, _ in fn.next_functions if n is not None)]
+                for node in nodes:
+                    mark = id(node_metadata(node).get(METADATA_KEY))
+                    if mark in missing and mark not in found:
+                        found[mark] = obj
+                        break
+            except Exception:
+                continue
+        del objects
+    return list(found.values())
 
 
 _NODE_BUDGET = 256  # graph nodes walked over all the candidates of the cheap search

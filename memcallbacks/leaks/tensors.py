@@ -184,9 +184,14 @@ def batch_bytes(batch: Any) -> int:
     return distinct_bytes(iter_tensors(batch))
 
 
-def graph_bytes(root: torch.Tensor) -> int:
-    """Bytes of the distinct storages a tensor and its autograd graph keep, parameters left out."""
-    seen: dict[Any, int] = {}
-    tensors = [] if is_parameter(root) else [root]
-    tensors += [t for t, _how in graph_tensors([root]) if not is_parameter(t)]
-    return distinct_bytes(tensors, seen)
+def graph_bytes(roots: list[torch.Tensor]) -> int:
+    """Bytes of the distinct storages the tensors ``roots`` and their autograd graphs keep (leaves, their grads, saved
+    tensors), parameters left out: what a chain of several steps' graphs keeps alive. One walk over every graph."""
+    tensors = [r for r in roots if not is_parameter(r)]
+    for t, _how in graph_tensors(roots):
+        if not is_parameter(t):
+            tensors.append(t)
+            grad = t.grad if t.is_leaf else None
+            if grad is not None:
+                tensors.append(grad)
+    return distinct_bytes(tensors)

@@ -21,11 +21,12 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
+from memcallbacks._base.cpu import FIXED_MMAP_THRESHOLD, heap_in_use_bytes
 from memcallbacks._base.storage import storage_keys
 from memcallbacks.leaks.tensors import graph_tensors, iter_tensors
 from memcallbacks.oom.where import Where
 
-__all__ = ["Accounting", "account", "model_state_bytes", "expandable_segments_on", "address_space_left"]
+__all__ = ["Accounting", "account", "model_state_bytes", "expandable_segments_on", "address_space_left", "heap_kind"]
 
 
 @dataclasses.dataclass
@@ -46,6 +47,11 @@ class Accounting:
     expandable_segments: bool = False
     floor_rise_bytes: int = 0
     floor_steps: tuple[int, int] | None = None
+    reserve_held: bool = False
+    """CPU: the monitor's address-space reserve was mapped when the figure was read (it is in the process's share)."""
+    heap: str = ""
+    """CPU: ``"glibc, adaptive mmap threshold"`` (glibc's default: freed blocks under 32 MiB stay in its heap),
+    ``"glibc, fixed mmap threshold"``, or ``""`` (another allocator, or not the host)."""
     notes: list[str] = dataclasses.field(default_factory=list)
 
     @property
@@ -126,7 +132,15 @@ def _step_frames(exc: BaseException) -> list[FrameType]:
                 code.co_name == "backward" and isinstance(owner, torch.Tensor)) or (
                 code.co_name == "step" and isinstance(owner, torch.optim.Optimizer)):
             return frames[i:]
-    return frames[-1:]
+    # none (the loop's own code failed, or a training_step's outside the model's call): a LightningModule's step method
+    # and what it called, else only torch's own frames innermost (a torch function's operands); never the loop's frame
+    for i, frame in enumerate(frames):
+        if isinstance(frame.f_locals.get("self"), nn.Module):
+            return frames[i:]
+    inner = len(frames)
+    while inner > 0 and f"{os.sep}torch{os.sep}" in frames[inner - 1].f_code.co_filename:
+        inner -= 1
+    return frames[inner:]
 
 
 def _proc_status(field: str) -> int | None:
@@ -213,11 +227,15 @@ def _largest_free_block(index: int) -> int | None:
     return int(max(sizes)) if sizes else 0
 
 
-def _floor(floor: tuple[int, int, int, int] | None, batch: int, acc: Accounting) -> int:
-    """Held from earlier steps: the step-start floor's rise, less this step's batch (alive at step start too)."""
+def _floor(floor: tuple[int, int, int, int] | None, batch: int, acc: Accounting, now: int | None = None) -> int:
+    """Held from earlier steps: the step-start floor's rise, less this step's batch (alive at step start too).
+    ``now``: the allocator's count less this step's own tensors, where the step's start was not read (a step the
+    monitor did not measure): a leak keeps growing after the last measured step, up to the failure."""
     if floor is None:
         return 0
     then_step, then_bytes, now_step, now_bytes = floor
+    if now is not None and now + batch > now_bytes:  # ``now`` holds no batch, a step start's does: the same footing
+        now_bytes = now + batch
     acc.floor_steps = (then_step, now_step)
     acc.floor_rise_bytes = max(0, now_bytes - then_bytes)
     return max(0, acc.floor_rise_bytes - batch)
@@ -245,7 +263,9 @@ def account(
         acc.notes.append(f"this step's activations and temporaries are the allocator's rise since the step started "
                          f"({rise} bytes); its frames and autograd graph reach {walked} bytes of them")
     cats["activations and temporaries"] = max(walked, rise or 0)
-    cats["held from earlier steps"] = _floor(floor, cats["batch"], acc)
+    unread = step_start is None and where.phase != "backward"  # backward: autograd's buffers in flight are on no frame
+    now = _allocated_now(device) - sum(cats.values()) + cats["parameters"] + cats["optimizer state"] if unread else None
+    cats["held from earlier steps"] = _floor(floor, cats["batch"], acc, now)
     if device.type == "cuda":
         _cuda_figure(acc, device)
     else:
@@ -260,8 +280,6 @@ def account(
 def _allocated_now(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.memory_allocated(device))
-    from memcallbacks._base.cpu import heap_in_use_bytes
-
     return heap_in_use_bytes() or 0
 
 
@@ -273,8 +291,19 @@ def _rest(acc: Accounting, name: str) -> None:
     acc.categories[name] = max(0, acc.figure_bytes - counted)
 
 
+def heap_kind() -> str:
+    """How glibc's malloc places freed memory: ``"glibc, fixed mmap threshold"`` (``mallopt``, ``cpu_mmap_threshold``,
+    ``MALLOC_MMAP_THRESHOLD_`` or its tunable), ``"glibc, adaptive mmap threshold"``, or ``""`` where there is no glibc."""
+    if heap_in_use_bytes() is None:
+        return ""
+    fixed = FIXED_MMAP_THRESHOLD[0] is not None or "MALLOC_MMAP_THRESHOLD_" in os.environ or \
+        "malloc.mmap_threshold" in os.environ.get("GLIBC_TUNABLES", "")
+    return "glibc, fixed mmap threshold" if fixed else "glibc, adaptive mmap threshold"
+
+
 def _host_figure(acc: Accounting) -> None:
     """CPU: under an address-space limit the figure that hit it (``VmSize``) and the limit; else the resident set."""
+    acc.reserve_held, acc.heap = bool(_reserve), heap_kind()
     space = _address_space()
     if space is not None:
         vm, limit = space

@@ -22,6 +22,11 @@ log = logging.getLogger(__name__)
 __all__ = ["OomExplanation", "explain_oom", "explain_prediction", "oom_file_name", "write_oom_json"]
 
 
+PHASE_WORDS = {"loop": "the training loop's own code (outside the model's forward, backward and the optimizer step)",
+               "unknown": "an unknown phase (the error has no traceback)"}
+"""How the headline says a phase that is not a step's (forward, backward, optimizer, evaluation)."""
+
+
 @dataclasses.dataclass
 class OomExplanation:
     """Everything said about one OOM; :meth:`text` is what is logged, :meth:`to_dict` is ``oom.json``."""
@@ -63,7 +68,7 @@ class OomExplanation:
         module = self.where.module
         at = f", in {module or '(the model)'} ({self.where.module_type})" if module is not None else ""
         batch = f", batch size {self.batch_size}" if self.batch_size is not None else ""
-        return f"out of memory at step {self.step} on rank {self.rank}, in {self.where.phase}{at}{batch}"
+        return f"out of memory at step {self.step} on rank {self.rank}, in {PHASE_WORDS.get(self.where.phase, self.where.phase)}{at}{batch}"
 
     def text(self) -> str:
         acc = self.accounting
@@ -147,10 +152,13 @@ def explain_oom(
     rows = rows or []
     where = locate(exc, model)
     source = oom_source(exc) or "device"
-    dev = torch.device("cpu") if source in ("cpu", "host") else (device or torch.device("cpu"))
+    dev = torch.device("cpu") if source in ("cpu", "host", "onednn") else (device or torch.device("cpu"))
     acc = account(exc, where, model=model, optimizer=optimizer, device=dev, floor=floor_of(rows, baseline_now, step),
                   capacity=capacity, capacity_source=capacity_source, requested=requested_bytes(exc),
                   step_start=recent_start(rows, baseline_now, step), device_capacity=device_capacity)
+    if source == "onednn":
+        acc.notes.append("oneDNN says only that it could not create or run a primitive (its status, out of memory, is not in the "
+                         "message); it is explained as an out-of-memory error because memory was short when it was raised")
     if dev.type == "cpu" and release_reserve(now=True):  # counted above, in the figure that hit the limit: now room to replay the step
         acc.notes.append(f"the monitor's {format_bytes(RESERVE_BYTES)} address-space reserve (in the process's share) was "
                          "released to explain this error")
@@ -160,7 +168,9 @@ def explain_oom(
     step_model = None
     if remedies and where.call is not None and where.call_module is not None and where.phase != "evaluation":
         step_model = StepModel(where.call_module, where.call, optimizer, precision or "fp32", dev, where.step_fn)
-    ranked, base = rank_remedies(step_model, acc, list(holders or [])) if remedies else ([], None)
+    no_call = ("it failed in the training loop's own code, outside the model's call: no change to the model's step is "
+               "predicted to help") if where.phase == "loop" else ""
+    ranked, base = rank_remedies(step_model, acc, list(holders or []), no_call=no_call) if remedies else ([], None)
     predicted = None
     if base is not None:
         predicted = {"peak_bytes": base.peak_bytes, "peak_phase": base.peak_phase, "phase_peaks": base.phase_peaks(),

@@ -8,6 +8,7 @@ from typing import Any
 
 from memcallbacks._base.findings import Finding
 from memcallbacks.oom.explanation import OomExplanation, explain_oom, write_oom_json
+from memcallbacks.oom.remedies import fix_of
 
 __all__ = ["record_oom"]
 
@@ -49,7 +50,8 @@ def record_oom(
     acc = explanation.accounting
     return Finding(kind="oom", step=explanation.step, message=text, bytes=acc.figure_bytes, holders=list(explanation.holders[:5]),
                    key=f"oom:{explanation.rank}", details={"phase": explanation.where.phase, "module": explanation.where.module,
-                                                          "file": event.get("oom_file"), "snapshot": explanation.snapshot})
+                                                          "file": event.get("oom_file"), "snapshot": explanation.snapshot,
+                                                          "fix": fix_of(explanation.remedies)})
 
 
 def _oom_snapshots(snapshots: list[dict[str, Any]]) -> list[dict[str, Any]]:

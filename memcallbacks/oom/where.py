@@ -24,7 +24,9 @@ _CALL_NAMES = ("_call_impl", "_wrapped_call_impl")
 
 @dataclasses.dataclass
 class Where:
-    """The failing point: ``phase`` is forward, backward, optimizer or evaluation (``unknown`` when no frame says)."""
+    """The failing point: ``phase`` is forward, backward, optimizer, evaluation, or ``loop``: the training loop's own code,
+    outside the model's calls, backward and the optimizer step (a list it appends to, a loss computed outside the model,
+    the batch being loaded); ``unknown`` when the error has no traceback."""
 
     phase: str = "unknown"
     module: str | None = None
@@ -99,6 +101,8 @@ def locate(exc: BaseException, model: nn.Module | None) -> Where:
         where.module_type = type(innermost).__name__
         names = names or _module_names(where.call_module)
         where.module = names.get(id(innermost))
+    if where.phase == "unknown" and frames and innermost is None and where.call is None:
+        where.phase = "loop"  # no frame of a module's forward, of backward or of an optimizer: the loop's own code
     if where.call is None and where.phase in ("backward", "optimizer"):
         find_call(exc, where, model, frames + _stack())
     where.frames = [f"{os.path.basename(f.f_code.co_filename)}:{f.f_lineno} in {f.f_code.co_name}" for f in frames[-8:]]

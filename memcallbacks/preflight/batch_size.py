@@ -52,6 +52,7 @@ def max_batch_size(
     low: int = 1,
     high: int = 1 << 16,
     known: dict[int, Prediction] | None = None,
+    margin: Callable[[Prediction], int] | None = None,
     **predict_kwargs: Any,
 ) -> BatchFit:
     """Largest ``n`` in ``[low, high]`` with ``predict(model, make_batch(n), ...).peak_bytes <= capacity_bytes``.
@@ -61,26 +62,30 @@ def max_batch_size(
     did not): 37 took 4 predictions, 1,000 took 8, where doubling and bisecting made ``2 * log2(answer)``.
     Peak memory grows with the batch size, which the search assumes. ``make_batch(n)`` should return
     meta tensors (``torch.empty(..., device="meta")``) so no batch is ever allocated. ``known``: predictions already made with the same settings (an earlier
-    search's :attr:`BatchFit.predictions`), not made again. Other keyword arguments go to :func:`predict`.
+    search's :attr:`BatchFit.predictions`), not made again. ``margin(prediction)``: bytes to keep free beside a
+    size's predicted peak (what the prediction cannot see): ``n`` fits when its peak plus its margin does.
+    Other keyword arguments go to :func:`predict`.
     """
     if not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
         raise ValueError(f"max_batch_size(): capacity_bytes={capacity_bytes!r} must be a positive int of bytes, e.g. 80 * 2**30.")
     if not (isinstance(low, int) and isinstance(high, int) and 1 <= low <= high):
         raise ValueError(f"max_batch_size(): low={low!r}, high={high!r} must be ints with 1 <= low <= high.")
     tried: dict[int, int] = {}
+    needs: dict[int, int] = {}  # peak and margin: what the search aims with
     predictions: dict[int, Prediction] = {}
 
     def fits(n: int) -> bool:
         p = known[n] if known and n in known else predict(model, make_batch(n), optimizer, **predict_kwargs)
         tried[n], predictions[n] = p.peak_bytes, p
-        return p.peak_bytes <= capacity_bytes
+        needs[n] = p.peak_bytes + (margin(p) if margin is not None else 0)
+        return needs[n] <= capacity_bytes
 
     if not fits(low):
         return BatchFit(0, tried[low], capacity_bytes, predictions[low], tried, predictions)
     good, bad, width, missed = low, None, high + 1 - low, False
     while good < high and (bad is None or bad - good > 1):
         top = high if bad is None else bad - 1
-        n = aimed = _aim(tried, good, bad, capacity_bytes)
+        n = aimed = _aim(needs, good, bad, capacity_bytes)
         # no line yet, a line just proven wrong, or an aim that did not halve the bracket: double, or bisect
         if n is None or (bad is None and missed) or (bad is not None and bad - good > width // 2):
             n = min(good * 2, top) if bad is None else (good + bad) // 2

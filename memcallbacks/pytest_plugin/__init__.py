@@ -14,20 +14,21 @@ by more than ``max_leak`` (the host channel's ``host_growth``, named by a host c
 memory alive after the last step beyond what was alive after warm-up (an exact census of tensor
 storages), on tensors that only
 a ``gc.collect()`` at the end census freed (reference cycles), and on a phase peak over its limit.
-``--train-memory-fail-on-increase`` also fails when a phase peak rose against the test's last
-passing run (pytest's cache). Loading the plugin imports no training framework.
+``--train-memory-fail-on-increase`` also fails when the step's own memory (what a phase rose above
+its step's start) or a phase peak rose against the test's last passing run (pytest's cache).
+Loading the plugin imports no training framework.
 See docs/pytest.md.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import TYPE_CHECKING, Any, Iterator
 
 import pytest
 
-from memcallbacks._base.units import format_bytes
-from memcallbacks._base.units import parse_size
+from memcallbacks._base.units import format_bytes, parse_threshold
 from memcallbacks.pytest_plugin.limits import PHASE_NAMES, Limits, parse_fail_on
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -35,7 +36,12 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["train_memory"]
 
+log = logging.getLogger(__name__)
+
 _SESSION = pytest.StashKey["Any"]()
+_OOM_TEXT = pytest.StashKey[str]()
+#: The title of the section that follows an out-of-memory error's traceback in a failed test's report.
+OOM_SECTION = "memcallbacks: out of memory, explained"
 _CACHE_PREFIX = "memcallbacks/train_memory/"
 
 
@@ -43,11 +49,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("memcallbacks", "memcallbacks: training-memory checks (@pytest.mark.train_memory)")
     group.addoption(
         "--train-memory-fail-on-increase", action="store_true", default=False,
-        help="fail a train_memory test whose per-phase peaks rose against its last passing run (kept in pytest's cache)",
+        help="fail a train_memory test whose step's own memory (each phase's rise above the step's start) or per-phase "
+        "peaks rose against its last passing run (kept in pytest's cache)",
     )
     group.addoption(
-        "--train-memory-tolerance", type=float, default=0.05, metavar="FRACTION",
-        help="relative rise of a phase peak tolerated by --train-memory-fail-on-increase (default 0.05)",
+        "--train-memory-tolerance", default="5%", metavar="PERCENT",
+        help="relative rise tolerated by --train-memory-fail-on-increase, a percentage of the last passing run's figure (default 5%%)",
     )
     parser.addini(
         "train_memory_fail_on", type="args", default=[],
@@ -56,7 +63,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
     group.addoption(
         "--train-memory-floor", default="1 MiB", metavar="SIZE",
-        help="absolute rise of a phase peak always tolerated by --train-memory-fail-on-increase (default '1 MiB')",
+        help="absolute rise always tolerated by --train-memory-fail-on-increase, a size (default '1 MiB')",
     )
 
 
@@ -70,11 +77,8 @@ def pytest_configure(config: pytest.Config) -> None:
         "Monitors are attached to every Lightning Trainer, Accelerate Accelerator and Transformers Trainer the test "
         "builds (memcallbacks, docs/pytest.md).",
     )
-    tolerance = config.getoption("--train-memory-tolerance")
-    if not 0 <= tolerance < 10:
-        raise pytest.UsageError(f"--train-memory-tolerance={tolerance} must be a fraction such as 0.05 (5%).")
     try:
-        parse_size(config.getoption("--train-memory-floor"), "--train-memory-floor")
+        _tolerances(config)
         parse_fail_on(config.getini("train_memory_fail_on"), "train_memory_fail_on (ini)")
     except ValueError as exc:
         raise pytest.UsageError(str(exc)) from None
@@ -126,9 +130,11 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
     try:
         result = yield
     except BaseException as exc:
-        _fail_on_oom(item, exc)
-        raise
+        _end_runs(item, exc)
+        raise  # the test fails with its own error, unchanged; an OOM's explanation follows it (pytest_runtest_makereport)
     session = item.stash.get(_SESSION, None)
+    if session is not None:
+        session.close_loops()  # a track() loop the test left with break: its end census before the verdict
     if session is None or not session.probes:
         if session is not None and item.get_closest_marker("train_memory") is not None:
             session.stop()
@@ -145,34 +151,56 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
         text = session.report(item.nodeid) if failures else f"train_memory: {item.nodeid}"
         if regressions:
             text += "\n\n" + "\n".join(regressions)
+        # the failure's traceback keeps this frame: without its session, the test's trainer, model and data are
+        # freed with the test, not kept alive into the next tests' censuses (and their peaks)
+        session = None
         pytest.fail(text, pytrace=False)
     _store(item, session)
     return result
 
 
-def _fail_on_oom(item: pytest.Item, exc: BaseException) -> None:
-    """A watched test that ran out of memory fails with the explanation (where, what filled it, what makes it fit) as its message."""
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[Any]:
+    report = yield
+    text = item.stash.get(_OOM_TEXT, None)
+    if text and call.when == "call" and report.failed and hasattr(report.longrepr, "addsection"):
+        report.longrepr.addsection(OOM_SECTION, text)  # after the error's own traceback, as pytest shows it
+        del item.stash[_OOM_TEXT]
+    return report
+
+
+def _end_runs(item: pytest.Item, exc: BaseException) -> None:
+    """The test body raised: every run still open ends as an uncaught exception ends it (recorded, an OOM explained,
+    the files written: ``Session.on_uncaught``), and an OOM's explanation is kept for the test's report. Never raises."""
+    session = item.stash.get(_SESSION, None)
+    if session is None or not session.probes:
+        return
+    try:
+        for probe in session.probes:
+            if probe.core.live:
+                probe.core.ending.on_uncaught(exc)
+        session.close_monitors()
+        text = _oom_text(session, exc)
+    except Exception:  # the test's own error is what the test reports
+        log.warning("train_memory: the monitors could not record the test's error", exc_info=True)
+        return
+    if text:
+        item.stash[_OOM_TEXT] = text
+
+
+def _oom_text(session: TrainMemory, exc: BaseException) -> str | None:
+    """The explanations of ``exc`` the test's monitors wrote, with their ``oom.json``; else one made now from the loop's
+    model and optimizer (no monitor saw the error); None for an error that is not an OOM."""
     from memcallbacks.oom import explain_oom, is_oom
 
-    session = item.stash.get(_SESSION, None)
-    if session is None or not session.probes or not is_oom(exc):
-        return
-    def explained() -> list[str]:
-        return [f.message for probe in session.probes for f in probe.core.findings if f.kind == "oom"]
-
-    texts = explained()
-    if not texts:  # no monitor saw it unwind (``train_memory.track()``'s loop body): record it, close them
-        for probe in session.probes:
-            probe.core.record_exception(exc, probe.core.current_step)
-        session.close_monitors()  # their run end explains it, with the model and optimizer they watch
-        texts = explained()
-    if not texts:  # the loop's monitor had closed before the error reached the test (its generator closed while unwinding)
+    if not is_oom(exc):
+        return None
+    findings = [f for probe in session.probes for f in probe.core.findings if f.kind == "oom"]
+    texts = [f.message + (f"\n  written to {f.details['file']}" if f.details.get("file") else "") for f in findings]
+    if not texts:
         model, optimizer = session.tracked or (None, None)
-        try:
-            texts = [explain_oom(exc, model=model, optimizer=optimizer, step=session.probes[-1].core.current_step).text()]
-        except Exception:
-            return
-    pytest.fail(f"train_memory: {item.nodeid} ran out of memory ({type(exc).__name__})\n" + "\n".join(texts), pytrace=False)
+        texts = [explain_oom(exc, model=model, optimizer=optimizer, step=session.probes[-1].core.current_step).text()]
+    return "\n".join(texts)
 
 
 def _warn_short(item: pytest.Item, session: TrainMemory) -> None:
@@ -185,7 +213,19 @@ def _warn_short(item: pytest.Item, session: TrainMemory) -> None:
             ))
 
 
+def _tolerances(config: pytest.Config) -> tuple[float, int]:
+    """``--train-memory-tolerance`` (a percentage, as a fraction) and ``--train-memory-floor`` (bytes); a
+    number without a unit is refused with the fix, not read as a fraction or as bytes."""
+    tolerance, _ = parse_threshold(config.getoption("--train-memory-tolerance"), "--train-memory-tolerance", size=False)
+    floor, _ = parse_threshold(config.getoption("--train-memory-floor"), "--train-memory-floor", percent=False)
+    if tolerance >= 10:
+        raise ValueError(f"--train-memory-tolerance {config.getoption('--train-memory-tolerance')!r} is over 1000%; pass e.g. 5%.")
+    return tolerance, int(floor)
+
+
 def _regressions(item: pytest.Item, session: TrainMemory) -> list[str]:
+    """The step's own memory (each phase's rise above its step's start) and the phase peaks against the
+    last passing run's: a rise past both the tolerance and the floor is a regression."""
     config = item.config
     if not config.getoption("--train-memory-fail-on-increase") or getattr(config, "cache", None) is None:
         return []
@@ -193,23 +233,24 @@ def _regressions(item: pytest.Item, session: TrainMemory) -> list[str]:
     peaks, source = session.phase_peaks()
     if not stored or stored.get("source") != source:
         return []
-    tolerance = config.getoption("--train-memory-tolerance")
-    floor = parse_size(config.getoption("--train-memory-floor"), "--train-memory-floor")
+    tolerance, floor = _tolerances(config)
+    measured = ((stored.get("rises") or {}, session.phase_rises(), "the step's own memory (its rise above the step's start)"),
+                (stored["peaks"], peaks, "its peak"))
     out = []
     for phase in PHASE_NAMES:
-        before, now = stored["peaks"].get(phase), peaks.get(phase)
-        if before is None or now is None:
-            continue
-        if now > before * (1 + tolerance) and now - before > floor:
-            out.append(
-                f"peak {phase} rose to {format_bytes(now)} from {format_bytes(before)} in the last passing run "
-                f"(+{format_bytes(now - before)}, {100 * (now - before) / max(before, 1):.1f}%; tolerance "
-                f"{100 * tolerance:.0f}% and {format_bytes(floor)}; measured as {source})"
-            )
+        grew = []
+        for before_figures, now_figures, what in measured:
+            before, now = before_figures.get(phase), now_figures.get(phase)
+            if before is not None and now is not None and now > before * (1 + tolerance) and now - before > floor:
+                grew.append(f"{what} rose to {format_bytes(now)} from {format_bytes(before)} "
+                            f"(+{format_bytes(now - before)}, +{100 * (now - before) / max(before, 1):.1f}%)")
+        if grew:
+            out.append(f"{phase}: {'; '.join(grew)}")
     if out:
+        out.append(f"    against the last passing run; tolerance {100 * tolerance:g}% and {format_bytes(floor)}; measured as {source}")
         out.append(
-            "    fix: find what the change added to that phase, or accept the new peaks by running once without "
-            "--train-memory-fail-on-increase (a passing run stores its peaks)."
+            "    fix: find what the change added to that phase (a larger batch, a new activation or temporary), or accept "
+            "the new figures by running once without --train-memory-fail-on-increase (a passing run stores them)."
         )
     return out
 
@@ -219,4 +260,5 @@ def _store(item: pytest.Item, session: TrainMemory) -> None:
         return
     peaks, source = session.phase_peaks()
     if peaks:
-        item.config.cache.set(_CACHE_PREFIX + item.nodeid, {"peaks": {k: int(v) for k, v in peaks.items()}, "source": source})
+        rises = {k: int(v) for k, v in session.phase_rises().items()}
+        item.config.cache.set(_CACHE_PREFIX + item.nodeid, {"peaks": {k: int(v) for k, v in peaks.items()}, "rises": rises, "source": source})

@@ -16,10 +16,12 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from memcallbacks._base.findings import FindingLog
 from memcallbacks._base.units import format_bytes
 from memcallbacks.pytest_plugin.cycles import CycleCheck, thaw
 from memcallbacks.pytest_plugin.timeline import Timeline
-from memcallbacks._base.columns import PEAK_ALLOCATED, PEAK_BACKWARD, PEAK_FORWARD, PEAK_OPTIMIZER, PEAK_OTHER, PHASES, Phase
+from memcallbacks._base.columns import (ALLOCATED, PEAK_ALLOCATED, PEAK_BACKWARD, PEAK_FORWARD, PEAK_OPTIMIZER, PEAK_OTHER, PHASES,
+                                        RESERVED, Phase)
 
 log = logging.getLogger(__name__)
 
@@ -314,10 +316,10 @@ class Probe:
         return str(self.core.device_kind)
 
     def phase_peaks(self) -> tuple[dict[str, int], str]:
-        """``({phase: peak bytes}, source)``: the largest peak of each phase over all steps."""
-        steps = self.timeline.steps.get(id(self))
+        """``({phase: peak bytes}, source)``: the largest peak of each phase over the settled steps (:meth:`measured_steps`)."""
+        steps = [step for step, _ in self.measured_steps()]
         anchor = self.timeline.levels.get(id(self), {}).get("anchor")
-        if self.device_kind == "cpu" and steps is not None and anchor is not None:
+        if self.device_kind == "cpu" and self.timeline.steps.get(id(self)) is not None and anchor is not None:
             offset = self.anchor_bytes - anchor
             peaks: dict[str, int] = {}
             for step in steps:
@@ -328,23 +330,60 @@ class Probe:
             return peaks, "live CPU tensor bytes (torch.profiler allocation events)"
         return self._history_peaks(), f"the monitor's {self.device_kind} peaks"
 
-    def _history_peaks(self) -> dict[str, int]:
+    def measured_steps(self) -> list[tuple[dict[str, int], int]]:
+        """``[(step's {phase: relative peak}, relative level at its start)]`` for the steps the CPU figures read: those
+        after the warm-up census, when any ran; all steps otherwise (a run too short for the leak check).
+
+        The warm-up steps are not repeatable in a long pytest process: until the census's ``gc.collect()``
+        (:meth:`CycleCheck.baseline`), garbage that earlier tests, or an earlier run of the same test, left in
+        reference cycles is still allocated (and a collection may land mid-step), and the census total that makes
+        the profile's levels absolute is taken after it. A second in-process run of a conv net read each phase's
+        peak 4.5 MiB (+60%) over the first: the first run's 4.6 MiB dataset was alive until warm-up. After the
+        census automatic gc is off and the heap frozen (:class:`CycleCheck`), so these steps see only the test."""
+        steps = self.timeline.steps.get(id(self)) or []
+        starts = self.timeline.starts.get(id(self)) or []
+        pairs = list(zip(steps, starts))
+        settled = self.timeline.settled.get(id(self))
+        after = pairs[settled:] if settled is not None else []
+        return after if any(step for step, _ in after) else pairs
+
+    def phase_rises(self) -> dict[str, int]:
+        """``{phase: bytes}``: the most each phase (and ``step``, the whole step) rose above its step's
+        start over the settled steps (:meth:`measured_steps`): the step's own memory, which the model, the batch and the code decide
+        (the absolute peaks also hold the parameters, the optimizer state and the data kept in memory)."""
+        rises: dict[str, int] = {}
+        if self.device_kind == "cpu" and self.timeline.steps.get(id(self)) is not None:
+            for step, start in self.measured_steps():
+                for phase, value in step.items():
+                    rises[phase] = max(rises.get(phase, 0), value - start)
+                if step:
+                    rises["step"] = max(rises.get("step", 0), max(step.values()) - start)
+            return rises
+        return self._history_peaks(above_start=True)
+
+    def _history_peaks(self, above_start: bool = False) -> dict[str, int]:
         rows = self.core.rows
         if not rows:
             return {}
         peaks: dict[str, int] = {}
         columns = ((PEAK_FORWARD, "forward"), (PEAK_BACKWARD, "backward"), (PEAK_OPTIMIZER, "optimizer"), (PEAK_OTHER, "other"), (PEAK_ALLOCATED, "step"))
+        start = RESERVED if self.device_kind == "cpu" else ALLOCATED  # the floor of the monitor's peaks (resident memory on CPU)
         for column, phase in columns:
-            values = [row[column] for row in rows if row[column] == row[column]]  # drop NaN
+            values = [max(row[column] - row[start], 0) if above_start else row[column] for row in rows
+                      if row[column] == row[column] and row[start] == row[start]]  # drop NaN
             if values:
                 peaks[phase] = int(max(values))
         return peaks
 
     def findings(self) -> list[Any]:
+        """The monitor's findings that fail a test, and the cycles the plugin's own collections found: one per cause
+        (a cycle the monitor also saw as the growth or the lingering step it causes is one finding, as in its report)."""
         found = [f for f in self.core.findings
                  if f.kind in ("lingering", "cycle") or self._device_leak(f) or self._host_leak(f)]
-        keys = {f.key for f in found}
-        return found + [f for f in self.cycles.findings if f.key not in keys]
+        causes = FindingLog()
+        for finding in found + self.cycles.findings:
+            causes.add(finding)
+        return causes.findings
 
     def _device_leak(self, finding: Any) -> bool:
         """A device ``growth`` finding, except on CPU under the plugin's own ``torch.profiler``: there

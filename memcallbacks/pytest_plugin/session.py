@@ -79,6 +79,7 @@ class TrainMemory:
         self.timeline = Timeline()
         self.probes: list[Probe] = []
         self.closers: list[Callable[[], None]] = []
+        self.left_open: list[Callable[[], None]] = []  # track() monitors whose loop was left early: closed by the plugin
         self.tracked: tuple[Any, Any] | None = None  # the last track() loop's model and optimizer (an OOM's explanation)
         self._patches: Any = None
         self._started = False
@@ -150,8 +151,16 @@ class TrainMemory:
         self.tracked = (model, optimizer)
         try:
             yield from monitor.track(batches)
-        finally:
-            monitor.close()  # the end census sees the test's locals: the loop has just ended
+        except GeneratorExit:  # the loop body raised (the plugin records the error, then closes it) or broke out
+            self.left_open.append(monitor.close)
+            raise
+        monitor.close()  # the end census sees the test's locals: the loop has just ended
+
+    def close_loops(self) -> None:
+        """Close the ``track()`` monitors whose loop the test left early (``break``), before the verdict."""
+        left, self.left_open = self.left_open, []
+        for close in left:
+            close()
 
     def stop(self) -> None:
         """Close what the test left open, remove the wrappers, stop the profiler. Safe to call twice."""
@@ -185,6 +194,14 @@ class TrainMemory:
             for phase, value in found.items():
                 peaks[phase] = max(peaks.get(phase, value), value)
         return peaks, (sources[0] if len(set(sources)) == 1 else "; ".join(sorted(set(sources))))
+
+    def phase_rises(self) -> dict[str, int]:
+        """The most each phase rose above its step's start, over every monitor of the test (same source as the peaks)."""
+        rises: dict[str, int] = {}
+        for probe in self.probes:
+            for phase, value in probe.phase_rises().items():
+                rises[phase] = max(rises.get(phase, value), value)
+        return rises
 
     def failures(self) -> list[Failure]:
         if self._evaluated is None:
@@ -273,14 +290,25 @@ def fails_the_test(finding: Any, fail_on: tuple[str, ...]) -> bool:
 
 
 def _finding_summary(finding: Any) -> str:
+    """One line for a failing finding; a cause that several detectors saw says so (``; one cause: lingering at step 1,
+    growth at step 4``)."""
+    seen = getattr(finding, "evidence", None) or []
+    text = _kind_summary(finding)
+    if len(seen) > 1:
+        text += "; one cause: " + ", ".join(f"{e.get('kind')} at step {e.get('step')}" for e in seen)
+    return text
+
+
+def _kind_summary(finding: Any) -> str:
     details = finding.details or {}
     if finding.kind == "lingering":
         start = details.get("from_step", finding.step - 1)
         label = "lingering, advice" if finding.severity == "advice" else "lingering"
         return f"step {finding.step} kept {format_bytes(finding.bytes)} of step {start} alive ({label})"
     if finding.kind == "growth" and details.get("evidence") == "graph_chain":
-        steps = ", ".join(str(s) for s in details.get("graph_steps_alive", []))
-        return (f"the autograd graphs of steps {steps} were alive together at step {finding.step}, "
+        alive = details.get("graph_steps_alive") or []
+        steps = ", ".join(str(s) for s in alive)
+        return (f"the autograd graphs of steps {steps} were alive together at step {alive[-1] + 1 if alive else finding.step}, "
                 f"{format_bytes(finding.bytes)} of tensors in them (growth, graph chain)")
     if finding.kind == "growth":
         rate = details.get("rate_bytes_per_step")

@@ -22,7 +22,11 @@ class Timeline:
         self.labels: list[tuple[int, tuple[Any, ...]]] = []  # (probe id, label), in mark order
         self.unavailable = ""
         self.steps: dict[int, list[dict[str, int]]] = {}  # probe id -> per step {phase: relative peak}
+        self.starts: dict[int, list[int]] = {}  # probe id -> per step the relative level at its start
         self.levels: dict[int, dict[str, int]] = {}  # probe id -> {"anchor": relative level}
+        self.settled: dict[int, int] = {}
+        """probe id -> how many of its steps had begun at its first census (warm-up's): the steps after it are the
+        settled ones (``Probe.measured_steps``)."""
 
     def start(self) -> None:
         from torch.profiler import ProfilerActivity, profile
@@ -92,8 +96,10 @@ class Timeline:
                 step = {}
                 open_step[probe] = step
                 self.steps.setdefault(probe, []).append(step)
+                self.starts.setdefault(probe, []).append(level)
             elif kind == "end":
                 open_step[probe] = None
             elif kind == "anchor":
                 self.levels.setdefault(probe, {})["anchor"] = level
+                self.settled.setdefault(probe, len(self.steps.get(probe, [])))
             peak = level

@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from memcallbacks._base.findings import Finding, step_text
+from memcallbacks._base.findings import Finding, evidence_lines, step_text
 
-__all__ = ["Dashboard", "RunOutputs", "Tracker", "finding_text", "flat_summary"]
+__all__ = ["Dashboard", "RunOutputs", "Tracker", "finding_text", "flat_summary", "joined_keys"]
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,19 @@ def finding_text(finding: Finding, limit: int = 4000) -> str:
     text = f"[{finding.label}] {step_text(finding.to_steps())}: {finding.message}"
     if finding.holders:
         text += "\n" + "\n".join(f"held by: {h}" for h in finding.holders[:5])
+    seen = evidence_lines(finding.to_dict())  # one cause that several detectors saw
+    if seen:
+        text += "\n" + "\n".join(seen)
     return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def joined_keys(findings: list[Finding], shown: set[str]) -> dict[str, str]:
+    """``{key: cause_key}`` for the findings a tracker showed (``shown``, by ``shown_key``) that are now part of
+    another finding (one cause, several detectors: its evidence names them), so that the tracker says so where it
+    showed them instead of counting them as another problem."""
+    current = {f.key for f in findings}
+    causes = {e.get("key"): f.key for f in findings for e in f.evidence if e.get("key") != f.key}
+    return {k: causes[k] for k in {s.split("|", 1)[0] for s in shown} - current if k in causes}
 
 
 def flat_summary(summary: dict[str, Any], prefix: str) -> dict[str, float | int | str]:

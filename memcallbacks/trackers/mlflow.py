@@ -7,7 +7,7 @@ import re
 from typing import Any
 
 from memcallbacks._base.findings import Finding
-from memcallbacks.trackers._base import Dashboard, RunOutputs, Tracker, finding_text
+from memcallbacks.trackers._base import Dashboard, RunOutputs, Tracker, finding_text, joined_keys
 
 log = logging.getLogger(__name__)
 
@@ -16,8 +16,9 @@ __all__ = ["MlflowTracker", "TAG_VALUE_LIMIT"]
 TAG_VALUE_LIMIT = 5000  # MLflow stores tag values up to 5000 characters in every backend since 1.x
 
 
-def _tag(prefix: str, finding: Finding) -> str:
-    return f"{prefix}/finding/" + re.sub(r"[^\w.\- /:]", "_", finding.key)  # MLflow's tag-name alphabet
+def _tag(prefix: str, finding: Finding | str) -> str:
+    key = finding if isinstance(finding, str) else finding.key
+    return f"{prefix}/finding/" + re.sub(r"[^\w.\- /:]", "_", key)  # MLflow's tag-name alphabet
 
 
 class MlflowTracker(Tracker):
@@ -60,6 +61,8 @@ class MlflowTracker(Tracker):
         p = outputs.prefix
         for finding in outputs.findings:  # the final state of each (a growth finding keeps growing)
             client.set_tag(run_id, _tag(p, finding), finding_text(finding, TAG_VALUE_LIMIT))
+        for key in joined_keys(outputs.findings, self.shown):  # shown live, now one cause with another: one tag per cause
+            client.delete_tag(run_id, _tag(p, key))
         client.set_tag(run_id, f"{p}/findings", str(len(outputs.findings)))
         for path in outputs.run_files():
             client.log_artifact(run_id, str(path), artifact_path="memcallbacks")

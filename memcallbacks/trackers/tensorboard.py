@@ -17,6 +17,8 @@ CATEGORY = "memcallbacks"
 """Title of the custom-scalars category (suffixed with the prefix when it is not ``memory``)."""
 
 PHASE_KEYS = ("peak_forward_GiB", "peak_backward_GiB", "peak_optimizer_GiB", "allocated_GiB")
+RISE_KEYS = ("peak_forward_above_start_GiB", "peak_backward_above_start_GiB", "peak_optimizer_above_start_GiB",
+             "peak_step_above_start_GiB")
 RESERVED_KEYS = ("allocated_GiB", "reserved_GiB", "peak_step_GiB", "peak_reserved_GiB")
 LEAK_KEYS = ("findings", "gc_freed_GiB", "unexplained_GiB")
 HOST_KEYS = ("host_rss_GiB", "host_private_GiB", "host_python_GiB", "host_workers_GiB")
@@ -34,9 +36,11 @@ def layout(dashboard: Dashboard, key_prefix: str = "", separator: str = "/") -> 
     def tags(names: tuple[str, ...]) -> list[str]:
         return ["^" + re.escape(f"{key_prefix}{p}/{name}".replace("/", separator)) + "$" for name in names if dashboard.logs(name)]
 
-    phase = tags(PHASE_KEYS) + (tags(("capacity_GiB",)) if dashboard.capacity else [])
+    phase = tags(PHASE_KEYS[:3])  # no phase peak logged (CPU's default list has their rises): no chart of the floor alone
+    phase += tags(PHASE_KEYS[3:]) + (tags(("capacity_GiB",)) if dashboard.capacity else []) if phase else []
     category = CATEGORY if p == "memory" else f"{CATEGORY} ({p})"
-    charts = {"memory per phase": phase, "reserved vs allocated": tags(RESERVED_KEYS), "leaks": tags(LEAK_KEYS), "host": tags(HOST_KEYS)}
+    charts = {"memory per phase": phase, "per phase, above the step's start": tags(RISE_KEYS),
+              "reserved vs allocated": tags(RESERVED_KEYS), "leaks": tags(LEAK_KEYS), "host": tags(HOST_KEYS)}
     return {category: {title: ["Multiline", lines] for title, lines in charts.items() if lines}}
 
 

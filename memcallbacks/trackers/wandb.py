@@ -7,7 +7,7 @@ import re
 from typing import Any
 
 from memcallbacks._base.findings import Finding
-from memcallbacks.trackers._base import Dashboard, RunOutputs, Tracker, finding_text, flat_summary
+from memcallbacks.trackers._base import Dashboard, RunOutputs, Tracker, finding_text, flat_summary, joined_keys
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +60,8 @@ class WandbTracker(Tracker):
         summary = flat_summary(outputs.report.get("summary", {}), p)
         summary[f"{p}/report/findings"] = len(outputs.findings)
         summary.update({f"{p}/finding/{f.key}": finding_text(f) for f in outputs.findings})
+        for key, cause in joined_keys(outputs.findings, self.shown).items():  # shown live, now one cause with another
+            summary[f"{p}/finding/{key}"] = f"one cause with {cause}: see {p}/finding/{cause}"
         run.summary.update(summary)
         media: dict[str, Any] = {}
         if "plot" in outputs.files:

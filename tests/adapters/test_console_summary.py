@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from memcallbacks import Monitor
+from memcallbacks._files.verdict import VERDICT_ABOVE
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -144,3 +145,44 @@ def test_transformers_verdict_is_a_line_of_its_own_beside_the_progress_bar(tmp_p
     assert "it/s]" in done.stdout, done.stdout[-2000:]  # the bar was drawn
     assert "]memcallbacks:" not in done.stdout, done.stdout[-2000:]
     check_lines(done.stdout, tmp_path / "out" / "memcallbacks")
+
+
+# ---------------------------------------------------------------------- said once (issue 44 item 5)
+def test_close_then_format_report_prints_the_verdict_once(tmp_path: Path, capsys: Any) -> None:
+    """docs/plain_pytorch.md's end: ``monitor.close()`` then ``print(monitor.format_report())``. The verdict is on the
+    console once; the text report's first line points at it, and the report's other sections follow."""
+    model = torch.nn.Linear(16, 1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    monitor = Monitor(model, opt, output_dir=str(tmp_path), plot=False, device="cpu")
+    for _ in monitor.track(range(5)):
+        model(torch.randn(8, 16)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    monitor.close()
+    print(monitor.format_report())
+    out = capsys.readouterr().out
+    verdict = json.loads((tmp_path / "report.json").read_text())["verdict"]
+    assert out.count(verdict[0]) == 1, out
+    assert VERDICT_ABOVE in out and "monitor's own time " in out, out
+    # the files keep the verdict: memcallbacks report prints it whole
+    from memcallbacks._files.report import format_report, load_output_dir
+
+    assert format_report(*load_output_dir(str(tmp_path))).splitlines()[0] == verdict[0]
+
+
+def test_lightning_test_after_fit_does_not_print_the_verdict_again(tmp_path: Path) -> None:
+    """``fit()``, then ``validate()`` and ``test()`` (Lightning's own examples): each end writes the files, the verdict
+    is printed once, at the end of ``fit()`` (through ``rank_zero_info``: Lightning's logger, on stderr)."""
+    script = tmp_path / "fit.py"
+    script.write_text(LIGHTNING_FIT.split("L.Trainer(")[0] + textwrap.dedent('''
+        trainer = L.Trainer(**trainer_kwargs(sys.argv[2], max_steps=5, callbacks=[monitor]))
+        model, data = BoringModel(), RandomDataModule()
+        trainer.fit(model, datamodule=data)
+        trainer.validate(model, datamodule=data)
+        trainer.test(model, datamodule=data)
+    '''))
+    done = subprocess.run([sys.executable, str(script), str(ROOT / "tests"), str(tmp_path), "on"], capture_output=True,
+                          text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = [line for line in done.stderr.splitlines() if line.startswith("memcallbacks: no problem found")]
+    assert len(said) == 1, done.stderr[-3000:]

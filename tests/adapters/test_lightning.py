@@ -671,17 +671,28 @@ def memory_keys_per_step(logged: dict) -> dict[int, set[str]]:
 
 
 def test_at_defaults_a_logger_receives_at_most_eight_memory_keys_per_step(tmp_path):
+    """On CPU the default list has each phase's rise above the step's start in place of its peak: figures
+    that differ per phase (a 48 MiB forward temporary, a 40 MiB backward one), each the history's peak
+    less the resident memory at the step's start."""
     monitor = MemoryMonitor()
-    fit(tmp_path, monitor, max_steps=12, log_every_n_steps=2, logger=loggers(tmp_path), limit_val_batches=2, val_check_interval=4)
+    fit(tmp_path, monitor, BoringModel(forward_temp_mib=48, backward_temp_mib=40), max_steps=12, log_every_n_steps=2,
+        logger=loggers(tmp_path), limit_val_batches=2, val_check_interval=4)
 
-    default = {"memory/peak_forward_GiB", "memory/peak_backward_GiB", "memory/peak_optimizer_GiB", "memory/reserved_GiB",
-               "memory/allocated_GiB", "memory/findings", "memory/host_rss_GiB", "memory/val/peak_step_GiB"}
+    rises = [f"memory/peak_{phase}_above_start_GiB" for phase in ("forward", "backward", "optimizer")]
+    default = {*rises, "memory/reserved_GiB", "memory/allocated_GiB", "memory/findings", "memory/host_rss_GiB", "memory/val/peak_step_GiB"}
+    history = monitor.history.set_index("step")
     for logged in (tensorboard_scalars(tmp_path / "tb"), csv_metrics(tmp_path / "csv" / "version_0" / "metrics.csv")):
         per_step = memory_keys_per_step(logged)
         assert len(per_step) >= 6, per_step  # six logged training steps, and the validation runs
         assert max(len(keys) for keys in per_step.values()) <= 8, per_step
         assert set().union(*per_step.values()) <= default, set().union(*per_step.values()) - default
-        assert "memory/peak_forward_GiB" in per_step[1] and "memory/val/peak_step_GiB" in set().union(*per_step.values())
+        assert set(rises) <= per_step[1] and "memory/val/peak_step_GiB" in set().union(*per_step.values())
+        forward, backward, optimizer = (dict(logged[key]) for key in rises)
+        for step, value in forward.items():
+            row = history.loc[step]
+            assert value == pytest.approx(max(row["peak_forward"] - row["reserved"], 0) / GIB, rel=1e-6, abs=1e-9)
+            assert forward[step] * GIB >= 0.85 * 48 * MIB and 0.85 * 40 * MIB <= backward[step] * GIB < forward[step] * GIB
+            assert optimizer[step] < backward[step]
     # the files keep everything: the history has every column whatever is logged
     assert {"peak_allocated", "peak_reserved", "monitor_time_s"} <= set(monitor.history.columns)
 
@@ -702,7 +713,7 @@ def test_keys_are_joined_with_the_loggers_group_separator(tmp_path):
 
     dotted = csv_metrics(tmp_path / "dotted" / "version_0" / "metrics.csv")
     plain = csv_metrics(tmp_path / "csv" / "version_0" / "metrics.csv")
-    assert "memory.peak_forward_GiB" in dotted and "memory.val.peak_step_GiB" in dotted
+    assert "memory.peak_forward_above_start_GiB" in dotted and "memory.val.peak_step_GiB" in dotted
     assert not any(key.startswith("memory/") for key in dotted)
     assert {k.replace("/", ".") for k in plain if k.startswith("memory/")} == {k for k in dotted if k.startswith("memory.")}
 

@@ -40,6 +40,10 @@ CPU_KEYS = {
     "memory/host_rss_GiB",
     "memory/monitor_time_ms",
     "memory/overhead",
+    "memory/peak_forward_above_start_GiB",
+    "memory/peak_backward_above_start_GiB",
+    "memory/peak_optimizer_above_start_GiB",
+    "memory/peak_step_above_start_GiB",
 }
 
 
@@ -384,6 +388,10 @@ def test_log_fn_gets_documented_keys_on_logged_steps() -> None:
         assert metrics["memory/peak_step_GiB"] == pytest.approx(h.loc[step, "peak_allocated"] / GIB)
         rise = (metrics["memory/peak_forward_GiB"] - metrics["memory/reserved_GiB"]) * GIB / MIB
         assert rise >= 0.85 * TEMP_MIB / 2
+        # the rise above the step's start, logged as such: the peak less the resident memory at the step's start on CPU
+        for phase in ("forward", "backward", "optimizer", "step"):
+            peak = metrics[f"memory/peak_{phase}_GiB"] - metrics["memory/reserved_GiB"]
+            assert metrics[f"memory/peak_{phase}_above_start_GiB"] == pytest.approx(max(peak, 0.0), abs=1e-12)
 
 
 def test_prefix_renames_every_key() -> None:
@@ -522,6 +530,8 @@ def test_auto_mode_keeps_its_forward_hooks() -> None:
 
 
 def test_log_fn_gets_the_short_list_at_defaults() -> None:
+    """On CPU the default list has what each phase rose above the step's start in place of its peak
+    (the peaks are one resident high-water mark): per-phase figures that differ, a forward temporary in forward's."""
     calls: list[dict[str, float]] = []
     model = TemporaryNet(forward_mib=TEMP_MIB // 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -529,5 +539,9 @@ def test_log_fn_gets_the_short_list_at_defaults() -> None:
     train(monitor, model, optimizer, batches(6), "track")
     monitor.close()
     assert len(calls) == 3 and all(len(metrics) <= 8 for metrics in calls)
-    assert set().union(*calls) == {"memory/peak_forward_GiB", "memory/peak_backward_GiB", "memory/peak_optimizer_GiB", "memory/reserved_GiB",
+    assert set().union(*calls) == {"memory/peak_forward_above_start_GiB", "memory/peak_backward_above_start_GiB",
+                                   "memory/peak_optimizer_above_start_GiB", "memory/reserved_GiB",
                                    "memory/allocated_GiB", "memory/findings", "memory/host_rss_GiB"}
+    first = calls[0]
+    assert first["memory/peak_forward_above_start_GiB"] * GIB >= 0.85 * TEMP_MIB / 2 * MIB, first
+    assert first["memory/peak_forward_above_start_GiB"] > first["memory/peak_backward_above_start_GiB"], first

@@ -9,6 +9,7 @@ import lightning.pytorch as L
 
 from helpers import BoringModel, RandomDataModule, trainer_kwargs
 from memcallbacks import MemoryMonitor
+from memcallbacks._files.verdict import VERDICT_ABOVE
 
 
 def test_fit_then_test_keeps_the_cadence_section(tmp_path):
@@ -30,7 +31,9 @@ def test_fit_then_test_keeps_the_cadence_section(tmp_path):
     assert cadence["read_every_n_steps"] == after_fit["read_every_n_steps"]
     text = monitor.format_report()
     assert "own time ?" not in text and "monitor's own time " in text, text
-    assert text.splitlines()[0].startswith("memcallbacks: no problem found in 70 steps"), text
+    # the console showed the verdict when fit() ended: the text report points at it (issue 44 item 5)
+    assert text.splitlines()[0] == VERDICT_ABOVE, text
+    assert report["verdict"][0].startswith("memcallbacks: no problem found in 70 steps"), report["verdict"]
     assert "test" in set(monitor.eval_history["stage"]), monitor.eval_history
 
 

@@ -34,6 +34,7 @@ EXEMPT = {
     "memcallbacks report": "the name of a command in prose, not a command line",
     "memcallbacks estimate": "the name of a command in prose, not a command line",
     "memcallbacks render": "the name of a command in prose, not a command line",
+    "memcallbacks compare": "the name of a command in prose, not a command line",
     "memcallbacks render: no such file: PATH": "an error message quoted in prose",
 }
 

@@ -281,8 +281,8 @@ def test_dataloader_copy_on_access_is_found_with_its_fix(tmp_path, adapter, mode
 @pytest.mark.parametrize("adapter,scenario,steps", [
     ("plain", "lru", 200),
     # deque(maxlen=1000), full at step 50: settled after a plateau as long as its climb and 4 read intervals
-    # (docs/findings.md, "The lifecycle"); with reads ~32 steps apart that is ~200 steps
-    ("lightning", "deque", 240),
+    # (docs/findings.md, "The lifecycle"); with reads ~32-50 steps apart (the budget's choice) up to ~300 steps
+    ("lightning", "deque", 320),
     ("accelerate", "fill", 200),
     ("transformers", "log_history", 160),
 ])

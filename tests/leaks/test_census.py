@@ -287,6 +287,33 @@ def test_census_diff_counts_a_storage_a_frame_held_first_as_growth():
     assert [(d.holder, d.tensors, d.bytes) for d in after.diff(before) if d.bytes > 0] == [("Net.cache", 1, MiB)]
 
 
+LOADER: list[torch.Tensor] = []
+
+
+def test_census_diff_ignores_a_fixed_list_of_batches():
+    """``for x in monitor.track(loader)`` over a list built before the loop: the first census sees
+    ``loader[0]`` as the step's batch (no holder searched), the second reaches it through ``loader``
+    and sees ``loader[1]`` as the batch. The list never grew (user check: "global loader grew by 1
+    tensor / 256.0 KiB; it keeps 58 tensors"); the list that did grow is the only growth, and a list
+    that keeps every batch of a loader that makes new ones still grows by all of them."""
+    model = Net()
+    LOADER[:] = [torch.zeros(64 * 1024) for _ in range(6)]
+    before = take_census(model=model, current_batch=LOADER[0], time_budget_s=BUDGET)
+    for x in LOADER[:2]:
+        model.cache.append(x * 2)
+    after = take_census(model=model, current_batch=LOADER[1], time_budget_s=BUDGET)
+    assert any(r.holder and r.holder.endswith("global LOADER") for r in after.records if r.data_ptr == LOADER[0].data_ptr())
+    assert [(d.holder, d.tensors) for d in after.diff(before) if d.bytes > 0] == [("Net.cache", 2)]
+    batch = torch.zeros(64 * 1024)
+    before = take_census(model=model, current_batch=batch, time_budget_s=BUDGET)
+    model.cache.append(batch)
+    model.cache.append(torch.zeros(64 * 1024))  # the next step's batch, kept too
+    del batch
+    after = take_census(model=model, current_batch=None, time_budget_s=BUDGET)
+    assert [(d.holder, d.tensors) for d in after.diff(before) if d.bytes > 0] == [("Net.cache", 2)]
+    LOADER.clear()
+
+
 def test_census_diff_ignores_a_loop_variable_bound_to_a_dataset_view():
     """``for x in list(data)``: every step binds ``x`` to a view of a storage that was there all
     along (found through the list the first time, through ``x`` the second). It keeps nothing;

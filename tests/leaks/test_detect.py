@@ -314,7 +314,8 @@ class KeepsActivations(nn.Module):
 @needs_mallinfo
 def test_growth_finding_keeps_census_cost_and_holders_through_later_updates(tmp_path):
     """The holders and the census cost come with the second census; the growth updates after it carry
-    only new rates, and the finding in the report keeps all of them."""
+    only new rates, and the finding in the report keeps all of them, its holders named again at the end
+    (issue 44 item 2: sized by what the holder keeps, as the growth is)."""
     from memcallbacks import Monitor
     from memcallbacks.leaks.attribution import GROWTH_CENSUS_GAP
 
@@ -332,7 +333,12 @@ def test_growth_finding_keeps_census_cost_and_holders_through_later_updates(tmp_
     (finding,) = monitor.findings
     assert finding.kind == "growth"
     assert finding.step > finding.first_step + GROWTH_CENSUS_GAP  # updated after the holders came
-    assert finding.holders and finding.holders[0].startswith("KeepsActivations.kept grew by 16 tensors / ")
+    # named again at the end, against the first census: what the list keeps then, every step's activation
+    assert finding.holders and finding.holders[0].startswith("KeepsActivations.kept grew by "), finding.holders
+    assert finding.holders[0].endswith("it keeps 64 tensors / 32.0 MiB alive in all"), finding.holders
+    assert finding.details["holder_bytes"] == 64 * 512 * KiB and finding.details["held_by"][0] == "KeepsActivations.kept"
+    # the holder is the only growth: its size is the allocated growth's, within 20%
+    assert abs(finding.details["holder_bytes"] - finding.bytes) <= 0.2 * finding.bytes, (finding.details, finding.bytes)
     assert 0 < finding.details["census_cost_s"] < 60
     assert finding.details["rate_bytes_per_step"] >= 256 * KiB
     report = json.loads((tmp_path / "report.json").read_text())

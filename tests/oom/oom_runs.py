@@ -3,10 +3,11 @@
 ``python oom_runs.py <framework> <budget_mib> <out.json> <model>/<run> ...`` imports everything once,
 builds nothing, then forks: each child sets its address-space limit to the driver's address space at the model's first run
 plus ``budget_mib`` and trains. Runs: ``grow`` (the batch doubles every step until the allocator
-fails), ``fixed:<n>`` (batch ``n`` for 2 steps: the first makes the optimizer's state, the second runs with it), ``leak`` (a constant batch, and the model keeps
-11 MiB more every step), ``fits`` (``fixed`` at the batch the first run's explanation says fits, one
-more, and one beyond when that one fit), ``savings`` (in the driver, no limit: the failed step measured with each
-predicted change).
+fails), ``fixed:<n>`` (batch ``n`` for 2 steps: the first makes the optimizer's state, the second runs with it),
+``jump:<n>`` (batch 2 for 10 steps, then ``n`` for 2; the monitor at its defaults, as README shows it), ``leak`` (a
+constant batch, and the model keeps 11 MiB more every step), ``fits`` (the model's first run again at the batch its
+explanation says fits, and at twice that batch), ``savings`` (in the driver, no limit: the failed step measured with
+each predicted change).
 Each child writes what happened as JSON; the driver collects them into ``out.json``.
 """
 
@@ -115,7 +116,15 @@ def sizes(run: str) -> list[int]:
         return [2 << i for i in range(12)]
     if run == "leak":
         return [2] * 200
+    if run.startswith("jump:"):
+        return [2] * 10 + [int(run.split(":")[1])] * 2
     return [int(run.split(":")[1])] * 2
+
+
+def config(run: str) -> dict[str, Any]:
+    """The jump runs' monitor is at its defaults (glibc's adaptive heap, the default sampling); the others sample every
+    step with glibc's mmap threshold fixed, so that the categories can be checked against the process's own figure."""
+    return {} if run.startswith("jump:") else MONITOR
 
 
 def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
@@ -130,7 +139,7 @@ def train_plain(kind: str, run: str, out: Path) -> int:
     optimizer = make_optimizer(model)
     data = (batch(kind, n) for n in sizes(run))
     steps = 0
-    with Monitor(model, optimizer, output_dir=str(out), **MONITOR) as monitor:
+    with Monitor(model, optimizer, output_dir=str(out), **config(run)) as monitor:
         for x, y in monitor.track(data):
             loss = loss_of(model(x), y)
             loss.backward()
@@ -158,7 +167,7 @@ def train_lightning(kind: str, run: str, out: Path) -> int:
             return make_optimizer(self)
 
     data = _Lazy(kind, run)
-    trainer = L.Trainer(callbacks=[MemoryMonitor(output_dir=str(out), **MONITOR)], max_epochs=1, logger=False,
+    trainer = L.Trainer(callbacks=[MemoryMonitor(output_dir=str(out), **config(run))], max_epochs=1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         default_root_dir=str(out), accelerator="cpu", devices=1)
     trainer.fit(Lit(), torch.utils.data.DataLoader(data, batch_size=None))
@@ -184,7 +193,7 @@ def train_accelerate(kind: str, run: str, out: Path) -> int:
     accelerator = Accelerator(cpu=True)
     model = Net(kind, leak=run == "leak")
     model, optimizer = accelerator.prepare(model, make_optimizer(model))
-    monitor = AccelerateMemoryMonitor(accelerator, model, optimizer, output_dir=str(out), **MONITOR)
+    monitor = AccelerateMemoryMonitor(accelerator, model, optimizer, output_dir=str(out), **config(run))
     steps = 0
     with monitor:
         for x, y in monitor.track(batch(kind, n) for n in sizes(run)):
@@ -212,7 +221,7 @@ def train_transformers(kind: str, run: str, out: Path) -> int:
         def get_train_dataloader(self) -> Any:  # one batch per item: the batch size is the data's
             return torch.utils.data.DataLoader(Batches(), batch_size=None)
 
-    monitor = MemoryMonitorCallback(output_dir=str(out), **MONITOR)
+    monitor = MemoryMonitorCallback(output_dir=str(out), **config(run))
     args = TrainingArguments(output_dir=str(out / "trainer"), report_to=[], max_steps=len(sizes(run)), learning_rate=1e-4,
                              save_strategy="no", logging_steps=1, disable_tqdm=True, use_cpu=True, dataloader_num_workers=0)
     model = Net(kind, leak=run == "leak")
@@ -348,7 +357,7 @@ def measured_savings(kind: str, explanation: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: list[str]) -> None:
-    """``framework budget_mib out.json model/run ...``: runs in order; ``fits`` and ``savings`` read the model's ``grow``."""
+    """``framework budget_mib out.json model/run ...``: runs in order; ``fits`` and ``savings`` read the model's first run."""
     framework, budget_mib, out = argv[:3]
     budget = int(budget_mib) << 20
     preload(framework)
@@ -357,16 +366,15 @@ def main(argv: list[str]) -> None:
     for spec in argv[3:]:  # between runs (the results it reads), and a model's runs are compared under the same limit
         kind, run = spec.split("/")
         limit = limits.setdefault(kind, vm_size() + budget)
-        grown = next((r for r in results if r["model"] == kind and r["run"] == "grow"), {})
-        if run == "fits":  # the batch the grow run's explanation says fits, and one more (two, if one more fit)
-            remedy = next((r for r in (grown.get("oom") or {}).get("remedies", []) if r["kind"] == "batch_size"), None)
+        first = next((r for r in results if r["model"] == kind), {})
+        if run == "fits":  # the first run again at the batch its explanation says fits, and at twice that batch
+            remedy = next((r for r in (first.get("oom") or {}).get("remedies", []) if r["kind"] == "batch_size"), None)
             n = (remedy or {}).get("details", {}).get("batch_size")
-            for size in (n, n + 1, n + 2) if n else ():
-                results.append(dict(fork_run(framework, kind, f"fixed:{size}", limit), model=kind))
-                if size > n and not results[-1].get("completed"):
-                    break
+            shape = "jump" if first["run"].startswith("jump:") else "fixed"
+            for size in (n, 2 * n) if n else ():
+                results.append(dict(fork_run(framework, kind, f"{shape}:{size}", limit), model=kind))
         elif run == "savings":  # in the driver itself, no limit: the measured effect of the predicted changes
-            results.append({"run": "savings", "model": kind, **measured_savings(kind, grown["oom"])})
+            results.append({"run": "savings", "model": kind, **measured_savings(kind, first["oom"])})
         else:
             results.append(dict(fork_run(framework, kind, run, limit), model=kind))
     Path(out).write_text(json.dumps(results))

@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from helpers import MIB, csv_metrics, trainer_kwargs
 from memcallbacks import Monitor
+from memcallbacks.oom.remedies import MARGIN_MIN_BYTES
 
 pytestmark = [pytest.mark.usefixtures("collected_heap"), pytest.mark.rss_sensitive]
 CPU = dict(advanced={"cpu_mmap_threshold": 1 << 20}, sample_every_n_steps=1, log_every_n_steps=1)
@@ -180,7 +181,9 @@ def test_lightning_capacity_warning_before_step_zero(tmp_path: Path) -> None:
 
     one = predict(probe, (x[:1], y[:1]), probe.configure_optimizers(), forward_fn=step)
     full = predict(probe, (x, y), probe.configure_optimizers(), forward_fn=step)
-    capacity = (one.peak_bytes + full.peak_bytes) // 2  # batch 1 fits, the full batch does not
+    # batch 1 fits with the margin a proposed batch keeps free beside its peak, the full batch does not
+    capacity = (one.peak_bytes + MARGIN_MIN_BYTES + full.peak_bytes) // 2
+    assert one.peak_bytes + MARGIN_MIN_BYTES < capacity < full.peak_bytes
 
     monitor, model, _ = fit_lightning(tmp_path, steps=2, capacity_bytes=capacity)
     events = model.model.events

@@ -19,7 +19,7 @@ from torch.optim import optimizer as optim_module
 
 from helpers import BoringModel, RandomDataModule, TemporaryNet, trainer_kwargs
 from memcallbacks import MemoryMonitor, Monitor, MonitorConfig
-from memcallbacks._files.fileset import fingerprint
+from memcallbacks._files.fileset import check_fingerprint, fingerprint
 from memcallbacks._files.report import format_report, load_output_dir
 from memcallbacks.cli import main
 
@@ -99,9 +99,13 @@ def test_full_disk_keeps_the_first_run_whole(tmp_path: Path) -> None:
         second = plain_run(tmp_path / "probe", 30, plot=False)
         assert os.path.getsize(second.files["history"]) > 4096 and os.path.getsize(second.files["report"]) > 4096
         plain_run(folder, 30, plot=False)  # must not raise, must not mix
-        report, history = load_output_dir(folder)
-        assert report["summary"]["steps_seen"] == 4 and len(history) == 4
+        report = json.loads((folder / "report.json").read_text())
+        assert report["summary"]["steps_seen"] == 4 and len(pd.read_csv(folder / "history.csv")) == 4
+        check_fingerprint(folder / "history.csv", report["integrity"]["history"], folder / "report.json")
         assert not list(folder.glob(".*.tmp"))
+        # what the second run recorded before the disk filled stays in its journal: the report reads that run
+        unfinished, _ = load_output_dir(folder)
+        assert unfinished["unfinished"]["ranks"][0]["journal"] == "journal.jsonl"
     finally:
         subprocess.run(["umount", str(folder)], check=False)
 

@@ -3,8 +3,8 @@
 ``attach``/``observe``, the step protocol (``begin_step`` → ``boundary`` → ``end_step``) split into
 quiet, watched and sampled steps, ``finish``/``stop``, a planted leak, checkpointing and the output
 folder rule. Expected step numbers come from the documented cadence: with ``log_every_n_steps=10``
-the logged steps are those with ``(step + 1) % 10 == 0``; the first ``MEASURE_STEPS`` (8) steps are
-sampled; no step before ``QUIET_FROM`` (48) is quiet.
+the logged steps are those with ``(step + 1) % 10 == 0``; the first ``MEASURE_STEPS`` (4) steps are
+sampled; no step before ``QUIET_FROM`` (32) is quiet.
 """
 
 from __future__ import annotations
@@ -157,12 +157,12 @@ def test_sixty_steps_at_defaults_sample_log_and_go_quiet(tmp_path, sessions):
     assert logged == logged_steps  # log_fn on logged steps only
     rows = [int(r[STEP]) for r in s.rows]
     assert rows == returned  # end_step returns the row it appended
-    # sampled: the first MEASURE_STEPS (0-7), and every logged step
-    assert set(range(8)) | set(logged_steps) <= set(rows)
+    # sampled: the first MEASURE_STEPS (0-3), and every logged step
+    assert set(range(4)) | set(logged_steps) <= set(rows)
     assert rows == sorted(rows)
-    # quiet steps appear, only from count 48 on, never on a logged or sampled step
-    assert len(quiet) >= 5, f"too few quiet steps in 60 steps at defaults: {quiet}"  # 48, 50-58 planned
-    assert min(quiet) >= 48
+    # quiet steps appear, only from count 32 on, never on a logged or sampled step
+    assert len(quiet) >= 5, f"too few quiet steps in 60 steps at defaults: {quiet}"  # 32, 33, ... planned
+    assert min(quiet) >= 32
     assert not set(quiet) & set(rows) and not set(quiet) & set(logged_steps)
     assert s.engine.seen_steps == 60  # quiet steps are counted too
 

@@ -16,7 +16,6 @@ whose growth had stopped when the trend was confirmed (the mask cache) must not 
 
 from __future__ import annotations
 
-import collections
 import copy
 import json
 import logging

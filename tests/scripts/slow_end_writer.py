@@ -1,6 +1,7 @@
 """The writer process (``memcallbacks._files.writer_process``) with a slow plot stage, for tests/scripts/ddp_end_write.py.
 
-``history_figure`` sleeps ``$DDP_END_WRITE_SLOW_S`` seconds first: a slow disk, a busy host.
+``history_figure`` sleeps ``$DDP_END_WRITE_SLOW_S`` seconds first: a slow disk, a busy host; with
+``$END_WRITER_PLOT_FAULT`` set it raises instead (a plot that fails in the writer).
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ _figure = outputs.history_figure
 
 
 def slow_figure(*args, **kwargs):
-    time.sleep(float(os.environ["DDP_END_WRITE_SLOW_S"]))
+    if os.environ.get("END_WRITER_PLOT_FAULT"):
+        raise KeyError("injected plot fault in the writer")
+    time.sleep(float(os.environ.get("DDP_END_WRITE_SLOW_S") or 0))
     return _figure(*args, **kwargs)
 
 

@@ -32,7 +32,7 @@ from memcallbacks import MemoryMonitor
 pytestmark = pytest.mark.usefixtures("one_thread", "collected_heap")
 
 SCRIPTS = Path(__file__).parents[1] / "scripts"
-PHASES = ["memory/peak_forward_GiB", "memory/peak_backward_GiB", "memory/peak_optimizer_GiB", "memory/allocated_GiB"]
+RISES = ["memory/peak_forward_above_start_GiB", "memory/peak_backward_above_start_GiB", "memory/peak_optimizer_above_start_GiB"]
 SNAPSHOTS = dict(auto_snapshot=True, snapshot={"every_n_steps": 2, "steps": 1})
 
 
@@ -131,7 +131,8 @@ def test_tensorboard_gets_one_layout_and_each_finding_once(tmp_path: Path) -> No
     events = tensorboard_events(tmp_path / "tb")
     assert len(events["layouts"]) == 1, "the layout is written once per run"
     layout = charts(events["layouts"][0])
-    assert list(layout) == ["memory per phase", "reserved vs allocated", "leaks", "host"]
+    # CPU at defaults: each phase's rise above the step's start is logged, not its peak (one resident high-water mark)
+    assert list(layout) == ["per phase, above the step's start", "reserved vs allocated", "leaks", "host"]
     assert events["layouts"][0].category[0].title == "memcallbacks"
     # each chart line is a regex matching exactly one tag this run logged
     logged = set(events["scalars"])
@@ -144,8 +145,8 @@ def test_tensorboard_gets_one_layout_and_each_finding_once(tmp_path: Path) -> No
                 assert matched == []  # no DataLoader workers: NaN, which the TensorBoard logger leaves out
             else:
                 assert len(matched) == 1, (title, regex, matched)
-    assert [t for r in layout["memory per phase"] for t in logged if re.search(r, t)] == PHASES
-    assert "capacity" not in " ".join(layout["memory per phase"])  # CPU: host RAM is no capacity line
+    assert [t for r in layout["per phase, above the step's start"] for t in logged if re.search(r, t)] == RISES
+    assert "capacity" not in " ".join(str(lines) for lines in layout.values())  # CPU: host RAM is no capacity line
     # the charts draw what log_keys logs: at defaults allocated and reserved, the findings, host RSS
     assert [len(layout[t]) for t in ("reserved vs allocated", "leaks", "host")] == [2, 1, 1]
 
@@ -163,7 +164,8 @@ def test_the_layout_follows_log_keys_and_the_loggers_separator() -> None:
     from memcallbacks.trackers.tensorboard import layout
 
     every = layout(Dashboard("memory"))["memcallbacks"]  # log_keys="all"
-    assert [len(every[t][1]) for t in ("memory per phase", "reserved vs allocated", "leaks", "host")] == [4, 4, 3, 4]
+    titles = ("memory per phase", "per phase, above the step's start", "reserved vs allocated", "leaks", "host")
+    assert [len(every[t][1]) for t in titles] == [4, 4, 4, 3, 4]
     short = layout(Dashboard("memory", keys=frozenset({"memory/findings", "memory/peak_forward_GiB"})), separator=".")["memcallbacks"]
     assert list(short) == ["memory per phase", "leaks"]  # a chart with no logged key is left out
     assert short["leaks"] == ["Multiline", [r"^memory\.findings$"]]
@@ -184,8 +186,8 @@ def test_transformers_tensorboard_layout_matches_train_prefixed_keys(tmp_path: P
     assert len(events["layouts"]) == 1
     layout = charts(events["layouts"][0])
     logged = set(events["scalars"])
-    phase_tags = [t for r in layout["memory per phase"] for t in logged if re.search(r, t)]
-    assert phase_tags == [f"train/{key}" for key in PHASES]  # the Trainer's TensorBoardCallback prefixes train/
+    phase_tags = [t for r in layout["per phase, above the step's start"] for t in logged if re.search(r, t)]
+    assert phase_tags == [f"train/{key}" for key in RISES]  # the Trainer's TensorBoardCallback prefixes train/
     assert [t for t, _, _ in events["text"] if t == "memory/report"] == ["memory/report"]
 
 
@@ -262,6 +264,37 @@ def test_mlflow_file_store_gets_artifacts_and_finding_tags(tmp_path: Path) -> No
     assert tags["memory/findings"] == "1"
     assert tags["memory/finding/lingering:graph"].startswith("[lingering] step 1:")
     assert "KeepsLoss.last_out['loss']" in tags["memory/finding/lingering:graph"]
+
+
+class KeepsLosses(BoringModel):
+    """Keeps every step's loss on the module, with its graph and a 2 MiB leaf input: lingering at step 1, then growth."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kept: list[torch.Tensor] = []
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        wide = batch.repeat(1, 64).detach().requires_grad_()
+        loss = self(wide[:, : batch.shape[1]]).pow(2).mean()
+        self.kept.append(loss)
+        return loss
+
+
+def test_mlflow_keeps_one_tag_per_cause(tmp_path: Path) -> None:
+    """The lingering tag shown at step 1 goes when the growth it turned into takes it over (issue 44: trackers count causes)."""
+    from mlflow.tracking import MlflowClient
+
+    uri = f"file:{tmp_path / 'mlruns'}"
+    logger = MLFlowLogger(experiment_name="memcallbacks-tests", tracking_uri=uri)
+    monitor = MemoryMonitor(log_every_n_steps=1, plot=False)
+    model = KeepsLosses()
+    fit(tmp_path, monitor, logger, model=model, max_steps=8)
+    tags = MlflowClient(tracking_uri=uri).get_run(logger.run_id).data.tags
+    findings = {k: v for k, v in tags.items() if k.startswith("memory/finding/")}
+    assert tags["memory/findings"] == "1" and list(findings) == ["memory/finding/growth"], findings
+    assert findings["memory/finding/growth"].startswith("[growth] step 1 (confirmed again at step 4)"), findings
+    assert "seen: lingering at step 1" in findings["memory/finding/growth"]
+    del model.kept[:]
 
 
 def test_accelerate_mlflow_tracker_gets_the_report(tmp_path: Path, fresh_accelerate_state: Any, monkeypatch: pytest.MonkeyPatch) -> None:
