@@ -15,7 +15,7 @@ from memcallbacks.leaks.paths import render_chain
 from memcallbacks.leaks.roots import Roots
 from memcallbacks.leaks.search import ReferenceSearch
 
-__all__ = ["deep_size", "holder_paths", "new_entries"]
+__all__ = ["deep_size", "empty_containers", "holder_paths", "new_entries"]
 
 _SKIP_DEEP = (type, type(sys), type(len), type(lambda: 0))
 
@@ -42,6 +42,20 @@ def deep_size(values: list[Any], budget: int = 20_000, by_type: dict[type, list[
             entry[1] += size
         stack.extend(gc.get_referents(obj))
     return total
+
+
+def empty_containers(dataset: Any) -> tuple[str, ...]:
+    """``Type.attribute`` of the Dataset's (and a wrapped ``.dataset``'s) dicts, lists, sets and deques that are
+    empty in this process: a cache filled in ``__getitem__`` is filled in each worker, never in the parent."""
+    out: list[str] = []
+    for obj in (dataset, getattr(dataset, "dataset", None)):
+        attributes = getattr(obj, "__dict__", None)
+        if not isinstance(attributes, dict):
+            continue
+        for name, value in attributes.items():
+            if isinstance(value, (dict, list, set, collections.deque)) and not value:
+                out.append(f"{type(obj).__name__}.{name}")
+    return tuple(out[:4])
 
 
 def new_entries(obj: Any, grown: int) -> list[Any]:

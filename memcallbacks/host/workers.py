@@ -16,7 +16,6 @@ measured over its own life.
 
 from __future__ import annotations
 
-import collections
 import copy
 import gc
 import multiprocessing
@@ -30,7 +29,7 @@ from typing import Any
 from memcallbacks._base.cpu import PAGE_SIZE
 from memcallbacks._base.findings import Finding
 from memcallbacks._base.units import MiB, format_bytes
-from memcallbacks.host.holders import deep_size
+from memcallbacks.host.holders import deep_size, empty_containers
 from memcallbacks.host.readers import smaps_rollup
 
 __all__ = ["FaultCounter", "WorkerInfo", "WorkerWatch", "dataloader_workers"]
@@ -163,7 +162,8 @@ class _Track:
     """Once reported: its USS at its last rise, and that read's step."""
     last_rise_step: int = 0
     climb_step: int = 0
-    """Once reported: the step of the read before its climb began (its growth's length runs from there)."""
+    climb_uss: int = 0
+    """Once reported: the step and USS of the read before its climb began (its growth's length runs from there)."""
     dataset_bytes: int | None = -1
     """Deep size of its parent's Dataset (None: past the walk's budget; -1: not sized), kept when the worker exits."""
     grew_inside: bool = False
@@ -220,10 +220,18 @@ class _Track:
         fastest = max(((b[1] - a[1]) / max(b[0] - a[0], 1) for a, b in zip(second, second[1:])), default=0.0)
         return second[-1][1] - second[0][1] >= min_growth // _STEP_SHARE and fastest <= 4 * pace
 
+    def grows_on(self, again: int, open_: bool) -> bool:
+        """Once reported: its last read is ``again`` above its peak and, while its finding is open, rose at a quarter
+        of its climb's pace or faster. A filled cache's allocator moves 1 MiB now and then: each such rise doubled the
+        wait to settle, and a -n 2 suite run held a cache full by step ~200 open at step 444."""
+        step, uss = self.reads[-1][:2]
+        pace = (self.peak - self.climb_uss) / max(self.last_rise_step - self.climb_step, 1)
+        return uss >= self.peak + again and (not open_ or (uss - self.peak) / max(step - self.last_rise_step, 1) >= pace / 4)
+
     def report(self) -> None:
         """Named in a finding: its peak so far, and where its climb began."""
         reads = self.reads
-        self.climb_step = reads[self.climb()][0]
+        self.climb_step, self.climb_uss = reads[self.climb()][:2]
         self.peak, self.last_rise_step = reads[-1][1], reads[-1][0]
         self.reported = True
 
@@ -275,20 +283,6 @@ _FAULT_SHARE = 0.5
 _FREE_MISSES = 2
 """Reads asked for by faults that showed no growth, per worker, before the faults need the budget too
 (a worker whose allocator maps and unmaps memory faults without growing)."""
-
-
-def _empty_containers(dataset: Any) -> tuple[str, ...]:
-    """``Type.attribute`` of the Dataset's (and a wrapped ``.dataset``'s) dicts, lists, sets and deques that are
-    empty in this process: a cache filled in ``__getitem__`` is filled in each worker, never in the parent."""
-    out: list[str] = []
-    for obj in (dataset, getattr(dataset, "dataset", None)):
-        attributes = getattr(obj, "__dict__", None)
-        if not isinstance(attributes, dict):
-            continue
-        for name, value in attributes.items():
-            if isinstance(value, (dict, list, set, collections.deque)) and not value:
-                out.append(f"{type(obj).__name__}.{name}")
-    return tuple(out[:4])
 
 
 def _minflt(data: bytes) -> int:
@@ -569,7 +563,7 @@ class WorkerWatch:
                 size = deep_size([dataset], budget=_DATASET_BUDGET, by_type=seen)
                 self._held[key] = None if sum(c for c, _ in seen.values()) >= _DATASET_BUDGET else size
             track.dataset_bytes = self._held[key]
-            track.cache_attributes = _empty_containers(dataset)
+            track.cache_attributes = empty_containers(dataset)
             self.seconds += time.perf_counter() - t0
             self.finding_seconds += time.perf_counter() - t0  # after a worker grew: finding work
         held = track.dataset_bytes
@@ -592,14 +586,15 @@ class WorkerWatch:
         grows = False
         # once settled, a worker grows again by half of min_growth_bytes above its peak (a full cache's last items,
         # read one by one, are no new climb)
-        again = self.min_growth_bytes // 2 if self.finding is not None and self.finding.state == "settled" else _RISE_BYTES
+        settled = self.finding is not None and self.finding.state == "settled"
+        again = self.min_growth_bytes // 2 if settled else _RISE_BYTES
         for t in self.tracks.values():
             if not t.reported:
                 if t.growth >= self.min_growth_bytes and t.rising() and (
                         t.keeps() and t.late(self.min_growth_bytes) or self._fills_cache(t)):
                     t.report()
                     grows = True
-            elif t.info.pid in self._pids and t.reads and t.reads[-1][1] >= t.peak + again:
+            elif t.info.pid in self._pids and t.reads and t.grows_on(again, not settled):
                 t.peak, t.last_rise_step = t.reads[-1][1], t.reads[-1][0]
                 grows = True
         if not grows:
