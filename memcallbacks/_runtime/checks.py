@@ -180,7 +180,8 @@ class StepChecks:
         (their faults counted every few steps while they live: docs/host.md)."""
         schedule.plan_after(count, **plan)
         host = self.host
-        workers = host.workers.next_step(count) if host is not None and host.enabled else None
+        # no worker seen (most runs): not a call into the watch's module either
+        workers = host.workers.next_step(count) if host is not None and host.enabled and host.workers.pids else None
         if workers is not None and workers < schedule.quiet_until:
             schedule.quiet_until = workers
 

@@ -368,7 +368,7 @@ class WorkerWatch:
         self._datasets: dict[int, Any] = {}  # pid -> weak reference to the worker's Dataset (in this process)
         self._held: dict[int, int | None] = {}  # id(Dataset) -> its deep size (None: past the walk's budget)
         self.generation = 0
-        self._pids: frozenset[int] = frozenset()
+        self.pids: frozenset[int] = frozenset()  # the latest set of workers seen (kept while none is live)
         self._faults: dict[int, int | None] = {}  # pid -> minor faults at this update
         self._seen: dict[int, int] = {}  # pid -> the step it was first seen at
         self._counter = FaultCounter()
@@ -438,7 +438,7 @@ class WorkerWatch:
 
     def next_step(self, step: int) -> int | None:
         """While workers live, the step the quiet stretch ends at (None: none): 50-step stretches gave 3 reads in 160."""
-        if not self._pids:
+        if not self.pids:
             return None
         if self._asked > step:
             return self._asked
@@ -463,10 +463,10 @@ class WorkerWatch:
             if pid not in self._known:
                 del self._datasets[pid]
         pids = frozenset(map(_PID, workers))
-        if pids and pids != self._pids and not pids & self._pids:
+        if pids and pids != self.pids and not pids & self.pids:
             self.generation += 1  # a fresh set of workers: a new epoch of non-persistent workers
         if pids:
-            self._pids = pids
+            self.pids = pids
         dead = []
         for pid, track in self.tracks.items():
             if pid not in pids and track.growth < self.min_growth_bytes:
@@ -535,13 +535,13 @@ class WorkerWatch:
         self._counter.close()
 
     def live(self) -> list[_Track]:
-        return [t for pid, t in self.tracks.items() if pid in self._pids]
+        return [t for pid, t in self.tracks.items() if pid in self.pids]
 
     def totals(self) -> dict[str, int]:
         """Private (USS) and proportional (PSS) memory of the live workers, summed: their host cost."""
         workers = uss = pss = 0
         for pid, track in self.tracks.items():  # the live workers (live()) that were read
-            if pid in self._pids and track.reads:
+            if pid in self.pids and track.reads:
                 workers += 1
                 uss += track.reads[-1][1]
                 pss += track.reads[-1][2]
@@ -594,7 +594,7 @@ class WorkerWatch:
                         t.keeps() and t.late(self.min_growth_bytes) or self._fills_cache(t)):
                     t.report()
                     grows = True
-            elif t.info.pid in self._pids and t.reads and t.grows_on(again, not settled):
+            elif t.info.pid in self.pids and t.reads and t.grows_on(again, not settled):
                 t.peak, t.last_rise_step = t.reads[-1][1], t.reads[-1][0]
                 grows = True
         if not grows:
@@ -624,7 +624,7 @@ class WorkerWatch:
         if step - last_rise < max(_SETTLE_STEPS, grew):
             return None
         for t in grown:
-            if t.info.pid in self._pids and sum(r[0] > t.last_rise_step for r in t.reads) < _SETTLE_READS:
+            if t.info.pid in self.pids and sum(r[0] > t.last_rise_step for r in t.reads) < _SETTLE_READS:
                 return None
         settled = copy.copy(open_)
         settled.step, settled.state, settled.count = step, "settled", 0  # an update of the same cause
