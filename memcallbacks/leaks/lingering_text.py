@@ -177,8 +177,15 @@ def chain_finding(step: int, steps_alive: list[int], nbytes: int, holders: list[
         "step without bound. Accumulate `loss.detach()` or `loss.item()`, evaluate under "
         "`torch.no_grad()`, keep `.detach()`ed outputs."
     )
+    where = re.sub(r" \([^()]*:\d+\)$", "", holders[0].split(" -> ")[0]) if holders else ""
     if holders and through_exception(holders[0]):
         cause = "the exceptions kept from every step keep them, through their tracebacks." + exception_fix(holders[0])
+    elif re.search(r"\[\d+\]", where):  # an entry a step in a list (or a dict of lists): each entry keeps its step's graph
+        bare = re.sub(r"(\[[^\[\]]*\])+$", "", where)
+        cause = (f"{_named(bare)} keeps them: it gets a step's tensors with their autograd graph every step (the graph "
+                 "holds the inputs that require grad and their gradients). After `backward()` each graph is small, but "
+                 f"their number grows every step without bound. Keep `loss.item()` or `loss.detach()` in `{_code(bare)}`, "
+                 "bound it (`collections.deque(maxlen=...)`) or clear it once its entries are used.")
     return Finding(
         kind="growth",
         key="growth",

@@ -336,3 +336,33 @@ def test_a_kept_tensor_is_sized_by_what_the_list_holds_at_the_end(tmp_path: Path
     saved = json.loads((tmp_path / "mem" / "report.json").read_text())["findings"]
     assert [f["holders"] for f in saved if f["kind"] == "growth"] == [cause.holders]  # the live finding is the file's
     del model.kept[:]
+
+
+class KeepsLossGraphs(L.LightningModule):
+    """Each step's loss kept with its graph in a list on the module (a user check: the graphs are small after
+    ``backward()``, so the chain of graphs finds it, at step 4, before any census)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 1))
+        self.kept: list[torch.Tensor] = []
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        loss = self.net(batch).pow(2).mean()
+        self.kept.append(loss)  # BUG: the loss with its graph, every step
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def test_a_chain_of_graphs_kept_in_a_list_gets_the_lists_fix(tmp_path: Path) -> None:
+    """Its fix is the list's (keep ``loss.item()`` in ``KeepsLossGraphs.kept``), not a running total's."""
+    monitor = MemoryMonitor(output_dir=str(tmp_path / "mem"), plot=False)
+    model = KeepsLossGraphs()
+    trainer = L.Trainer(**trainer_kwargs(tmp_path, max_steps=12, callbacks=[monitor]))
+    trainer.fit(model, DataLoader(torch.randn(12 * 256, 256), batch_size=256))
+    (cause,) = problems(monitor.findings)
+    assert cause.kind == "growth" and cause.holders[0].startswith("KeepsLossGraphs.kept[0] -> autograd graph"), str(cause)
+    assert "in `KeepsLossGraphs.kept`" in cause.message and "running total" not in cause.message, cause.message
+    del model.kept[:]
