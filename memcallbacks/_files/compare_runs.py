@@ -53,7 +53,7 @@ def run_figures(report: dict[str, Any], history: Any) -> RunFigures:
     return RunFigures(
         peaks={p: s.get(f"peak_{p}_bytes") for p in _PHASES},
         floor_growth=growth,
-        problems=[f"{f.get('kind')} (step {f.get('step')})" for f in problems(report)],
+        problems=[f"{f.get('kind')} (step {f.get('first_step', f.get('step'))})" for f in problems(report)],  # first raised
         overhead=(s.get("cadence") or {}).get("overhead"),
         steps=int(s.get("steps_seen") or 0),
         measure=names["peak"],
@@ -86,9 +86,10 @@ def gate_words(a: RunFigures, b: RunFigures) -> str:
     return f"the step's own memory ({what} above its step's start){peaks}"
 
 
-def increases(a: RunFigures, b: RunFigures, threshold: float, relative: bool) -> list[str]:
+def increases(a: RunFigures, b: RunFigures, threshold: float, relative: bool, under_floor: list[str] | None = None) -> list[str]:
     """What grew from ``a`` to ``b`` by more than ``threshold`` (a fraction of ``a``'s figure, or bytes)
-    among :func:`gated`'s figures; on CPU a rise must also exceed :data:`CPU_NOISE_BYTES`."""
+    among :func:`gated`'s figures; on CPU a rise must also exceed :data:`CPU_NOISE_BYTES`: a rise past
+    ``threshold`` but not past that goes to ``under_floor`` (when given), in words."""
     out = []
     shown = f"{100 * threshold:g}%" if relative else format_bytes(threshold)
     for figure, phase in gated(a, b):
@@ -97,7 +98,11 @@ def increases(a: RunFigures, b: RunFigures, threshold: float, relative: bool) ->
         if before is None or now is None:
             continue
         limit = threshold * before if relative else threshold
-        if now - before <= limit or ((a.cpu or b.cpu) and now - before <= CPU_NOISE_BYTES):
+        if now - before <= limit:
+            continue
+        if (a.cpu or b.cpu) and now - before <= CPU_NOISE_BYTES:
+            if under_floor is not None:
+                under_floor.append(f"{phase}'s rise {format_delta(now - before)}, {_percent(before, now)}")
             continue
         change = f"{format_delta(now - before)}, {_percent(before, now)}".rstrip(", ")
         if figure == "rise":

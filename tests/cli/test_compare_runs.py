@@ -148,3 +148,31 @@ def test_off_cpu_every_phase_rise_and_peak_is_gated() -> None:
     assert grown[0].startswith("the step's own memory grew: forward rose +200.0 MiB above its step's start, against +100.0 MiB"), grown
     assert [line.split(" ")[0] for line in increases(base, run(100, 1200), 0.05, True)] == ["forward", "backward", "optimizer"]
     assert increases(base, run(100, 1200), 256 * mib, False) == []  # a size: +200 MiB is below 256 MiB
+
+
+def test_a_cpu_rise_past_the_threshold_but_under_the_floor_is_said_in_the_ok_line() -> None:
+    """A user check: "+308.0 KiB (+240.6%) (gated)" above "ok: ... did not grow past 5%" read as wrong; the ok line
+    now says what passed and why (under the 2 MiB a CPU step's rise moves by between identical runs)."""
+    from memcallbacks._files.compare_runs import RunFigures, increases
+
+    kib = 2**10
+
+    def run(forward_rise: float) -> RunFigures:
+        rises = {"forward": forward_rise * kib, "backward": 0.0, "optimizer": 0.0}
+        return RunFigures(peaks={p: 400.0 * 2**20 for p in rises}, floor_growth=0.0, rises=rises, cpu=True)
+
+    under: list[str] = []
+    assert increases(run(128), run(436), 0.05, True, under_floor=under) == []
+    assert under == ["forward's rise +308.0 KiB, +240.6%"], under
+    under.clear()
+    assert increases(run(128), run(130), 0.05, True, under_floor=under) == [] and under == []  # +1.6%: within 5%
+
+
+def test_compare_lists_each_problem_at_the_step_it_was_first_found(tmp_path: Path) -> None:
+    """The findings line gives a finding's first step (a user check: a killed run's growth found at step 9 read
+    "growth (step 324)", its last update)."""
+    from memcallbacks._files.compare_runs import run_figures
+
+    finding = {"kind": "growth", "key": "growth", "state": "open", "severity": "problem", "step": 324, "first_step": 9}
+    figures = run_figures({"findings": [finding], "summary": {}}, None)
+    assert figures.problems == ["growth (step 9)"], figures.problems
