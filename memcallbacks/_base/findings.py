@@ -81,8 +81,9 @@ class Finding:
 
     @property
     def is_problem(self) -> bool:
-        """An open problem: not settled, not advice (what ``memory/findings`` counts and the pytest plugin fails on)."""
-        return self.state == "open" and self.severity == "problem"
+        """An open problem: not settled, not advice, not an OOM a leak's finding caused (``details["caused_by"]``: that
+        finding counts the cause). What ``memory/findings`` counts and the pytest plugin fails on."""
+        return self.state == "open" and self.severity == "problem" and not self.details.get("caused_by")
 
     @property
     def label(self) -> str:

@@ -66,8 +66,8 @@ def run_peak(report: dict[str, Any], history: Any = None) -> dict[str, Any] | No
 
 def problems(report: dict[str, Any]) -> list[dict[str, Any]]:
     """The open problems among the findings (not settled growth, not advice)."""
-    return [f for f in report.get("findings") or [] if isinstance(f, dict)
-            and (f.get("state") or "open") == "open" and (f.get("severity") or "problem") == "problem"]
+    return [f for f in report.get("findings") or [] if isinstance(f, dict) and (f.get("state") or "open") == "open"
+            and (f.get("severity") or "problem") == "problem" and not (f.get("details") or {}).get("caused_by")]
 
 
 _FIX_VERBS = frozenset("""Add Avoid Bound Break Call Check Clear Close Compare Delete Detach Disable Drop Enable Free Give Join Keep
@@ -144,15 +144,21 @@ def verdict_lines(report: dict[str, Any], history: Any = None) -> list[str]:
     found = problems(report)
     events = [e for e in report.get("events") or [] if isinstance(e, dict)]
     ooms = [e for e in events if e.get("kind") == "oom"]
+    cause = None
     head = (f"{len(found)} problem{'s' if len(found) != 1 else ''} found" if found else "no problem found")
     head = f"memcallbacks: {head} in {steps} step{'s' if steps != 1 else ''}; {_peak_text(report, history)}"
     if ooms:
         head += f"; out of memory at step {ooms[0].get('step')}"
+        caused = [k for f in report.get("findings") or [] if isinstance(f, dict) and f.get("kind") == "oom"
+                  for k in (f.get("details") or {}).get("caused_by") or ()]
+        cause = next((f for f in found if f.get("key") in caused), None)
+        if cause is not None:  # one cause: the leak listed below
+            head += f", caused by the {finding_name(cause)} found at {step_text(cause).split(' (')[0]}"
     elif events:
         head += f"; the run ended with an exception at step {events[0].get('step')}"
     if s.get("disabled_after_error"):
         head += "; the monitor disabled itself after an internal error"
-    others = len(report.get("findings") or []) - len(found)
+    others = len(report.get("findings") or []) - len(found) - (1 if cause is not None else 0)
     if others:
         head += f" ({others} more: advice or settled growth)"
     lines = [head]

@@ -48,10 +48,17 @@ def record_oom(
     if engine.rank != 0:  # rank zero logs it as its finding
         log.error("%s: %s", owner, text)
     acc = explanation.accounting
-    return Finding(kind="oom", step=explanation.step, message=text, bytes=acc.figure_bytes, holders=list(explanation.holders[:5]),
-                   key=f"oom:{explanation.rank}", details={"phase": explanation.where.phase, "module": explanation.where.module,
-                                                          "file": event.get("oom_file"), "snapshot": explanation.snapshot,
-                                                          "fix": fix_of(explanation.remedies)})
+    remedies = explanation.remedies
+    leak = remedies[0] if remedies and remedies[0].kind == "leak" else None  # the explanation blames the leak first
+    named = set(explanation.holders)
+    caused_by = [f.key for f in findings if leak is not None and f.kind in _HOLDER_KINDS and f.is_problem and named & set(f.holders)]
+    details = {"phase": explanation.where.phase, "module": explanation.where.module, "file": event.get("oom_file"),
+               "snapshot": explanation.snapshot, "fix": fix_of(remedies)}
+    if caused_by:  # one cause: the leak's finding counts it, this one is its consequence (docs/findings.md)
+        details["caused_by"] = caused_by
+    holders = list(explanation.holders[:5]) if any(r.kind == "leak" for r in remedies) else []  # only where it speaks of them
+    return Finding(kind="oom", step=explanation.step, message=text, bytes=acc.figure_bytes, holders=holders,
+                   key=f"oom:{explanation.rank}", details=details)
 
 
 def _oom_snapshots(snapshots: list[dict[str, Any]]) -> list[dict[str, Any]]:

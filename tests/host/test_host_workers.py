@@ -49,23 +49,34 @@ class Arrays(Dataset):
         return self.data[i]
 
 
+class _Run:
+    """Stands for the monitored run the watch is part of (a weak reference target)."""
+
+
 def fit(loader: DataLoader, watch: WorkerWatch, steps: int, epochs: int = 1) -> list:
+    """``steps`` steps an epoch. The workers are forked as in a monitored run, their collector started afresh
+    (:func:`guard_forked_children`): forked from this xdist worker's heap (every earlier test's objects), a worker's
+    first full collection copied that heap at a random step (a cache's finding kept open by a late rise in CI)."""
     torch.manual_seed(0)
     model = torch.nn.Linear(2, 1)
     opt = torch.optim.SGD(model.parameters(), lr=1e-6)
-    findings, step = [], 0
-    for _ in range(epochs):
-        for i, batch in enumerate(loader):
-            f = watch.update(step)
-            if f is not None:
-                findings.append(f)
-            loss = model(batch.reshape(len(batch), -1)[:, :2]).pow(2).mean()  # any item shape
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            step += 1
-            if i + 1 >= steps:
-                break
+    findings, step, run = [], 0, _Run()
+    guard_forked_children(run)
+    try:
+        for _ in range(epochs):
+            for i, batch in enumerate(loader):
+                f = watch.update(step)
+                if f is not None:
+                    findings.append(f)
+                loss = model(batch.reshape(len(batch), -1)[:, :2]).pow(2).mean()  # any item shape
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                step += 1
+                if i + 1 >= steps:
+                    break
+    finally:
+        unguard_forked_children(run)
     return findings
 
 
@@ -237,6 +248,12 @@ def test_a_step_to_a_plateau_is_not_worker_growth():
     del loader
 
 
+def _moves(reads: list) -> str:
+    """``step:MiB`` of the first read and of each that moved by a quarter MiB or more: a failure shows every rise."""
+    kept = [reads[0]] + [b for a, b in zip(reads, reads[1:]) if abs(b[1] - a[1]) >= MiB // 4]
+    return " ".join(f"{r[0]}:{r[1] / MiB:.2f}" for r in kept)
+
+
 def test_a_cache_that_fills_is_found_then_settles_naming_its_attribute():
     loader = DataLoader(DecodedCache(320), batch_size=16, num_workers=2, persistent_workers=True, shuffle=True)
     watch = WorkerWatch(min_interval_s=0.0, max_overhead=1.0)  # read every step, on a busy machine too
@@ -246,8 +263,8 @@ def test_a_cache_that_fills_is_found_then_settles_naming_its_attribute():
     assert first.state == "open" and first.details["cause"] == "inside_workers", first.details
     assert first.details["cache_attributes"] == ["DecodedCache.cache"], first.details
     assert "`DecodedCache.cache` is empty: the cache each worker fills" in first.message, first.message
-    reads = [[(r[0], round(r[1] / MiB, 1)) for r in t.reads] for t in watch.live()]
-    assert last.state == "settled" and not last.details["open"] and last.count == 0, (last.step, last.details, reads)
+    moves = "; ".join(f"worker {t.info.worker_id}: {_moves(t.reads)}" for t in watch.live())
+    assert last.state == "settled" and not last.details["open"] and last.count == 0, f"{[(f.step, f.state) for f in findings]} {moves}"
     assert last.details["cause"] == "inside_workers" and last.message.startswith("Settled:"), last.message
     assert last.details["flat_steps"] >= max(8, last.details["grew_steps"]), last.details
     del loader

@@ -247,7 +247,11 @@ def test_a_leak_is_the_first_remedy_whatever_phase_failed(mode: str, tmp_path: P
     if mode == "loop":  # said plainly; the loop's frame (its globals: the list) is not this step's memory
         assert "in the training loop's own code (outside the model's forward, backward and the optimizer step)" in oom["text"]
         assert cats["activations and temporaries"] < (4 << 20), oom["text"]
-    assert re.search(r"- oom, step 30: .*; fix: Free what earlier steps hold", done.stdout), done.stdout[-3000:]  # the verdict
+    # the verdict: one cause, the growth, the OOM its consequence (counted once: a user check read "2 problems found")
+    assert re.search(r"1 problem found .*; out of memory at step 30, caused by the growth found at step \d+", done.stdout), done.stdout[-3000:]
+    assert re.search(r"- growth, step \d+ .*: held by module __main__: global KEPT", done.stdout) and "- oom," not in done.stdout, done.stdout[-3000:]
+    assert [(f["kind"], f["details"].get("caused_by")) for f in json.loads((folder / "report.json").read_text())["findings"]
+            if f["kind"] in ("growth", "oom")] == [("growth", None), ("oom", ["growth"])]
     report = json.loads((folder / "report.json").read_text())
     assert report["files"]["oom"] == str(folder / "oom.json"), report["files"]
     if mode == "loop":  # the text report: the limit the run ran into, and oom.json among the files
