@@ -7,6 +7,7 @@ import logging
 import math
 import os
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -92,12 +93,15 @@ def write_outputs(
     plot: bool,
     title: str = "",
     ranks: list[Any] | None = None,
+    end_started: float | None = None,
 ) -> dict[str, str]:
     """Write this rank's files as one set (see :mod:`memcallbacks._files.fileset`); return ``{kind: path}``.
 
     Every file is staged first; a failure while staging leaves the folder as it was. The plot is
     optional: one that fails is left out, and the others are written. ``ranks`` (rank zero under
-    distributed training): every rank's summary, written into a combined ``report.json``.
+    distributed training): every rank's summary, written into a combined ``report.json``. ``end_started``
+    (``time.time()`` when the run's end began): the report's ``summary.cadence.end_wall_s``, the wall time the end
+    took up to the report, a writer process's included.
     """
     names = file_names(rank, world_size)
     files = FileSet(folder)
@@ -120,6 +124,10 @@ def write_outputs(
         if ranks is not None:
             paths["combined_report"] = str(folder / "report.json")
         report = dict(report, files={**report.get("files", {}), **paths}, integrity=integrity)
+        if end_started is not None:  # the wall time the run's end took up to this report (the writer process's included)
+            summary = report.get("summary") or {}
+            cadence = dict(summary.get("cadence") or {}, end_wall_s=round(max(0.0, time.time() - end_started), 3))
+            report["summary"] = dict(summary, cadence=cadence)
         if "verdict" in report:  # findings added after the report was made (the per-rank comparison)
             report["verdict"] = verdict_lines(report, history)
         files.stage("report", names["report"], lambda fh: _dump_json(report, fh))

@@ -83,7 +83,7 @@ def build_files(journal: Path) -> dict[str, Any]:
     report = payload["report"]
     files = write_outputs(Path(payload["folder"]), rank=int(payload["rank"]), world_size=int(payload["world_size"]),
                           history=history, eval_history=eval_history, report=report, plot=bool(payload.get("plot")),
-                          title=str(payload.get("title") or ""), ranks=payload.get("ranks"))
+                          title=str(payload.get("title") or ""), ranks=payload.get("ranks"), end_started=payload.get("end_started"))
     try:
         os.unlink(journal)  # the set is in place: the stream it replaces goes
     except OSError:

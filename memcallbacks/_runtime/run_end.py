@@ -88,6 +88,7 @@ class RunEnd:
         self.oom: tuple[BaseException, dict[str, Any]] | None = None  # explained when the run's last row is closed
         self.text: str | None = None  # the text report the writer process made at the run's end (format_report())
         self.console = ConsoleVerdict()  # the verdict the console showed at the run's end: said once
+        self.end_wall0: float | None = None  # time.time() when the run's end began (finish)
         self.uncaught: weakref.WeakMethod[Any] | None = None  # the adapter's failing path (on_uncaught)
         self.prepare()
 
@@ -264,6 +265,7 @@ class RunEnd:
         """``Session.finish`` after its observers heard of it: the files, with the gc watch off."""
         s = self.session
         s.schedule.end_started()  # the end's own time is a part of its own (report.json has it up to the report)
+        self.end_wall0 = time.time()  # ...and the wall time it takes, a writer process's included (report.json's end_wall_s)
         # the files' imports (pandas, matplotlib) run dozens of collections: the gc watch, which
         # reads the heap around each one it measures, is for training, and training is over
         watch = s.checks.watch
@@ -371,7 +373,7 @@ class RunEnd:
             return result["files"], result
         files = write_outputs(s.output_dir, rank=engine.rank, world_size=engine.world_size, history=s.history_frame(),  # type: ignore[arg-type]
                               eval_history=engine.eval_frame(), report=report, plot=s.config.plot and self._room_to_draw(),
-                              title=title, ranks=ranks)
+                              title=title, ranks=ranks, end_started=self.end_wall0)
         s.schedule.journal.remove()
         return files, None
 
@@ -395,6 +397,7 @@ class RunEnd:
             "rows_check": [len(rows), steps[0] if steps else None, steps[-1] if steps else None, sum(steps)],
             "eval_rows": engine.eval_rows, "predicted": s.checks.preflight.column_spec(),
             "console": engine.rank == 0 and bool(getattr(s.config, "console_summary", True)),
+            "end_started": self.end_wall0,
         }
 
     def abandon(self) -> Path | None:
