@@ -267,18 +267,25 @@ class HostLimits:
 
 
 # ---------------------------------------------------------------------- the forecast
-def runs_out(step: int, rate: float, rooms: list[Room], *, transient: int = 0, step_s: float | None = None) -> dict[str, Any] | None:
-    """When memory runs out at ``rate`` bytes a step from ``step``, against the tightest of ``rooms``;
+def runs_out(step: int, rate: float, rooms: list[Room], *, transient: int = 0, step_s: float | None = None,
+             rates: dict[str, float] | None = None) -> dict[str, Any] | None:
+    """When memory runs out at ``rate`` bytes a step from ``step``, against the limit of ``rooms`` it reaches first;
     None without growth or a limit.
 
     The first step whose peak does not fit: the room left at ``step`` less ``transient`` (what a step
-    holds above its start at its peak), divided by the rate. ``step_s``: a step's median time, for
-    ``seconds``. The dict is what a growth finding carries as ``details["runs_out"]``."""
+    holds above its start at its peak), divided by the rate. ``rates``: a faster rate measured against one limit
+    (``{"rlimit_as": ...}``: the address space, which grows faster than the resident memory where freed blocks
+    stay mapped). ``step_s``: a step's median time, for ``seconds``. The dict is what a growth finding carries as
+    ``details["runs_out"]``."""
     if not rate > 0 or not rooms:
         return None
-    tight = min(rooms, key=lambda r: r.room_bytes)
-    free = tight.room_bytes - max(0, int(transient))
-    left = max(0, math.floor(free / rate))
+
+    def left_at(room: Room) -> tuple[int, float]:
+        its = max(rate, (rates or {}).get(room.source, 0.0))
+        return max(0, math.floor((room.room_bytes - max(0, int(transient))) / its)), its
+
+    tight = min(rooms, key=lambda r: (left_at(r)[0], r.room_bytes))
+    left, its = left_at(tight)
     return {
         "step": int(step + left),
         "steps_left": int(left),
@@ -289,7 +296,8 @@ def runs_out(step: int, rate: float, rooms: list[Room], *, transient: int = 0, s
         "used_bytes": int(tight.used_bytes),
         "room_bytes": int(tight.room_bytes),
         "transient_bytes": max(0, int(transient)),
-        "rate_bytes_per_step": int(rate),
+        "rate_bytes_per_step": int(its),
+        "rate_of": "address space" if its > rate else "",  # the limit's own rate, faster than the growth's
         "at_step": int(step),
         "step_time_s": step_s if step_s and math.isfinite(step_s) else None,
         "rooms": {r.source: int(r.room_bytes) for r in rooms},
@@ -307,5 +315,6 @@ def runs_out_text(forecast: dict[str, Any] | None, end: str = "", *, seconds: bo
     else:
         left = forecast.get("seconds") if seconds else None
         when = f"Memory runs out at about step {forecast['step']:,}" + (f", in about {format_duration(left)}" if left else "")
-    return (f"{when}, at this rate ({format_bytes(forecast['rate_bytes_per_step'])}/step): "
+    of = f" of {forecast['rate_of']}" if forecast.get("rate_of") else ""
+    return (f"{when}, at this rate ({format_bytes(forecast['rate_bytes_per_step'])}/step{of}): "
             f"{format_bytes(max(0, forecast['room_bytes']))} was left under {forecast['limit']} at step {forecast['at_step']:,}.{end}")

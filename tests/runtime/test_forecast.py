@@ -143,6 +143,46 @@ def test_a_host_growth_forecast_counts_the_resident_rate(forecast: Forecast) -> 
     assert not forecast.open and math.isnan(forecast.steps_out)
 
 
+def test_under_rlimit_as_the_address_space_rate_counts_where_it_is_faster() -> None:
+    """The address space can grow faster than the resident memory (freed blocks stay mapped): against RLIMIT_AS the
+    faster rate counts, and the sentence says whose rate it is; other limits keep the growth's rate."""
+    from memcallbacks._base.limits import Room, runs_out, runs_out_text
+
+    rooms = [Room("memory_available", 20_000 * MIB, 400 * MIB), Room("rlimit_as", 1400 * MIB, 800 * MIB)]
+    plain = runs_out(9, 2 * MIB, rooms)
+    assert (plain["limit_source"], plain["steps_left"], plain["rate_of"]) == ("rlimit_as", 300, ""), plain
+    fast = runs_out(9, 2 * MIB, rooms, rates={"rlimit_as": 12 * MIB})
+    assert (fast["limit_source"], fast["steps_left"], fast["rate_bytes_per_step"], fast["rate_of"]) == ("rlimit_as", 50, 12 * MIB, "address space")
+    assert "at this rate (12.0 MiB/step of address space)" in runs_out_text(fast), runs_out_text(fast)
+    slower = runs_out(9, 2 * MIB, rooms, rates={"rlimit_as": MIB})  # slower than the growth: the growth's counts
+    assert slower == plain
+    # the limit reached first, not the one with the least room: 600 MiB of address space at 12 MiB a step is gone
+    # before 500 MiB of a cgroup at 2
+    both = runs_out(0, 2 * MIB, [Room("cgroup", 1000 * MIB, 500 * MIB), Room("rlimit_as", 1400 * MIB, 800 * MIB)],
+                    rates={"rlimit_as": 12 * MIB})
+    assert (both["limit_source"], both["steps_left"]) == ("rlimit_as", 50), both
+
+
+def test_the_forecast_measures_the_address_space_rate_over_its_reads(forecast: Forecast, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The forecast's reads of the host limits give the address space's own rate (first read to latest)."""
+    from memcallbacks._base import limits
+    from memcallbacks._runtime import forecast as forecast_module
+
+    def rooms(self: Any) -> list[limits.Room]:
+        step = reads[0]
+        reads[0] += 8
+        return [limits.Room("memory_available", 20_000 * MIB, 400 * MIB), limits.Room("rlimit_as", 2000 * MIB, (800 + 12 * step) * MIB)]
+
+    reads = [0]
+    monkeypatch.setattr(limits.HostLimits, "rooms", rooms)
+    monkeypatch.setattr(forecast_module, "REREAD_S", 0.0)
+    first = forecast.host("host_growth", 0, 2 * MIB, True)
+    assert first["rate_of"] == "" and first["steps_left"] == 600  # one read: the growth's rate
+    later = forecast.host("host_growth", 8, 2 * MIB, False)
+    assert later["rate_of"] == "address space" and later["rate_bytes_per_step"] == 12 * MIB, later
+    assert later["steps_left"] == (2000 - 800 - 96) * MIB // (12 * MIB), later
+
+
 # ---------------------------------------------------------------------- a real plain loop: the logged key
 def leaky_loop(tmp_path: Path, leak: int, steps: int = 60) -> tuple[Monitor, list[tuple[int, dict[str, float]]]]:
     logged: list[tuple[int, dict[str, float]]] = []
