@@ -92,7 +92,9 @@ def _what(finding: dict[str, Any]) -> str:
     holders = finding.get("holders") or []
     if holders:
         return f"held by {holders[0]}"
-    message = re.sub(r"^rank \d+: ", "", " ".join(str(finding.get("message") or "").split()))
+    headline = str(finding.get("message") or "").strip().split("\n", 1)[0]  # an OOM's explanation: its first line
+    message = re.sub(r"^rank \d+: ", "", " ".join(headline.split()))
+    message = re.sub(r"^out of memory at step \d+ on rank \d+, ", "", message)  # the line names the kind and step already
     first = re.split(r"(?<=[.;:])\s", message, maxsplit=1)[0]
     first = first.rstrip(".;:")
     return first if len(first) <= 90 else first[:87] + "..."

@@ -186,3 +186,17 @@ def test_lightning_test_after_fit_does_not_print_the_verdict_again(tmp_path: Pat
     assert done.returncode == 0, done.stderr[-3000:]
     said = [line for line in done.stderr.splitlines() if line.startswith("memcallbacks: no problem found")]
     assert len(said) == 1, done.stderr[-3000:]
+
+
+def test_an_oom_line_of_the_verdict_is_its_explanations_headline() -> None:
+    """The explanation is several lines: the verdict's line is its first, without the words the line already says
+    (a user check read "batch size 16384 cpu all..." with the next line run into it)."""
+    from memcallbacks._files.verdict import verdict_lines
+
+    oom = {"kind": "oom", "key": "oom:0", "step": 10, "first_step": 10, "state": "open", "severity": "problem", "holders": [],
+           "message": "out of memory at step 10 on rank 0, in forward, in fc1 (Linear), batch size 16384\n"
+                      "  cpu allocator asked for 256.0 MiB; address space in use (VmSize) 1.1 GiB of 1.1 GiB (RLIMIT_AS)",
+           "details": {"fix": "Use batch size 2723 (the largest that fits)"}}
+    report = {"summary": {"steps_seen": 11}, "findings": [oom], "events": [{"kind": "oom", "step": 10}]}
+    lines = verdict_lines(report)
+    assert lines[1] == "  - oom, step 10: in forward, in fc1 (Linear), batch size 16384; fix: Use batch size 2723 (the largest that fits)", lines
