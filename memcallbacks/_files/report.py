@@ -179,7 +179,8 @@ def _measure_lines(s: dict[str, Any], names: dict[str, str], events: list[Any] =
     if capacity:
         lines.append(f"  capacity                   {capacity}")
     if names["cpu"]:
-        lines.append(f"  peak over the run          {format_bytes(s.get('max_reserved_bytes'))} resident memory")
+        lines.append(f"  peak over the run          {format_bytes(s.get('max_reserved_bytes'))} resident memory (the process's "
+                     "high-water mark, between the steps too; the verdict's peak is the steps')")
     else:
         lines.append(f"  peak over the run          {format_bytes(s.get('max_allocated_bytes'))} allocated, "
                      f"{format_bytes(s.get('max_reserved_bytes'))} reserved")
