@@ -293,6 +293,8 @@ def _attempt(what: str, make: Callable[[], Remedy | None], out: list[Remedy]) ->
 
 def _sharding(step: StepModel, base: Any, available: int | None, acc: Accounting) -> Remedy | None:
     states = sum(acc.categories.get(k, 0) for k in ("parameters", "gradients", "optimizer state"))
+    if str(acc.device).startswith("cpu"):
+        return None  # ranks on one host share its memory: sharding the states over them saves it nothing
     if available is None or states < base.peak_bytes // 4:
         return None  # the model states are not what fills the memory: sharding them saves little
     for n in _RANKS:

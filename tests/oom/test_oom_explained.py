@@ -209,3 +209,14 @@ def test_memory_short_reads_the_address_space_limit() -> None:
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
                          env=dict(os.environ, PYTHONPATH=str(Path(__file__).parents[2])))
     assert out.stdout.split() == ["True", "True"], out.stdout + out.stderr
+
+
+def test_sharding_is_no_remedy_on_cpu() -> None:
+    """Ranks on one host share its memory: sharding the model states over them saves the host nothing (a user check got
+    "shard the model states over 8 ranks" for a single-process CPU loop)."""
+    from memcallbacks.oom.accounting import Accounting
+    from memcallbacks.oom.remedies import _sharding
+
+    states = {"parameters": 400 << 20, "gradients": 400 << 20, "optimizer state": 800 << 20}
+    acc = Accounting(device="cpu", figure_bytes=2 << 30, figure="address space in use (VmSize)", categories=states)
+    assert _sharding(None, None, 1 << 30, acc) is None  # type: ignore[arg-type]
