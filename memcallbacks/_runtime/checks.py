@@ -157,6 +157,8 @@ class StepChecks:
         if watch.growth is None:
             return []
         finding = watch.growth.update(count, value)
+        if self.forecast.open:  # a growth open: the snapshot before memory runs out, whether or not its finding updated
+            self.forecast.near(count)
         due = watch.attribution.census_due
         if finding is None and (due is None or count < due):
             return []
@@ -171,6 +173,8 @@ class StepChecks:
             return []
         finding_s = host.finding_seconds
         found = host.on_read(step)
+        if self.forecast.open:  # a host growth open (a GPU run's): its snapshot before the end, as detect_growth's
+            self.forecast.near(step)
         if host.finding_seconds != finding_s:  # censuses and the worker reads their faults asked for: split out of the step's charge
             self.schedule.book_finding(host.finding_seconds - finding_s)
         return found

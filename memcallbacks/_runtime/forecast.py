@@ -19,7 +19,7 @@ from typing import Any
 from memcallbacks._base.columns import ALLOCATED, PEAK_ALLOCATED, PEAK_RESERVED, RESERVED
 from memcallbacks._base.limits import HostLimits, Room, runs_out, runs_out_text
 
-__all__ = ["Forecast", "MOVED_SHARE", "REREAD_S", "REREAD_STEPS", "SNAPSHOT_STEPS_LEFT"]
+__all__ = ["Forecast", "MOVED_SHARE", "REREAD_S", "REREAD_STEPS", "SNAPSHOT_SHARE", "SNAPSHOT_STEPS_LEFT"]
 
 REREAD_S = 1.0
 """Seconds after which a forecast reads the limits again (with :data:`REREAD_STEPS`): other processes,
@@ -31,8 +31,11 @@ MOVED_SHARE = 0.1
 :data:`MOVED_MIN_STEPS`), or its limit changed: a rate that settles, accelerates or slows."""
 MOVED_MIN_STEPS = 3
 SNAPSHOT_STEPS_LEFT = 20
-"""With ``auto_snapshot=True``, a snapshot is taken when a forecast leaves this many steps or fewer (plus the
-steps between the last two updates of its finding, so that a thinned watch does not read past it)."""
+SNAPSHOT_SHARE = 0.15
+"""With ``auto_snapshot=True``, a snapshot is taken when a forecast leaves ``SNAPSHOT_STEPS_LEFT`` steps or fewer,
+or this share of the steps it forecast from its read (a forecast's own error: a cgroup run forecast at step 9 to run
+out at 197 was killed at 182, before a capture begun at 177 was written), plus the steps since the last read, so that
+a thinned watch does not read past it."""
 
 
 class Forecast:
@@ -54,6 +57,7 @@ class Forecast:
         self._rooms: dict[str, tuple[int, float, list[Room]]] = {}  # channel -> (step, time, rooms) of the last read
         self._updated: dict[str, int] = {}  # key -> the step of its last update
         self._spaces: list[tuple[int, int]] = []  # (step, address space) at the host reads under RLIMIT_AS: its own rate
+        self._near_at = 0  # the last read step near() saw
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -80,6 +84,20 @@ class Forecast:
         """A host growth finding's forecast (``host_growth``, ``host_growth:native``): against the host's limits."""
         return self._update(key, step, rate, new, "host")
 
+    def near(self, step: int) -> None:
+        """A read step while a forecast is open: the snapshot before the end once the earliest forecast leaves
+        :data:`SNAPSHOT_STEPS_LEFT` steps or fewer (plus the steps since the last read), though its finding did not
+        update (a steady rate updates it seldom: a cgroup run was killed with none taken)."""
+        gap, self._near_at = step - self._near_at, step
+        if self.snap is not None:
+            self._snapshot(min(self.open.values(), key=lambda f: f["step"]), step, gap)
+
+    def _snapshot(self, forecast: dict[str, Any], step: int, gap: int) -> None:
+        """The snapshot before the end, once ``forecast`` leaves few enough steps (:data:`SNAPSHOT_SHARE`)."""
+        left = forecast["step"] - step
+        if left <= max(SNAPSHOT_STEPS_LEFT, SNAPSHOT_SHARE * (forecast["step"] - forecast["at_step"])) + gap:
+            self.snap.fire("runs_out", step, f"memory runs out in about {max(0, left)} steps ({forecast['limit_source']} limit)")
+
     # ------------------------------------------------------------------ the forecast
     def _on_host(self) -> bool:
         backend = self.engine.backend
@@ -100,9 +118,8 @@ class Forecast:
         else:
             self.open[key] = forecast
             self._say(key, forecast, new)
-            if self.snap is not None and forecast["step"] - step <= SNAPSHOT_STEPS_LEFT + gap:
-                left = max(0, forecast["step"] - step)
-                self.snap.fire("runs_out", step, f"memory runs out in about {left} steps ({forecast['limit_source']} limit)")
+            if self.snap is not None:
+                self._snapshot(forecast, step, gap)
         self._earliest()
         if schedule is not None:
             schedule.book_finding(time.perf_counter() - t0)

@@ -159,8 +159,10 @@ class _Track:
     reported: bool = False
     """In a finding: its reads are the budget's again."""
     peak: int = 0
-    """Once reported: its USS at its last rise, and that read's step."""
+    """Once reported: the highest USS read since (a settled finding re-opens 4 MiB above it)."""
+    rise_uss: int = 0
     last_rise_step: int = 0
+    """Once reported: its USS at its last counted rise, and that read's step."""
     climb_step: int = 0
     climb_uss: int = 0
     """Once reported: the step and USS of the read before its climb began (its growth's length runs from there)."""
@@ -221,18 +223,22 @@ class _Track:
         return second[-1][1] - second[0][1] >= min_growth // _STEP_SHARE and fastest <= 4 * pace
 
     def grows_on(self, again: int, open_: bool) -> bool:
-        """Once reported: its last read is ``again`` above its peak and, while its finding is open, rose at a quarter
-        of its climb's pace or faster. A filled cache's allocator moves 1 MiB now and then: each such rise doubled the
-        wait to settle, and a -n 2 suite run held a cache full by step ~200 open at step 444."""
+        """Once reported: while its finding is open, its last read is ``again`` above its last counted rise, reached at
+        a quarter of its climb's pace or faster (a filled cache's allocator moves 1 MiB now and then: each such rise
+        doubled the wait to settle, and a -n 2 suite run held a cache full by step ~200 open at step 444); once
+        settled, ``again`` above the highest read since it was reported (a creep seen while open re-opens nothing)."""
         step, uss = self.reads[-1][:2]
-        pace = (self.peak - self.climb_uss) / max(self.last_rise_step - self.climb_step, 1)
-        return uss >= self.peak + again and (not open_ or (uss - self.peak) / max(step - self.last_rise_step, 1) >= pace / 4)
+        if not open_:
+            return uss >= self.peak + again
+        pace = (self.rise_uss - self.climb_uss) / max(self.last_rise_step - self.climb_step, 1)
+        return uss >= self.rise_uss + again and (uss - self.rise_uss) / max(step - self.last_rise_step, 1) >= pace / 4
 
     def report(self) -> None:
         """Named in a finding: its peak so far, and where its climb began."""
         reads = self.reads
         self.climb_step, self.climb_uss = reads[self.climb()][:2]
-        self.peak, self.last_rise_step = reads[-1][1], reads[-1][0]
+        self.peak = self.rise_uss = reads[-1][1]
+        self.last_rise_step = reads[-1][0]
         self.reported = True
 
 
@@ -594,9 +600,11 @@ class WorkerWatch:
                         t.keeps() and t.late(self.min_growth_bytes) or self._fills_cache(t)):
                     t.report()
                     grows = True
-            elif t.info.pid in self.pids and t.reads and t.grows_on(again, not settled):
-                t.peak, t.last_rise_step = t.reads[-1][1], t.reads[-1][0]
-                grows = True
+            elif t.info.pid in self.pids and t.reads:
+                if t.grows_on(again, not settled):
+                    t.rise_uss, t.last_rise_step = t.reads[-1][1], t.reads[-1][0]
+                    grows = True
+                t.peak = max(t.peak, t.reads[-1][1])
         if not grows:
             return self._settle(step)
         grown = [t for t in self.tracks.values() if t.reported]
