@@ -121,10 +121,10 @@ def cadence_summary(schedule: Any, *, step_times: Sequence[float], costs: tuple[
         "overhead_after_start": None if math.isnan(after) else round(after, 5),
         "overhead_by_part": {k: round(v / timed, 5) for k, v in parts.items() if k not in constants["apart"]} if timed > 0 else None,
         "hooks_after_start": hooks,  # the hooks' part of overhead_after_start (a floor no interval lowers)
-        "step_time_timed_s": round(timed, 4),  # the step time the pauses leave: the shares' denominator
+        "step_time_timed_s": round(timed, 6),  # the step time the pauses leave: the shares' denominator
         "finding_time_s": round(s.finding_s, 4),
         "diagnoses": [{"step": d["step"], "seconds": round(d["seconds"], 4)} for d in s.diagnoses],
-        "end_of_run_s": round(parts["end"], 4),
+        "end_of_run_s": round(parts["end"], 6),
         "imports_during_run": s.imports[0], "imports_at_end": s.imports[1],  # modules the monitor's code imported
         "hooked_calls": hooked_calls,  # torch's calls through the monitor's module hooks (None: none hooked)
         "dispatch_call_cost_us": round(s.meters[0].call_cost_s * constants["cold_factor"] * 1e6, 3) if s.meters else None,
@@ -145,8 +145,8 @@ def cadence_summary(schedule: Any, *, step_times: Sequence[float], costs: tuple[
         "lingering_every_n_samples": s.mark_every,
         "lingering_checks": s.lingering_checks,
         "lingering_heap_scans": s.heap_scans,
-        "own_time_s": round(s.own_s, 4),
-        "own_time_by_part_s": {k: round(v, 4) for k, v in parts.items()},
+        "own_time_s": round(s.own_s, 6),
+        "own_time_by_part_s": {k: round(v, 6) for k, v in parts.items()},  # µs: the parts add up on short runs too
         "backoffs": list(s.guard.backoffs),
         "over_budget_windows": s.guard.over_budget_windows,
     }
