@@ -72,29 +72,38 @@ class GarbageNote:
         )
 
 
-def cyclic_garbage_note(targets: list[torch.Tensor]) -> GarbageNote | None:
-    """Whether objects in cyclic garbage hold ``targets``; collects (that garbage is freed)."""
-    wanted = {id(t): t for t in targets}
+@contextmanager
+def _saved_garbage() -> Iterator[list[Any]]:
+    """A collection that keeps the cyclic garbage it finds (``gc.DEBUG_SAVEALL``), for the block to look at; the
+    garbage is freed when the block ends. Both collections are the monitor's own work: their time is own time."""
     flags = gc.get_debug()
     n0 = len(gc.garbage)
     gc.set_debug(flags | gc.DEBUG_SAVEALL)
     try:
-        with counted_collection():  # the monitor's own work: its time is own time
+        with counted_collection():
             gc.collect()
     finally:
         gc.set_debug(flags)
     garbage = gc.garbage[n0:]
     del gc.garbage[n0:]
     try:
-        return _note(garbage, wanted)
-    except Exception:
-        log.debug("could not describe the cyclic garbage", exc_info=True)
-        return None
+        yield garbage
     finally:
         garbage.clear()
         del garbage
         with counted_collection():
             gc.collect()  # really free it now
+
+
+def cyclic_garbage_note(targets: list[torch.Tensor]) -> GarbageNote | None:
+    """Whether objects in cyclic garbage hold ``targets``; collects (that garbage is freed)."""
+    wanted = {id(t): t for t in targets}
+    with _saved_garbage() as garbage:
+        try:
+            return _note(garbage, wanted)
+        except Exception:
+            log.debug("could not describe the cyclic garbage", exc_info=True)
+            return None
 
 
 def _note(garbage: list[Any], wanted: dict[int, torch.Tensor]) -> GarbageNote | None:
@@ -133,39 +142,25 @@ def _kept_bytes(garbage: list[Any]) -> int:
 def garbage_holding(keys: set[tuple[str, int]], limit: int = 20) -> GarbageNote | None:
     """Whether cyclic garbage holds the storages ``keys`` (``(device, data_ptr)``, as a census names them), directly
     or through the autograd graph of a tensor in the garbage; collects (that garbage is freed)."""
-    flags = gc.get_debug()
-    n0 = len(gc.garbage)
-    gc.set_debug(flags | gc.DEBUG_SAVEALL)
-    try:
-        with counted_collection():
-            gc.collect()
-    finally:
-        gc.set_debug(flags)
-    garbage = gc.garbage[n0:]
-    del gc.garbage[n0:]
-    try:
-        targets: dict[int, torch.Tensor] = {}
-        graphs = 0
-        for o in garbage:
-            if not isinstance(o, torch.Tensor):
-                continue
-            if _holds(o, keys):
-                targets[id(o)] = o
-            elif o.grad_fn is not None and graphs < 200:
-                graphs += 1
-                if any(_holds(t, keys) for t, _how in graph_tensors([o])):
+    with _saved_garbage() as garbage:
+        try:
+            targets: dict[int, torch.Tensor] = {}
+            graphs = 0
+            for o in garbage:
+                if not isinstance(o, torch.Tensor):
+                    continue
+                if _holds(o, keys):
                     targets[id(o)] = o
-            if len(targets) >= limit:
-                break
-        return _note(garbage, targets) if targets else None
-    except Exception:
-        log.debug("could not look for the grown tensors in the cyclic garbage", exc_info=True)
-        return None
-    finally:
-        garbage.clear()
-        del garbage
-        with counted_collection():
-            gc.collect()
+                elif o.grad_fn is not None and graphs < 200:
+                    graphs += 1
+                    if any(_holds(t, keys) for t, _how in graph_tensors([o])):
+                        targets[id(o)] = o
+                if len(targets) >= limit:
+                    break
+            return _note(garbage, targets) if targets else None
+        except Exception:
+            log.debug("could not look for the grown tensors in the cyclic garbage", exc_info=True)
+            return None
 
 
 def _holds(t: torch.Tensor, keys: set[tuple[str, int]]) -> bool:
