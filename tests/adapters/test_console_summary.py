@@ -58,7 +58,8 @@ def test_lightning_shows_the_verdict_through_rank_zero_info(tmp_path: Path, swit
     check_lines(done.stderr, tmp_path / "memcallbacks")
 
 
-def test_plain_monitor_prints_the_verdict(tmp_path: Path, capsys: Any) -> None:
+def plain_run(tmp_path: Path) -> Monitor:
+    """The README's plain loop, 5 steps, closed."""
     model = torch.nn.Linear(16, 1)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     monitor = Monitor(model, opt, output_dir=str(tmp_path), plot=False, device="cpu")
@@ -67,6 +68,11 @@ def test_plain_monitor_prints_the_verdict(tmp_path: Path, capsys: Any) -> None:
         opt.step()
         opt.zero_grad()
     monitor.close()
+    return monitor
+
+
+def test_plain_monitor_prints_the_verdict(tmp_path: Path, capsys: Any) -> None:
+    plain_run(tmp_path)
     check_lines(capsys.readouterr().out, tmp_path)
 
 
@@ -151,14 +157,7 @@ def test_transformers_verdict_is_a_line_of_its_own_beside_the_progress_bar(tmp_p
 def test_close_then_format_report_prints_the_verdict_once(tmp_path: Path, capsys: Any) -> None:
     """docs/plain_pytorch.md's end: ``monitor.close()`` then ``print(monitor.format_report())``. The verdict is on the
     console once; the text report's first line points at it, and the report's other sections follow."""
-    model = torch.nn.Linear(16, 1)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    monitor = Monitor(model, opt, output_dir=str(tmp_path), plot=False, device="cpu")
-    for _ in monitor.track(range(5)):
-        model(torch.randn(8, 16)).sum().backward()
-        opt.step()
-        opt.zero_grad()
-    monitor.close()
+    monitor = plain_run(tmp_path)
     print(monitor.format_report())
     out = capsys.readouterr().out
     verdict = json.loads((tmp_path / "report.json").read_text())["verdict"]
