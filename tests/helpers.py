@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import logging
@@ -13,9 +14,10 @@ import sys
 import time
 import zlib
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import lightning.pytorch as L
+import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
@@ -498,3 +500,26 @@ def flat_settings(**flat: Any) -> Any:
         else:
             given[name] = value
     return settings_of(MonitorConfig(**given))
+
+
+@contextlib.contextmanager
+def tiny_tmpfs(folder: Path) -> Iterator[Path]:
+    """A real 1 MiB tmpfs mounted on ``folder`` (made here), unmounted after; the test is skipped, with the reason,
+    where none can be mounted (it needs root)."""
+    folder.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(folder)], capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a 1 MiB tmpfs here (needs root); the full-disk case is untested")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", str(folder)], check=False)
+
+
+def fill_disk(path: Path) -> None:
+    """Write zeros to ``path`` until its file system is full, to the last byte."""
+    with open(path, "wb", buffering=0) as fh:
+        try:
+            while True:
+                fh.write(b"\0" * 4096)
+        except OSError:
+            pass

@@ -29,7 +29,7 @@ import torch
 
 import memcallbacks._runtime.end_write as end_write
 import memcallbacks._runtime.run_end as run_end
-from helpers import BoringModel, RandomDataModule, trainer_kwargs
+from helpers import BoringModel, RandomDataModule, fill_disk, tiny_tmpfs, trainer_kwargs
 from memcallbacks import MemoryMonitor, Monitor
 from memcallbacks._files.outputs import write_outputs
 from memcallbacks._runtime.end_write import run_writer
@@ -246,27 +246,16 @@ def test_the_writer_process_imports_no_torch_and_removes_the_journal(tmp_path: P
 
 def test_a_full_disk_in_the_writer_process_is_an_oserror_here_and_the_first_set_stays_whole(tmp_path: Path,
                                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    folder = tmp_path / "small"
-    folder.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(folder)], capture_output=True).returncode != 0:
-        pytest.skip("cannot mount a 1 MiB tmpfs here (needs root); the full-disk case is untested")
-    try:
+    with tiny_tmpfs(tmp_path / "small") as folder:
         plain_run(folder, 8, plot=False)
         before = {name: (folder / name).read_bytes() for name in os.listdir(folder)}
         journal = ended_journal(tmp_path, monkeypatch, folder, steps=400, sample_every_n_steps=1, plot=False)
-        with open(folder / "filler", "wb", buffering=0) as fh:  # fill the disk to the last byte
-            try:
-                while True:
-                    fh.write(b"\0" * 4096)
-            except OSError:
-                pass
+        fill_disk(folder / "filler")
         with pytest.raises(OSError) as info:
             run_writer(journal, owner="test")
         assert info.value.errno == errno.ENOSPC, info.value
         assert {name: (folder / name).read_bytes() for name in before} == before
         assert journal.exists() and not list(folder.glob(".*.tmp"))  # the record stays for `memcallbacks report`
-    finally:
-        subprocess.run(["umount", str(folder)], check=False)
 
 
 def test_past_the_timeout_the_run_goes_on_and_the_writer_finishes_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

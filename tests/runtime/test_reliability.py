@@ -6,7 +6,6 @@ from __future__ import annotations
 import gc
 import json
 import os
-import subprocess
 import uuid
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,7 @@ import pytest
 import torch
 from torch.optim import optimizer as optim_module
 
-from helpers import BoringModel, RandomDataModule, TemporaryNet, trainer_kwargs
+from helpers import BoringModel, RandomDataModule, TemporaryNet, fill_disk, tiny_tmpfs, trainer_kwargs
 from memcallbacks import MemoryMonitor, Monitor, MonitorConfig
 from memcallbacks._files.fileset import check_fingerprint, fingerprint
 from memcallbacks._files.report import format_report, load_output_dir
@@ -80,18 +79,9 @@ def test_monitor_dropped_without_close_removes_its_global_hooks(tmp_path: Path) 
 
 # ---------------------------------------------------------------------- 2. one consistent set of files
 def test_full_disk_keeps_the_first_run_whole(tmp_path: Path) -> None:
-    folder = tmp_path / "small"
-    folder.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(folder)], capture_output=True).returncode != 0:
-        pytest.skip("cannot mount a 1 MiB tmpfs here (needs root); the full-disk case is untested")
-    try:
+    with tiny_tmpfs(tmp_path / "small") as folder:
         plain_run(folder, 4, plot=False)
-        with open(folder / "filler", "wb", buffering=0) as fh:  # fill the disk to the last byte
-            try:
-                while True:
-                    fh.write(b"\0" * 4096)
-            except OSError:
-                pass
+        fill_disk(folder / "filler")
         # two pages free: the second run's history.csv (2 pages) fits, its report.json (2 pages) does
         # not, even after the first history's page is freed by a rename (no gc records: a full collection
         # of this test process's heap is half a second a step)
@@ -106,8 +96,6 @@ def test_full_disk_keeps_the_first_run_whole(tmp_path: Path) -> None:
         # what the second run recorded before the disk filled stays in its journal: the report reads that run
         unfinished, _ = load_output_dir(folder)
         assert unfinished["unfinished"]["ranks"][0]["journal"] == "journal.jsonl"
-    finally:
-        subprocess.run(["umount", str(folder)], check=False)
 
 
 def test_a_stale_file_from_another_run_is_never_left_beside_the_new_set(tmp_path: Path) -> None:
