@@ -1,7 +1,7 @@
 """Shared pytest setup: ``helpers`` importable, the ``cuda`` marker skipped without a GPU, offline loggers.
 
 Fixtures a test module opts into with ``pytestmark = pytest.mark.usefixtures(...)``: ``one_thread``,
-``collected_heap``, ``returned_heap``, ``fresh_accelerate_state``."""
+``collected_heap``, ``returned_heap``, ``fresh_accelerate_state``; ``cuda_limited`` for the CUDA tests."""
 
 from __future__ import annotations
 
@@ -117,3 +117,17 @@ def fresh_accelerate_state() -> Iterator[Any]:
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def cuda_limited() -> Iterator[None]:
+    """GPU 0 limited to ``helpers.CUDA_LIMIT`` by a per-process memory fraction for the test, then given back."""
+    import torch
+    from helpers import CUDA_LIMIT
+
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(CUDA_LIMIT / total, 0)
+    yield
+    torch.cuda.set_per_process_memory_fraction(1.0, 0)
+    torch.cuda.empty_cache()

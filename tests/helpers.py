@@ -523,3 +523,7 @@ def fill_disk(path: Path) -> None:
                 fh.write(b"\0" * 4096)
         except OSError:
             pass
+
+
+CUDA_LIMIT = 2 << 30
+"""What the ``cuda_limited`` fixture (tests/conftest.py) leaves this process of the GPU: a per-process memory fraction."""

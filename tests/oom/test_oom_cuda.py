@@ -11,24 +11,14 @@ import pytest
 import torch
 from torch import nn
 
+from helpers import CUDA_LIMIT
 from memcallbacks import Monitor
 from memcallbacks.oom import explain_oom, is_oom
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
-LIMIT = 2 << 30  # what the per-process fraction leaves this process
 
 
-@pytest.fixture
-def limited() -> None:
-    torch.cuda.empty_cache()
-    total = torch.cuda.get_device_properties(0).total_memory
-    torch.cuda.set_per_process_memory_fraction(LIMIT / total, 0)
-    yield
-    torch.cuda.set_per_process_memory_fraction(1.0, 0)
-    torch.cuda.empty_cache()
-
-
-def test_growing_batch_on_cuda(limited: None, tmp_path: Path) -> None:
+def test_growing_batch_on_cuda(cuda_limited: None, tmp_path: Path) -> None:
     model = nn.Sequential(*[nn.Sequential(nn.Linear(1024, 4096), nn.GELU(), nn.Linear(4096, 1024)) for _ in range(3)]).cuda()
     optimizer = torch.optim.AdamW(model.parameters())
     with pytest.raises(torch.OutOfMemoryError) as raised:
@@ -43,17 +33,17 @@ def test_growing_batch_on_cuda(limited: None, tmp_path: Path) -> None:
     memory = oom["memory"]
     assert oom["source"] == "cuda" and memory["requested_bytes"] > 0
     assert oom["where"]["phase"] in ("forward", "backward")
-    assert memory["capacity_bytes"] == pytest.approx(LIMIT, rel=1e-6) and memory["capacity_source"].startswith("per-process")
+    assert memory["capacity_bytes"] == pytest.approx(CUDA_LIMIT, rel=1e-6) and memory["capacity_source"].startswith("per-process")
     assert sum(memory["categories"].values()) == memory["figure_bytes"]
     assert memory["largest_free_block_bytes"] is not None and memory["reserved_unallocated_bytes"] is not None
     # the categories add up to the allocator's reserved bytes at the failure, within 5% of the limit it ran into
-    assert abs(memory["figure_bytes"] + memory["requested_bytes"] - LIMIT) <= 0.05 * LIMIT + memory["requested_bytes"]
+    assert abs(memory["figure_bytes"] + memory["requested_bytes"] - CUDA_LIMIT) <= 0.05 * CUDA_LIMIT + memory["requested_bytes"]
     assert oom["snapshot"] and Path(oom["snapshot"]).is_file()  # the OOM snapshot, linked
     kinds = [r["kind"] for r in oom["remedies"]]
     assert "batch_size" in kinds and "expandable_segments" not in kinds[:1]
 
 
-def test_fragmentation_is_named_with_expandable_segments(limited: None) -> None:
+def test_fragmentation_is_named_with_expandable_segments(cuda_limited: None) -> None:
     # one 1.5 GiB segment carved into 16 blocks of 96 MiB, every other one freed: 768 MiB cached in
     # blocks of 96 MiB the allocator cannot merge, and a segment it cannot release (half of it is in use)
     whole = torch.empty(1536 << 20, dtype=torch.uint8, device="cuda")
@@ -113,7 +103,7 @@ def test_the_readme_loop_explains_a_cuda_oom_nobody_caught(tmp_path: Path) -> No
     import sys
 
     here = str(Path(__file__).resolve().parent)
-    script = README_LOOP_ON_CUDA.format(here=here, limit=LIMIT, big=256)
+    script = README_LOOP_ON_CUDA.format(here=here, limit=CUDA_LIMIT, big=256)
     done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=240,
                           env=dict(os.environ, PYTHONPATH=str(Path(here).parents[1])))
     assert done.returncode == 1, done.stderr[-3000:]
@@ -125,7 +115,7 @@ def test_the_readme_loop_explains_a_cuda_oom_nobody_caught(tmp_path: Path) -> No
     assert oom["memory"]["capacity_source"].startswith("per-process")
 
 
-def test_the_proposed_batch_fits_on_cuda(limited: None, tmp_path: Path) -> None:
+def test_the_proposed_batch_fits_on_cuda(cuda_limited: None, tmp_path: Path) -> None:
     """A batch that jumps at step 10 under a 2 GiB per-process fraction: the batch the explanation proposes runs under
     the same fraction with the monitor on, and twice that batch does not."""
     model = nn.Sequential(*[nn.Sequential(nn.Linear(1024, 4096), nn.GELU(), nn.Linear(4096, 1024)) for _ in range(3)]).cuda()

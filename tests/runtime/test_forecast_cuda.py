@@ -10,30 +10,20 @@ it where other processes hold the device. Run by ``scripts/gpu_check.sh`` (the `
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
+from helpers import CUDA_LIMIT
 from memcallbacks import Monitor
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
-LIMIT = 2 << 30
 LEAK = 16 << 20
 
 
-@pytest.fixture
-def limited() -> Iterator[None]:
-    torch.cuda.empty_cache()
-    total = torch.cuda.get_device_properties(0).total_memory
-    torch.cuda.set_per_process_memory_fraction(LIMIT / total, 0)
-    yield
-    torch.cuda.set_per_process_memory_fraction(1.0, 0)
-    torch.cuda.empty_cache()
-
-
-def test_a_device_leak_is_forecast_against_the_device_capacity(limited: None, tmp_path: Path) -> None:
+def test_a_device_leak_is_forecast_against_the_device_capacity(cuda_limited: None, tmp_path: Path) -> None:
     model = nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 1)).cuda()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     kept: list[torch.Tensor] = []
@@ -54,6 +44,6 @@ def test_a_device_leak_is_forecast_against_the_device_capacity(limited: None, tm
     ahead = [(step, f) for step, f in forecasts if step <= reached - 20]
     assert ahead, (reached, forecasts[-3:])
     for step, forecast in ahead:
-        assert forecast["limit_source"] == "device" and forecast["limit_bytes"] == pytest.approx(LIMIT, rel=0.01), forecast
+        assert forecast["limit_source"] == "device" and forecast["limit_bytes"] == pytest.approx(CUDA_LIMIT, rel=0.01), forecast
         assert abs(forecast["step"] - reached) <= 0.2 * reached, (step, forecast, reached)
     assert ahead[0][1]["rate_bytes_per_step"] == pytest.approx(LEAK, rel=0.05)
