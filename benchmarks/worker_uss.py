@@ -36,6 +36,8 @@ from memcallbacks.host.readers import smaps_rollup
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir)
 IMAGENET = os.path.join(ROOT, "tests", "scripts", "imagenet_style.py")
+sys.path.insert(0, os.path.join(ROOT, "tests", "host"))
+from worker_procs import children, cmdline  # noqa: E402  (tests/host/worker_procs.py, shared with the scenario test)
 
 TIMM_RUNNER = textwrap.dedent('''
     import contextlib, importlib.util, json, os, sys
@@ -89,25 +91,6 @@ TIMM_RUNNER = textwrap.dedent('''
 ''')
 
 
-def _cmdline(pid: int) -> bytes | None:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read()
-    except OSError:
-        return None
-
-
-def _children(pid: int) -> list[int]:
-    out: list[int] = []
-    try:
-        for task in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{task}/children") as f:
-                out += [int(c) for c in f.read().split()]
-    except OSError:
-        pass
-    return out
-
-
 def watch(runs: dict[str, tuple[list[str], str, dict[str, str]]], every: float) -> dict[str, dict]:
     """Start the runs at once (``name -> (command, folder, env)``); until they end, read their workers' USS (their
     children with the same command line) every ``every`` seconds. Per run: each worker's (first, peak) USS."""
@@ -117,9 +100,9 @@ def watch(runs: dict[str, tuple[list[str], str, dict[str, str]]], every: float) 
         series[name] = {}
     while any(p.poll() is None for p in procs.values()):
         for name, proc in procs.items():
-            parent = _cmdline(proc.pid) if proc.poll() is None else None
-            for child in _children(proc.pid) if parent else []:
-                if child in series[name] or _cmdline(child) == parent:
+            parent = cmdline(proc.pid) if proc.poll() is None else None
+            for child in children(proc.pid) if parent else []:
+                if child in series[name] or cmdline(child) == parent:
                     uss = (smaps_rollup(child) or {}).get("uss")
                     if uss is not None:
                         first, peak = series[name].get(child, (uss, 0))

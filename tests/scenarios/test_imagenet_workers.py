@@ -33,6 +33,7 @@ from helpers import open_problems
 from PIL import Image
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
+from worker_procs import children, cmdline
 
 from memcallbacks import Monitor
 from memcallbacks.host.readers import smaps_rollup
@@ -47,14 +48,6 @@ def images(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("imagefolder")
 
 
-def _cmdline(pid: int) -> bytes | None:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read()
-    except OSError:
-        return None
-
-
 def _faults(pid: int) -> int | None:
     """The process's page faults so far (``/proc/<pid>/stat`` minflt + majflt: microseconds, against ~10-30 ms for
     its ``smaps_rollup``): a page becomes private to a worker through a fault in it."""
@@ -65,17 +58,6 @@ def _faults(pid: int) -> int | None:
         return int(fields[7]) + int(fields[9])
     except (OSError, ValueError, IndexError):
         return None
-
-
-def _children(pid: int) -> list[int]:
-    out: list[int] = []
-    try:
-        for task in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{task}/children") as f:
-                out += [int(c) for c in f.read().split()]
-    except OSError:
-        pass
-    return out
 
 
 TICK_S, EVERY_S, PAGE = 0.2, 3.0, 4096
@@ -102,9 +84,9 @@ def run_side_by_side(tmp_path: Path, images: Path, runs: dict[str, list[str]], t
         for name, proc in procs.items():
             if not read or proc.poll() is not None:
                 continue
-            parent = _cmdline(proc.pid)
-            for child in _children(proc.pid):
-                if child not in peaks[name] and _cmdline(child) != parent:
+            parent = cmdline(proc.pid)
+            for child in children(proc.pid):
+                if child not in peaks[name] and cmdline(child) != parent:
                     continue
                 faults = _faults(child)
                 seen = last.get(child)
