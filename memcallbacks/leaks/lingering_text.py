@@ -85,15 +85,20 @@ def _cause(outputs_only: bool) -> str:
 _LOOP_CAUSE = " Something keeps them from one step to the next, usually"
 
 
+def _root(holder: str) -> tuple[str, str]:
+    """A holder path's root without its source location (``Net.kept[0]``, ``module m: global KEPT[0]['loss']``) and
+    that root without its subscripts, the container the code names (``Net.kept``, ``module m: global KEPT``)."""
+    where = re.sub(r" \([^()]*:\d+\)$", "", holder.split(" -> ")[0])
+    return where, re.sub(r"(\[[^\[\]]*\])+$", "", where)
+
+
 def holder_cause(message: str, holder: str) -> str:
     """The lingering ``message`` with the cause and fix that apply to its first ``holder``: a loop variable the next step
     rebinds (the usual cause, already said), an entry of a list or dict that keeps every step's (the first sign of growth),
     or an attribute that keeps the last step's until it is overwritten."""
     if _LOOP_CAUSE not in message:
         return message
-    head = holder.split(" -> ")[0]
-    where = re.sub(r" \([^()]*:\d+\)$", "", head)
-    bare = re.sub(r"(\[[^\[\]]*\])+$", "", where)
+    where, bare = _root(holder)
     name, code = _named(bare), _code(bare)
     indexed = re.search(r"\[\d+\]", where) is not None  # an entry of a list
     if through_exception(holder):
@@ -123,8 +128,7 @@ def through_exception(path: str) -> bool:
 def exception_fix(holder: str) -> str:
     """The fix for tensors a kept exception keeps (``holder``: the path, or its container): its traceback keeps the
     frame it was raised in and every local of that step (pytorch/pytorch#10348)."""
-    where = re.sub(r" \([^()]*:\d+\)$", "", holder.split(" -> ")[0])
-    bare = re.sub(r"(\[[^\[\]]*\])+$", "", where)
+    bare = _root(holder)[1]
     return (f" Fix: keep `str(e)` or `repr(e)` in {_named(bare)}, or `e.with_traceback(None)` (the "
             "exception without its traceback), not the exception itself: an exception's traceback keeps the frames it "
             "passed through alive with every local of that step in them (its batch, outputs and loss, with their autograd "
@@ -177,11 +181,10 @@ def chain_finding(step: int, steps_alive: list[int], nbytes: int, holders: list[
         "step without bound. Accumulate `loss.detach()` or `loss.item()`, evaluate under "
         "`torch.no_grad()`, keep `.detach()`ed outputs."
     )
-    where = re.sub(r" \([^()]*:\d+\)$", "", holders[0].split(" -> ")[0]) if holders else ""
+    where, bare = _root(holders[0]) if holders else ("", "")
     if holders and through_exception(holders[0]):
         cause = "the exceptions kept from every step keep them, through their tracebacks." + exception_fix(holders[0])
     elif re.search(r"\[\d+\]", where):  # an entry a step in a list (or a dict of lists): each entry keeps its step's graph
-        bare = re.sub(r"(\[[^\[\]]*\])+$", "", where)
         cause = (f"{_named(bare)} keeps them: it gets a step's tensors with their autograd graph every step (the graph "
                  "holds the inputs that require grad and their gradients). After `backward()` each graph is small, but "
                  f"their number grows every step without bound. Keep `loss.item()` or `loss.detach()` in `{_code(bare)}`, "
