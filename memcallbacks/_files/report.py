@@ -289,14 +289,12 @@ def _apart_lines(cadence: dict[str, Any], findings: list[dict[str, Any]]) -> lis
     if diagnoses and len(diagnoses) > 4:
         rest = diagnoses[4:]
         lines.append(f"    plus {sum(d.get('seconds', 0.0) for d in rest):.2f} s in {len(rest)} more diagnoses (report.json: summary.cadence.diagnoses)")
-    wall = cadence.get("end_wall_s")
-    if cadence.get("end_of_run_s") or wall:
-        line = f"    plus {cadence.get('end_of_run_s') or 0.0:.2f} s at the end of the run (its report and files)"
-        if isinstance(wall, (int, float)) and wall >= (cadence.get("end_of_run_s") or 0.0) + 0.05:  # a writer process built them
-            line = (f"    plus {cadence.get('end_of_run_s') or 0.0:.2f} s of this process's time at the end of the run; the end took "
-                    f"{wall:.2f} s up to this report, most of it the writer process that builds the files (pandas, matplotlib), "
-                    "which the run's end waits for")
-        lines.append(line)
+    own, wall = cadence.get("end_of_run_s") or 0.0, cadence.get("end_wall_s")
+    if isinstance(wall, (int, float)) and wall >= own + 0.05:  # a writer process built the files
+        lines.append(f"    plus {own:.2f} s of this process's time at the end of the run; the end took {wall:.2f} s up to this "
+                     "report, most of it the writer process that builds the files (pandas, matplotlib), which the run's end waits for")
+    elif own or wall:
+        lines.append(f"    plus {own:.2f} s at the end of the run (its report and files)")
     return lines
 
 

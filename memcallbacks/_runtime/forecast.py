@@ -138,7 +138,7 @@ class Forecast:
             rooms = self._host.rooms()
             space = next((r.used_bytes for r in rooms if r.source == "rlimit_as"), None)
             if space is not None:
-                self._spaces[1:-1] = []  # the first read and the latest two: the rate over the whole span
+                del self._spaces[1:]  # the first read and the latest: the rate over the whole span
                 self._spaces.append((step, space))
         else:
             rooms = self._device_rooms()
