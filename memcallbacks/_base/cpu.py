@@ -167,9 +167,12 @@ class CpuBackend(MemoryBackend):
     def __init__(self, device: torch.device | None = None, *, trim_heap: bool = False) -> None:
         super().__init__(device or torch.device("cpu"))
         self._mallinfo2 = _load_mallinfo2()
-        # with cpu_mmap_threshold: free heap chunks (left from before the threshold was fixed) are
-        # given back at every boundary, so a tensor placed in one faults its pages in and shows in
-        # the RSS peak instead of reusing pages that are still resident
+        # with cpu_mmap_threshold: free heap chunks left from before the threshold was fixed are
+        # given back once, at the first sampled step, so a tensor placed in one faults its pages in
+        # and shows in the RSS peak instead of reusing pages that are still resident. Not at every
+        # step or boundary: 100-250 µs a trim on a real fit's heap, and the pages it gives back are
+        # faulted in again by the step; the chunks the run frees later are its own to reuse (a step's
+        # tensors below the threshold reuse them in any process)
         self._trim = load_malloc_trim() if trim_heap else None
         self._rss = host_rss_reader()
         self._generation = -1  # the _fork_generation its descriptors were opened in (-1: none yet)
@@ -205,9 +208,10 @@ class CpuBackend(MemoryBackend):
         start = data.index(b"VmHWM:") + 6
         return int(data[start : data.index(b"kB", start)]) * 1024
 
-    def _hwm_and_reset(self) -> int:
-        if self._trim is not None:
-            self._trim()  # a few µs when nothing is free; before the reset, so it cannot raise the peak
+    def _hwm_and_reset(self, trim: bool = False) -> int:
+        if trim and self._trim is not None:
+            self._trim()  # before the reset, so it cannot raise the peak
+            self._trim = None
         if self._use_status:
             peak = self._status_hwm()
         else:
@@ -238,7 +242,7 @@ class CpuBackend(MemoryBackend):
             self._open()
         heap = self.heap() if allocated or self._mallinfo2 is None else math.nan
         if self.peak_source == PEAK_RSS_HWM:
-            peak = self._hwm_and_reset()
+            peak = self._hwm_and_reset(trim=True)
             rss = self._rss()
             if not self._use_status:
                 # Right after a reset getrusage must equal RSS; if it is higher, the process-wide

@@ -225,7 +225,7 @@ class AdvancedOptions(KeywordCheck):
     its (adaptive, up to 32 MiB) threshold in the heap, so the resident set - and hence CPU peaks -
     stop moving once the heap has grown; with e.g. ``1 << 20`` every tensor of 1 MiB or more goes
     back to the OS when freed and per-phase RSS peaks follow tensor lifetimes. Free heap chunks
-    left from before are given back (``malloc_trim``) at every phase boundary of sampled steps.
+    left from before are given back (``malloc_trim``) once, at the first sampled step.
     Costs page faults on every large allocation and cannot be undone within the process. ``None``
     leaves malloc alone."""
 
