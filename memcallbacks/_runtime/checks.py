@@ -16,7 +16,7 @@ from memcallbacks._base.findings import Finding
 from memcallbacks._runtime.forecast import Forecast
 from memcallbacks._runtime.preflight_check import PreflightCheck
 from memcallbacks._runtime.sampling import MemoryEngine
-from memcallbacks._runtime.schedule import Schedule
+from memcallbacks._runtime.schedule import DENSE_READ_STEPS, Schedule
 from memcallbacks.host.channel import HostChannel
 from memcallbacks.host.forked import guard_forked_children, unguard_forked_children
 from memcallbacks._base.cpu import own_time
@@ -164,15 +164,19 @@ class StepChecks:
             return []
         return watch.attribution.growth(count, finding, batch)
 
-    def host_read(self, step: int) -> list[Finding]:
+    def host_read(self, step: int, count: int) -> list[Finding]:
         """The host channel at a step that is not quiet (docs/host.md): its read is part of the
         step's own time; a census after suspicion, or a worker read its faults asked for, is reported apart
-        (finding work), with the other censuses."""
+        (finding work), with the other censuses. At the dense reads' last step, private memory risen over
+        their second half keeps them dense, as a risen heap floor does (:meth:`Schedule.after_read`): a
+        Python-object leak is not in the heap the watch reads."""
         host = self.host
         if host is None:
             return []
         finding_s = host.finding_seconds
         found = host.on_read(step)
+        if count == DENSE_READ_STEPS - 1 and host.enabled:
+            self.schedule.extend_dense(host.growth.private_rise(DENSE_READ_STEPS // 2))
         if self.forecast.open:  # a host growth open (a GPU run's): its snapshot before the end, as detect_growth's
             self.forecast.near(step)
         if host.finding_seconds != finding_s:  # censuses and the worker reads their faults asked for: split out of the step's charge

@@ -39,9 +39,12 @@ MARK_EVERY_SAMPLES = 4
 # Steps sampled at the start, before the budget has measurements to choose from.
 MEASURE_STEPS = 4
 # The watch reads memory at every one of a run's first steps, whatever it costs: a leak in the training code
-# leaks from step 0, and growth confirms one within these (256 KiB/step: at step 27); a floor risen in their
-# second half (a slower leak, not confirmed yet) keeps the reads dense up to DENSE_READ_MAX.
-DENSE_READ_STEPS = 32
+# leaks from step 0, and growth confirms a fast one within these (1 MiB/step: at step 9); a floor risen in
+# their second half (a slower leak, not confirmed yet: 256 KiB/step rises 2.5 MiB there, confirmed at step 27),
+# or the host's private memory risen so (a Python-object leak), keeps the reads dense up to DENSE_READ_MAX.
+# As long as the lingering checks' every-step stretch: a clean run is quiet from there (each busy step costs
+# the run ~200-400 µs on CPU, its caches cold after the step's compute).
+DENSE_READ_STEPS = 20
 DENSE_READ_MAX = 48
 # A read that finds the floor risen makes the watch read every step for this many steps.
 CONFIRM_STEPS = 24
@@ -196,7 +199,8 @@ class Schedule:
         self.heap_scans = 0  # lingering checks that scanned the heap for a graph's root
         self.mark_every = MARK_EVERY_SAMPLES  # sampled steps between two lingering marks
         self.guard = BudgetGuard(self.budget, QUIET_FROM, MAX_INTERVAL)
-        self._started: tuple[float, float, float] | None = None  # (own, timed_s, hooks) once QUIET_FROM steps are done
+        self._started: tuple[float, float, float] | None = None  # (own, timed_s, hooks) once the dense reads are done
+        self.started_at = DENSE_READ_STEPS  # the count the steady part began at (later when the dense reads went on)
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -376,6 +380,13 @@ class Schedule:
             return
         recent.append(allocated)
 
+    def extend_dense(self, rise: int) -> None:
+        """At the dense reads' last step: another series (the host's private memory) rose by ``rise``
+        bytes over their second half; by the tripwire's rise or more, the reads stay dense to
+        :data:`DENSE_READ_MAX`, as :meth:`after_read` does for the heap floor."""
+        if rise >= self.trip_bytes:
+            self.dense_until = max(self.dense_until, DENSE_READ_MAX)
+
     def rebase(self, peak: int, pinned: bool) -> bool:
         """After a sampled step, whose phase boundaries reset the high-water mark the tripwire reads:
         it goes off at this step's ``peak`` plus the threshold. A mark ``pinned`` above the resident
@@ -408,9 +419,12 @@ class Schedule:
         self.count_now = count
         if self._imports_at is None:  # the run's first step: what was imported before is the monitor's build
             self._imports_at = (IMPORTS[0], IMPORTS[1])
-        if self._started is None and self.steps >= QUIET_FROM:
+        # the steady part begins after the first steps' dense reads, and after their extension on a risen floor
+        # (a suspicion read every step by design: not what the budget's guard is to thin)
+        if self._started is None and self.steps >= QUIET_FROM and count >= self.dense_until:
             own = self.own_s - self.parts["findings"]  # finding work excepted (finding_s)
             self._started = (own, self.timed_s, self.parts["hooks"])
+            self.started_at = count
             self.guard.window = (self.steps, own, self.timed_s, dict(self.parts))
         if count >= self._next_choice:
             self._next_choice = count + CHOOSE_EVERY
@@ -618,8 +632,8 @@ class Schedule:
 
     @property
     def overhead_after_start(self) -> float:
-        """Own time over step time after the first :data:`QUIET_FROM` steps, finding work excepted:
-        what the budget's intervals and guard hold (NaN before then)."""
+        """Own time over step time after the first :data:`QUIET_FROM` steps (after :attr:`started_at`, where
+        the dense reads went on), finding work excepted: what the budget's intervals and guard hold (NaN before then)."""
         if self._started is None:
             return math.nan
         own0, step0, _ = self._started
@@ -634,4 +648,4 @@ class Schedule:
         return cadence_summary(self, step_times=self._step_times, costs=(self._watch_costs, self._read_costs, self._sample_costs),
                                started=self._started,
                                hooked_calls=self._calls_at - self._calls_run0 if self.meters else None,
-                               constants={"dense_read_steps": DENSE_READ_STEPS, "apart": APART, "cold_factor": COLD_FACTOR})
+                               constants={"dense_read_steps": self.started_at, "apart": APART, "cold_factor": COLD_FACTOR})

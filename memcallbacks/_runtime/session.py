@@ -368,7 +368,7 @@ class Session:
         if checks.watch is not None:
             found = checks.watch.before_baseline(step, batch, lingering=not defer_lingering)
             found += checks.detect_growth(self.current_count, batch)
-        found += checks.host_read(step)
+        found += checks.host_read(step, self.current_count)
         self.engine.begin_step(step, epoch, batch_idx, False)
         self.watched_s = own_time() - t0 - self.schedule.step_read_s  # charged at step end, with the end's
         self.watched_typical = not found
@@ -396,7 +396,7 @@ class Session:
         elif baseline is None and schedule.heap_skipped(count, reserved):
             baseline = engine.fill_baseline(schedule.take_read(count))  # charged as a read (step_read_s)
         found += checks.detect_growth(count, batch, baseline)
-        found += checks.host_read(step)
+        found += checks.host_read(step, self.current_count)
         if check_state and baseline is not None:
             finding = checks.state_finding(step, baseline, batch)
             if finding is not None:

@@ -167,6 +167,11 @@ class HostGrowth:
                 out = self._private_growth(step, hit)
         return out
 
+    def private_rise(self, reads: int) -> int:
+        """Private memory at the latest read over the lowest of the last ``reads`` reads (0 with fewer than two)."""
+        recent = list(self.private.reads)[-reads:]
+        return recent[-1][1] - min(value for _, value in recent) if len(recent) >= 2 else 0
+
     @property
     def open_findings(self) -> list[Finding]:
         return [f for f in self.findings.values() if f.details.get("open")]
