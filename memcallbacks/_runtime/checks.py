@@ -167,15 +167,19 @@ class StepChecks:
     def host_read(self, step: int, count: int) -> list[Finding]:
         """The host channel at a step that is not quiet (docs/host.md): its read is part of the
         step's own time; a census after suspicion, or a worker read its faults asked for, is reported apart
-        (finding work), with the other censuses. At the dense reads' last step, private memory risen over
-        their second half keeps them dense, as a risen heap floor does (:meth:`Schedule.after_read`): a
-        Python-object leak is not in the heap the watch reads."""
+        (finding work), with the other censuses. At the dense reads' last step the Python objects are counted
+        whatever the block count's stride, and private memory risen over their second half keeps the reads
+        dense, as a risen heap floor does (:meth:`Schedule.after_read`): a Python-object leak is not in the
+        heap the watch reads."""
         host = self.host
         if host is None:
             return []
         finding_s = host.finding_seconds
+        last = count == DENSE_READ_STEPS - 1
+        if last:  # the Python objects counted here too: past the warm-up, before the reads thin (their series' first point)
+            host.reader.blocks_now = True
         found = host.on_read(step)
-        if count == DENSE_READ_STEPS - 1 and host.enabled:
+        if last and host.enabled:
             self.schedule.extend_dense(host.growth.private_rise(DENSE_READ_STEPS // 2))
         if self.forecast.open:  # a host growth open (a GPU run's): its snapshot before the end, as detect_growth's
             self.forecast.near(step)

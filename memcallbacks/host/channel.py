@@ -180,6 +180,7 @@ class HostReader:
             raise ValueError(f"HostReader(max_blocks_gap_steps={self.max_blocks_gap_steps!r}) must be an integer >= 1, e.g. 16.")
         self._statm = StatmReader()
         self._blocks_step: int | None = None
+        self.blocks_now = False  # the next read counts the blocks whatever the stride (the dense reads' last step)
         self.blocks_every = 1
         self.blocks_cost_us = 0.0
         self.calls = 0
@@ -193,7 +194,8 @@ class HostReader:
         # at least every max_blocks_gap_steps steps, unless the count is so dear (1-3 ms on a large heap
         # after a step) that it would cost more than twice its budget per step: then as rarely as that allows
         gap = max(self.max_blocks_gap_steps, math.ceil(self.blocks_cost_us / (2 * self.blocks_budget_us)))
-        if self.calls % self.blocks_every == 0 or last is None or step - last >= gap:
+        if self.calls % self.blocks_every == 0 or last is None or step - last >= gap or self.blocks_now:
+            self.blocks_now = False
             self._blocks_step = step
             t1 = time.thread_time()  # CPU time: a read preempted on a shared machine is not a slow read
             blocks = sys.getallocatedblocks()
