@@ -42,11 +42,11 @@ MARK_EVERY_SAMPLES = 4
 MEASURE_STEPS = 4
 # The watch reads memory at every one of a run's first steps, whatever it costs: a leak in the training code
 # leaks from step 0, and growth confirms a fast one within these (1 MiB/step: at step 9); a floor risen in
-# their second half (a slower leak, not confirmed yet: 256 KiB/step rises 1.5 MiB there, confirmed at step 27),
+# their second half (a slower leak, not confirmed yet: 256 KiB/step rises 2 MiB there, confirmed at step 27),
 # or the host's private memory risen so (a Python-object leak), keeps the reads dense up to DENSE_READ_MAX.
-# As long as the lingering checks' every-step stretch: a clean run is quiet from there (each busy step costs
-# the run ~200-400 µs on CPU, its caches cold after the step's compute).
-DENSE_READ_STEPS = 12
+# A clean run is quiet from there (each busy step costs the run ~200-400 µs on CPU, its caches cold after the
+# step's compute); 16, not 12: a leak that starts at step 10 must rise over their second half too.
+DENSE_READ_STEPS = 16
 DENSE_READ_MAX = 48
 # A read that finds the floor risen makes the watch read every step for this many steps.
 CONFIRM_STEPS = 24

@@ -56,7 +56,7 @@ def test_log_1_reads_the_heap_every_tenth_step_and_on_every_watch_read():
     # a read at twice 100 µs (cold caches) may take half of 10 µs/step: every 40 steps, capped at 32;
     # at log 1 the logged steps are no longer where reads are free, so the interval is kept
     assert plan.read_every == 32
-    dense = C.DENSE_READ_STEPS  # 12
+    dense = C.DENSE_READ_STEPS  # 16
     taken = [n for n in range(300) if plan.heap_due(n)]  # at log 1 every step is sampled
     assert taken[:dense] == list(range(dense))  # the watch's dense reads
     watch_reads = [n for n in range(dense, 300) if (n + 1) % 32 == 0]
@@ -88,7 +88,7 @@ def test_cheap_reads_wanted_reads_and_the_budgets_first_steps():
     plan = heap_plan(log_every=1)
     assert plan.heap_due(100) and not plan.heap_due(101)
     assert plan.heap_due(102, wanted=True)  # the theory check compares this step's baseline
-    fresh = Schedule(flat_settings())  # no median step yet: only the watch's reads (every one of the first 12)
+    fresh = Schedule(flat_settings())  # no median step yet: only the watch's reads (every one of the first 16)
     fresh.configure(log_every=1, logs=True, log_first_step=False)
     fresh.backend = StandInBackend(COST_S)
     fresh.read_every = 32
@@ -139,7 +139,7 @@ def test_lightning_log_1_logs_allocated_on_the_steps_that_read_it(tmp_path, monk
     summary = monitor.report()["summary"]
     assert summary["last_allocated_bytes"] == int(history.loc[read, "allocated"].iloc[-1])
     assert not math.isnan(summary["first_allocated_bytes"])
-    assert C.DENSE_READ_STEPS == 12 and C.DENSE_READ_MAX == 48
+    assert C.DENSE_READ_STEPS == 16 and C.DENSE_READ_MAX == 48
 
 
 def test_the_plot_draws_allocated_as_a_line_through_the_steps_that_read_it():

@@ -6,7 +6,7 @@ A real :class:`MonitorConfig`, a real :class:`Schedule` and the real readers
 memory read or for the tripwire's reader (said so at each place). Expected values are worked out by
 hand from the documented constants, never by asking the code under test again:
 
-* ``QUIET_FROM = max(LINGERING_EVERY_STEP_UNTIL 12, DENSE_READ_STEPS 12, MEASURE_STEPS 4) = 12``
+* ``QUIET_FROM = max(LINGERING_EVERY_STEP_UNTIL 12, DENSE_READ_STEPS 16, MEASURE_STEPS 4) = 16``
 * ``TRIP_EVERY = 4`` (the tripwire is checked at counts with ``count & 3 == 0``)
 * ``trip_bytes = growth_min_total_bytes // 4 = (4 MiB) // 4 = 1 MiB`` at the default config
 * ``next_busy(c)`` = the first count ``b >= c`` with ``(b + 1)`` a multiple of the sampling,
@@ -132,7 +132,7 @@ def test_a_tripped_wire_ends_the_stretch_and_makes_the_step_read():
     assert plan.trips == 1
     assert plan.quiet_until == 0  # the stretch is over
     assert not quiet(plan, 53)  # and the steps after it are not quiet until a new plan
-    # the tripped step takes the watch's read, although 52 is past the dense reads (12) and
+    # the tripped step takes the watch's read, although 52 is past the dense reads (16) and
     # (52 + 1) % 25 != 0
     assert plan.take_read(52) == 123 * MIB
     assert plan.take_read(53) is None  # only the tripped step
@@ -152,18 +152,18 @@ def test_a_tripwire_whose_reader_fails_never_trips():
 
 
 # ---------------------------------------------------------------------- plan_after()
-def test_plan_after_keeps_the_first_12_steps_busy():
+def test_plan_after_keeps_the_first_16_steps_busy():
     plan = make_plan(sample_every_n_steps=100)
     plan.plan_after(0, busy=False, reads=False)
     assert plan.quiet_until == 1  # only "the next step is not quiet": nothing before it
-    plan.plan_after(10, busy=False, reads=False)
-    assert plan.quiet_until == 11  # 11 < QUIET_FROM (12): no stretch
+    plan.plan_after(14, busy=False, reads=False)
+    assert plan.quiet_until == 15  # 15 < QUIET_FROM (16): no stretch
 
 
 def test_plan_after_plans_up_to_the_next_logged_sampled_or_read_step():
     plan = make_plan(sample_every_n_steps=100)  # sample: counts 99, 199, ...; log: 49, 99, 149, ...
     plan.plan_after(47, busy=False, reads=False)
-    # nxt = 48 (past QUIET_FROM, 12): the next logged step is count 49 ((49 + 1) % 50 == 0), the next sampled 99
+    # nxt = 48 (past QUIET_FROM, 16): the next logged step is count 49 ((49 + 1) % 50 == 0), the next sampled 99
     assert plan.quiet_until == 49
     plan.plan_after(50, busy=False, reads=False)
     # nxt = 51: logged at 99 ((99 + 1) % 50 == 0), sampled at 99 ((99 + 1) % 100 == 0)
@@ -254,10 +254,10 @@ def test_take_read_reads_only_on_the_steps_the_schedule_names():
     read = Counter(64 * MIB)  # a stand-in for the watch's memory read
     plan.read = read
     plan.read_every = 25
-    for count in (0, 1, 6, 11):  # the first 12 counts: every one reads
+    for count in (0, 1, 8, 15):  # the first 16 counts: every one reads
         assert plan.take_read(count) == 64 * MIB
     assert read.calls == 4
-    for count in (12, 31, 47, 48, 50, 73, 75, 98):  # past 12, (count + 1) % 25 != 0: no read
+    for count in (16, 31, 47, 48, 50, 73, 75, 98):  # past 16, (count + 1) % 25 != 0: no read
         assert plan.take_read(count) is None
     assert read.calls == 4
     for count in (49, 74, 99):  # (count + 1) % 25 == 0
@@ -288,7 +288,7 @@ def test_after_read_sets_trip_at_from_the_tripwire():
     rss.value = 310 * MIB
     plan.after_read(60, 100 * MIB)
     assert plan.trip_at == 310 * MIB + TRIP_BYTES
-    # past the dense reads (12) the schedule keeps the value for its burst test: a floor 4 MiB above it starts one
+    # past the dense reads (16) the schedule keeps the value for its burst test: a floor 4 MiB above it starts one
     plan.after_read(74, 104 * MIB)
     assert plan.bursts == 1 and plan.dense_until == 75 + 24  # CONFIRM_STEPS
 
@@ -348,26 +348,26 @@ def test_pickling_a_plan_drops_its_readers(backend):
 
 # ---------------------------------------------------------------------- the dense reads' window
 def test_the_dense_reads_go_on_to_48_steps_when_the_floor_rose_in_their_second_half():
-    """The first 12 steps read memory at every step; a floor that rose by the tripwire's rise (1 MiB) over
+    """The first 16 steps read memory at every step; a floor that rose by the tripwire's rise (1 MiB) over
     their second half (a slow leak the growth test has not confirmed yet) keeps the reads dense to 48.
     A rise in the first half only (the run's warm-up: optimizer state, loggers) does not."""
     plan = make_plan()
     plan.read_every = 25
-    for count in range(12):  # a 256 KiB/step climb from count 6: +1.25 MiB by count 11
-        plan.after_read(count, 100 * MIB + max(0, count - 6) * (256 << 10))
+    for count in range(16):  # a 256 KiB/step climb from count 8: +1.75 MiB by count 15
+        plan.after_read(count, 100 * MIB + max(0, count - 8) * (256 << 10))
     assert plan.dense_until == 48 and plan.bursts == 0
-    assert all(plan.wants_read(n) for n in range(12, 48)) and not plan.wants_read(48)
+    assert all(plan.wants_read(n) for n in range(16, 48)) and not plan.wants_read(48)
     warm = make_plan()
     warm.read_every = 25
-    for count in range(12):  # 30 MiB in the first steps, then flat
-        warm.after_read(count, 100 * MIB + min(count, 5) * 6 * MIB)
-    assert warm.dense_until == 0 and not warm.wants_read(12)
+    for count in range(16):  # 40 MiB in the first steps, then flat
+        warm.after_read(count, 100 * MIB + min(count, 8) * 5 * MIB)
+    assert warm.dense_until == 0 and not warm.wants_read(16)
 
 
 def test_a_host_rise_over_the_dense_reads_second_half_keeps_them_dense():
     """A Python-object leak is not in the heap the watch reads: the host's private memory risen by the
     tripwire's rise (1 MiB) over the dense reads' second half keeps them dense to 48 too (the session
-    asks at count 11 with :meth:`HostGrowth.private_rise`)."""
+    asks at count 15 with :meth:`HostGrowth.private_rise`)."""
     plan = make_plan()
     plan.read_every = 25
     plan.extend_dense(TRIP_BYTES - 1)
@@ -375,6 +375,6 @@ def test_a_host_rise_over_the_dense_reads_second_half_keeps_them_dense():
     plan.extend_dense(TRIP_BYTES)
     assert plan.dense_until == 48 and plan.wants_read(47) and not plan.wants_read(48)
     growth = HostGrowth()
-    for step in range(12):  # 300 KiB/step of private memory from step 6 (a stand-in for the host reads)
-        growth.private.reads.append((step, 200 * MIB + max(0, step - 6) * 300 * 1024))
-    assert growth.private_rise(C.DENSE_READ_STEPS // 2) == 5 * 300 * 1024
+    for step in range(16):  # 300 KiB/step of private memory from step 8 (a stand-in for the host reads)
+        growth.private.reads.append((step, 200 * MIB + max(0, step - 8) * 300 * 1024))
+    assert growth.private_rise(C.DENSE_READ_STEPS // 2) == 7 * 300 * 1024
