@@ -167,20 +167,20 @@ class StepChecks:
     def host_read(self, step: int, count: int) -> list[Finding]:
         """The host channel at a step that is not quiet (docs/host.md): its read is part of the
         step's own time; a census after suspicion, or a worker read its faults asked for, is reported apart
-        (finding work), with the other censuses. At the dense reads' last step the Python objects are counted
-        whatever the block count's stride, and private memory risen over their second half keeps the reads
-        dense, as a risen heap floor does (:meth:`Schedule.after_read`): a Python-object leak is not in the
-        heap the watch reads."""
+        (finding work), with the other censuses. The Python objects are counted at both ends of the dense reads'
+        second half whatever the block count's stride: risen there by the tripwire's rise, they keep the reads
+        dense, as a risen heap floor does (:meth:`Schedule.after_read`; a Python-object leak is not in the heap
+        the watch reads). Not private memory: a clean loop's rises 4-12 MiB over those steps as it warms up."""
         host = self.host
         if host is None:
             return []
         finding_s = host.finding_seconds
-        last = count == DENSE_READ_STEPS - 1
-        if last:  # the Python objects counted here too: past the warm-up, before the reads thin (their series' first point)
+        half, last = count == DENSE_READ_STEPS // 2, count == DENSE_READ_STEPS - 1
+        if half or last:  # the Python objects counted at both ends of the dense reads' second half, whatever the stride
             host.reader.blocks_now = True
         found = host.on_read(step)
         if last and host.enabled:
-            self.schedule.extend_dense(host.growth.private_rise(DENSE_READ_STEPS // 2))
+            self.schedule.extend_dense(host.growth.python_rise(step - (DENSE_READ_STEPS - 1 - DENSE_READ_STEPS // 2)))
         if self.forecast.open:  # a host growth open (a GPU run's): its snapshot before the end, as detect_growth's
             self.forecast.near(step)
         if host.finding_seconds != finding_s:  # censuses and the worker reads their faults asked for: split out of the step's charge

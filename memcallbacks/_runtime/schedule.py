@@ -43,7 +43,7 @@ MEASURE_STEPS = 4
 # The watch reads memory at every one of a run's first steps, whatever it costs: a leak in the training code
 # leaks from step 0, and growth confirms a fast one within these (1 MiB/step: at step 9); a floor risen in
 # their second half (a slower leak, not confirmed yet: 256 KiB/step rises 2 MiB there, confirmed at step 27),
-# or the host's private memory risen so (a Python-object leak), keeps the reads dense up to DENSE_READ_MAX.
+# or the host's Python objects risen so (a Python-object leak), keeps the reads dense up to DENSE_READ_MAX.
 # A clean run is quiet from there (each busy step costs the run ~200-400 µs on CPU, its caches cold after the
 # step's compute); 16, not 12: a leak that starts at step 10 must rise over their second half too.
 DENSE_READ_STEPS = 16
@@ -383,7 +383,7 @@ class Schedule:
         recent.append(allocated)
 
     def extend_dense(self, rise: int) -> None:
-        """At the dense reads' last step: another series (the host's private memory) rose by ``rise``
+        """At the dense reads' last step: another series (the host's Python objects) rose by ``rise``
         bytes over their second half; by the tripwire's rise or more, the reads stay dense to
         :data:`DENSE_READ_MAX`, as :meth:`after_read` does for the heap floor."""
         if rise >= self.trip_bytes:

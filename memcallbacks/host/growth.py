@@ -167,10 +167,11 @@ class HostGrowth:
                 out = self._private_growth(step, hit)
         return out
 
-    def private_rise(self, reads: int) -> int:
-        """Private memory at the latest read over the lowest of the last ``reads`` reads (0 with fewer than two)."""
-        recent = list(self.private.reads)[-reads:]
-        return recent[-1][1] - min(value for _, value in recent) if len(recent) >= 2 else 0
+    def python_rise(self, since_step: int) -> int:
+        """Python objects (the block count, in bytes) at the latest count over the lowest count taken at or
+        after ``since_step`` (0 with fewer than two there)."""
+        recent = [value for step, value in self.python.reads if step >= since_step]
+        return recent[-1] - min(recent) if len(recent) >= 2 else 0
 
     @property
     def open_findings(self) -> list[Finding]:

@@ -24,7 +24,6 @@ import pytest
 from helpers import flat_settings
 from memcallbacks._base.devices import CpuBackend, StatmReader, heap_in_use_bytes
 from memcallbacks._base.cpu import Tripwire
-from memcallbacks._runtime import schedule as C
 from memcallbacks._runtime.schedule import Schedule, StepKind
 from memcallbacks.host import HostGrowth
 
@@ -365,16 +364,19 @@ def test_the_dense_reads_go_on_to_48_steps_when_the_floor_rose_in_their_second_h
 
 
 def test_a_host_rise_over_the_dense_reads_second_half_keeps_them_dense():
-    """A Python-object leak is not in the heap the watch reads: the host's private memory risen by the
-    tripwire's rise (1 MiB) over the dense reads' second half keeps them dense to 48 too (the session
-    asks at count 15 with :meth:`HostGrowth.private_rise`)."""
+    """A Python-object leak is not in the heap the watch reads: the host's Python objects risen by the
+    tripwire's rise (1 MiB) over the dense reads' second half keep them dense to 48 too (the session
+    counts them at both ends, counts 8 and 15, and asks with :meth:`HostGrowth.python_rise`)."""
     plan = make_plan()
     plan.read_every = 25
     plan.extend_dense(TRIP_BYTES - 1)
-    assert plan.dense_until == 0 and not plan.wants_read(20)
+    assert plan.dense_until == 0 and not plan.wants_read(16)
     plan.extend_dense(TRIP_BYTES)
     assert plan.dense_until == 48 and plan.wants_read(47) and not plan.wants_read(48)
     growth = HostGrowth()
-    for step in range(16):  # 300 KiB/step of private memory from step 8 (a stand-in for the host reads)
-        growth.private.reads.append((step, 200 * MIB + max(0, step - 8) * 300 * 1024))
-    assert growth.private_rise(C.DENSE_READ_STEPS // 2) == 7 * 300 * 1024
+    # stand-ins for the block counts (in bytes): one at step 0, then at both ends of the second half;
+    # 300 KiB/step of Python objects from step 10
+    for step in (0, 8, 15):
+        growth.python.reads.append((step, 90 * MIB + max(0, step - 10) * 300 * 1024))
+    assert growth.python_rise(8) == 5 * 300 * 1024
+    assert growth.python_rise(15) == 0 and HostGrowth().python_rise(0) == 0  # fewer than two counts
