@@ -6,7 +6,7 @@ A real :class:`MonitorConfig`, a real :class:`Schedule` and the real readers
 memory read or for the tripwire's reader (said so at each place). Expected values are worked out by
 hand from the documented constants, never by asking the code under test again:
 
-* ``QUIET_FROM = max(LINGERING_EVERY_STEP_UNTIL 12, DENSE_READ_STEPS 16, MEASURE_STEPS 4) = 16``
+* ``QUIET_FROM = max(LINGERING_EVERY_STEP_UNTIL 20, DENSE_READ_STEPS 32, MEASURE_STEPS 4) = 32``
 * ``TRIP_EVERY = 4`` (the tripwire is checked at counts with ``count & 3 == 0``)
 * ``trip_bytes = growth_min_total_bytes // 4 = (4 MiB) // 4 = 1 MiB`` at the default config
 * ``next_busy(c)`` = the first count ``b >= c`` with ``(b + 1)`` a multiple of the sampling,
@@ -131,7 +131,7 @@ def test_a_tripped_wire_ends_the_stretch_and_makes_the_step_read():
     assert plan.trips == 1
     assert plan.quiet_until == 0  # the stretch is over
     assert not quiet(plan, 53)  # and the steps after it are not quiet until a new plan
-    # the tripped step takes the watch's read, although 52 is past the dense reads (16) and
+    # the tripped step takes the watch's read, although 52 is past the dense reads (32) and
     # (52 + 1) % 25 != 0
     assert plan.take_read(52) == 123 * MIB
     assert plan.take_read(53) is None  # only the tripped step
@@ -151,18 +151,18 @@ def test_a_tripwire_whose_reader_fails_never_trips():
 
 
 # ---------------------------------------------------------------------- plan_after()
-def test_plan_after_keeps_the_first_16_steps_busy():
+def test_plan_after_keeps_the_first_32_steps_busy():
     plan = make_plan(sample_every_n_steps=100)
     plan.plan_after(0, busy=False, reads=False)
     assert plan.quiet_until == 1  # only "the next step is not quiet": nothing before it
-    plan.plan_after(14, busy=False, reads=False)
-    assert plan.quiet_until == 15  # 15 < QUIET_FROM (16): no stretch
+    plan.plan_after(30, busy=False, reads=False)
+    assert plan.quiet_until == 31  # 31 < QUIET_FROM (32): no stretch
 
 
 def test_plan_after_plans_up_to_the_next_logged_sampled_or_read_step():
     plan = make_plan(sample_every_n_steps=100)  # sample: counts 99, 199, ...; log: 49, 99, 149, ...
     plan.plan_after(47, busy=False, reads=False)
-    # nxt = 48 (past QUIET_FROM, 16): the next logged step is count 49 ((49 + 1) % 50 == 0), the next sampled 99
+    # nxt = 48 (past QUIET_FROM, 32): the next logged step is count 49 ((49 + 1) % 50 == 0), the next sampled 99
     assert plan.quiet_until == 49
     plan.plan_after(50, busy=False, reads=False)
     # nxt = 51: logged at 99 ((99 + 1) % 50 == 0), sampled at 99 ((99 + 1) % 100 == 0)
@@ -253,10 +253,10 @@ def test_take_read_reads_only_on_the_steps_the_schedule_names():
     read = Counter(64 * MIB)  # a stand-in for the watch's memory read
     plan.read = read
     plan.read_every = 25
-    for count in (0, 1, 8, 15):  # the first 16 counts: every one reads
+    for count in (0, 1, 20, 31):  # the first 32 counts: every one reads
         assert plan.take_read(count) == 64 * MIB
     assert read.calls == 4
-    for count in (16, 31, 47, 48, 50, 73, 75, 98):  # past 16, (count + 1) % 25 != 0: no read
+    for count in (32, 47, 48, 50, 73, 75, 98):  # past 32, (count + 1) % 25 != 0: no read
         assert plan.take_read(count) is None
     assert read.calls == 4
     for count in (49, 74, 99):  # (count + 1) % 25 == 0
@@ -287,7 +287,7 @@ def test_after_read_sets_trip_at_from_the_tripwire():
     rss.value = 310 * MIB
     plan.after_read(60, 100 * MIB)
     assert plan.trip_at == 310 * MIB + TRIP_BYTES
-    # past the dense reads (16) the schedule keeps the value for its burst test: a floor 4 MiB above it starts one
+    # past the dense reads (32) the schedule keeps the value for its burst test: a floor 4 MiB above it starts one
     plan.after_read(74, 104 * MIB)
     assert plan.bursts == 1 and plan.dense_until == 75 + 24  # CONFIRM_STEPS
 
@@ -347,36 +347,36 @@ def test_pickling_a_plan_drops_its_readers(backend):
 
 # ---------------------------------------------------------------------- the dense reads' window
 def test_the_dense_reads_go_on_to_48_steps_when_the_floor_rose_in_their_second_half():
-    """The first 16 steps read memory at every step; a floor that rose by the tripwire's rise (1 MiB) over
+    """The first 32 steps read memory at every step; a floor that rose by the tripwire's rise (1 MiB) over
     their second half (a slow leak the growth test has not confirmed yet) keeps the reads dense to 48.
     A rise in the first half only (the run's warm-up: optimizer state, loggers) does not."""
     plan = make_plan()
     plan.read_every = 25
-    for count in range(16):  # a 256 KiB/step climb from count 8: +1.75 MiB by count 15
-        plan.after_read(count, 100 * MIB + max(0, count - 8) * (256 << 10))
+    for count in range(32):  # a 256 KiB/step climb from count 16: +3.75 MiB by count 31
+        plan.after_read(count, 100 * MIB + max(0, count - 16) * (256 << 10))
     assert plan.dense_until == 48 and plan.bursts == 0
-    assert all(plan.wants_read(n) for n in range(16, 48)) and not plan.wants_read(48)
+    assert all(plan.wants_read(n) for n in range(32, 48)) and not plan.wants_read(48)
     warm = make_plan()
     warm.read_every = 25
-    for count in range(16):  # 40 MiB in the first steps, then flat
+    for count in range(32):  # 40 MiB in the first steps, then flat
         warm.after_read(count, 100 * MIB + min(count, 8) * 5 * MIB)
-    assert warm.dense_until == 0 and not warm.wants_read(16)
+    assert warm.dense_until == 0 and not warm.wants_read(32)
 
 
 def test_a_host_rise_over_the_dense_reads_second_half_keeps_them_dense():
     """A Python-object leak is not in the heap the watch reads: the host's Python objects risen by the
     tripwire's rise (1 MiB) over the dense reads' second half keep them dense to 48 too (the session
-    counts them at both ends, counts 8 and 15, and asks with :meth:`HostGrowth.python_rise`)."""
+    counts them at both ends, counts 16 and 31, and asks with :meth:`HostGrowth.python_rise`)."""
     plan = make_plan()
     plan.read_every = 25
     plan.extend_dense(TRIP_BYTES - 1)
-    assert plan.dense_until == 0 and not plan.wants_read(16)
+    assert plan.dense_until == 0 and not plan.wants_read(32)
     plan.extend_dense(TRIP_BYTES)
     assert plan.dense_until == 48 and plan.wants_read(47) and not plan.wants_read(48)
     growth = HostGrowth()
     # stand-ins for the block counts (in bytes): one at step 0, then at both ends of the second half;
-    # 300 KiB/step of Python objects from step 10
-    for step in (0, 8, 15):
-        growth.python.reads.append((step, 90 * MIB + max(0, step - 10) * 300 * 1024))
-    assert growth.python_rise(8) == 5 * 300 * 1024
-    assert growth.python_rise(15) == 0 and HostGrowth().python_rise(0) == 0  # fewer than two counts
+    # 300 KiB/step of Python objects from step 20
+    for step in (0, 16, 31):
+        growth.python.reads.append((step, 90 * MIB + max(0, step - 20) * 300 * 1024))
+    assert growth.python_rise(16) == 11 * 300 * 1024
+    assert growth.python_rise(31) == 0 and HostGrowth().python_rise(0) == 0  # fewer than two counts
