@@ -117,9 +117,6 @@ class HostChannel:
         for its second census named."""
         if not self.enabled:
             return []
-        import os as _o, json as _j
-        if _o.environ.get("DUMP_PRIV"):
-            open(_o.environ["DUMP_PRIV"], "w").write(_j.dumps({"priv": list(self.growth.private.reads), "py": list(self.growth.python.reads)}))
         try:
             # the census pair first: the first census, kept until it is named (its table of the heap's containers,
             # ~3 MiB on a Lightning heap), is the monitor's own memory, not the run's Python objects
@@ -180,7 +177,7 @@ class HostReader:
             raise ValueError(f"HostReader(max_blocks_gap_steps={self.max_blocks_gap_steps!r}) must be an integer >= 1, e.g. 16.")
         self._statm = StatmReader()
         self._blocks_step: int | None = None
-        self.blocks_now = False  # the next read counts the blocks whatever the stride (the dense reads' last step)
+        self.blocks_now = False  # the next read counts the blocks whatever the stride (both ends of the dense reads' second half)
         self.blocks_every = 1
         self.blocks_cost_us = 0.0
         self.calls = 0
