@@ -364,8 +364,8 @@ class Schedule:
             self.trip_at = self.trip() + self.trip_bytes
         if count < DENSE_READ_STEPS:
             self._window_min = min(self._window_min, allocated) if count >= DENSE_READ_STEPS // 2 else math.inf
-            if count == DENSE_READ_STEPS - 1 and allocated - self._window_min >= self.trip_bytes:
-                self.dense_until = DENSE_READ_MAX
+            if count == DENSE_READ_STEPS - 1:
+                self.extend_dense(allocated - self._window_min)
             return
         if count < self.dense_until:
             return
@@ -381,9 +381,9 @@ class Schedule:
         recent.append(allocated)
 
     def extend_dense(self, rise: int) -> None:
-        """At the dense reads' last step: another series (the host's Python objects) rose by ``rise``
-        bytes over their second half; by the tripwire's rise or more, the reads stay dense to
-        :data:`DENSE_READ_MAX`, as :meth:`after_read` does for the heap floor."""
+        """At the dense reads' last step: a series (the heap floor, :meth:`after_read`; the host's Python
+        objects) rose by ``rise`` bytes over their second half; by the tripwire's rise or more, the reads
+        stay dense to :data:`DENSE_READ_MAX`."""
         if rise >= self.trip_bytes:
             self.dense_until = max(self.dense_until, DENSE_READ_MAX)
 
