@@ -289,11 +289,13 @@ class CpuBackend(MemoryBackend):
         state["_clear_fd"] = state["_status_fd"] = None
         state["_generation"] = -1  # reopened on first use in the new process
         state["_mallinfo2"] = None
+        state["_trim"] = self._trim is not None  # a ctypes function: reloaded where the trim is still due
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._mallinfo2 = _load_mallinfo2()
+        self._trim = load_malloc_trim() if self._trim else None
 
     def close(self) -> None:
         for name in ("_clear_fd", "_status_fd"):

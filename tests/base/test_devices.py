@@ -185,3 +185,22 @@ def test_cuda_backend_counters_and_capacity():
     assert all(isinstance(v, int) and v >= 0 for v in backend.counters().values())
     capacity = backend.capacity()
     assert capacity is not None and 1 << 30 <= capacity <= torch.cuda.get_device_properties(backend.index).total_memory * 1.01
+
+
+def test_a_cpu_backend_that_trims_pickles_and_trims_once_in_the_new_process():
+    """``cpu_mmap_threshold``'s backend gives free heap chunks back once, at its first sampled step: pickled
+    before it (a spawned rank, a copied monitor), it keeps that one trim to make; after it, none."""
+    import pickle
+
+    from memcallbacks._base.cpu import PEAK_RSS_HWM, CpuBackend, load_malloc_trim
+
+    if load_malloc_trim() is None:
+        pytest.skip("no glibc malloc_trim here")
+    before = pickle.loads(pickle.dumps(CpuBackend(trim_heap=True)))
+    assert before._trim is not None
+    if before.peak_source != PEAK_RSS_HWM:
+        pytest.skip("no resettable high-water mark here: peaks are sampled and the trim is not made")
+    before.baseline()  # the first sampled step: the trim, once
+    after = pickle.loads(pickle.dumps(before))
+    assert before._trim is None and after._trim is None
+    assert pickle.loads(pickle.dumps(CpuBackend()))._trim is None
