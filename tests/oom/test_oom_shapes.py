@@ -52,6 +52,15 @@ def output_folder(folder: Path) -> Path:
     return found[0]
 
 
+def diagnosis(folder: Path, report: dict[str, Any], stderr: str) -> str:
+    """What a failed explanation needs to be understood: the findings, the schedule's figures and the steps' reads."""
+    history = folder / "history.csv"
+    rows = history.read_text().splitlines()[:40] if history.is_file() else ["(no history.csv)"]
+    summary = {k: v for k, v in report.get("summary", {}).items() if not isinstance(v, (dict, list))}
+    return "\n".join([f"findings: {[(f['kind'], f['step'], f.get('state')) for f in report.get('findings', [])]}",
+                      f"summary: {summary}", *rows, f"stderr tail: {stderr[-1500:]}"])
+
+
 def check_explanation(oom: dict[str, Any], phase: str) -> None:
     assert oom["source"] == "cpu" and oom["step"] == 30 and oom["where"]["phase"] == phase, oom["text"]
     if phase == "forward":
@@ -80,8 +89,11 @@ def test_the_error_is_unchanged_and_explained(shape: str, phase: str, tmp_path: 
     assert not [n for n in imported if n.startswith(("memcallbacks", "torch", "pandas", "numpy"))], imported
     folder = output_folder(tmp_path)
     oom = json.loads((folder / "oom.json").read_text())
-    check_explanation(oom, phase)
     report = json.loads((folder / "report.json").read_text())
+    try:
+        check_explanation(oom, phase)
+    except AssertionError as exc:  # a leak not found by step 30 (once in CI, under load): what the monitor saw
+        raise AssertionError(f"{exc}\n{diagnosis(folder, report, stderr)}") from None
     assert [e["kind"] for e in report["events"]] == ["oom"] and report["events"][0]["oom_file"] == str(folder / "oom.json")
     assert any(f["kind"] == "oom" and "Net.kept" in f["message"] for f in report["findings"])
     from memcallbacks.cli import main as cli
