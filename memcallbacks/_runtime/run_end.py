@@ -198,11 +198,13 @@ class RunEnd:
         s, checks = self.session, self.session.checks
         held = checks.watch.attribution if checks.watch is not None and checks.watch.attribution.model is not None else checks.state  # model, optimizer
         peaks = s.engine.max_allocated, s.engine.max_reserved  # the explanation's own memory is not the run's
+        read = s.schedule.last_read  # the watch reads steps the history does not sample: the floor up to the failure
+        read_now = (s.current_step - (s.current_count - read[0]), read[1]) if read is not None and read[0] <= s.current_count else None
         with fake_steps():  # the remedies' fake optimizer steps are not this run's
             finding = record_oom(exc, event, engine=s.engine, model=held.model, optimizer=held.optimizer, precision=checks.state.precision,
                                  findings=s.findings, capacity=s.config.capacity_bytes,
                                  output_dir=s.output_dir if s.config.write_files else None,
-                                 snapshots=s.snap.records if s.snap is not None else [], log=s.log, owner=s.owner)
+                                 snapshots=s.snap.records if s.snap is not None else [], log=s.log, owner=s.owner, read_now=read_now)
         s.engine.max_allocated, s.engine.max_reserved = peaks
         if event.get("oom_file"):  # listed with the run's other files (report.json's "files", the text report)
             s.files["oom"] = event["oom_file"]

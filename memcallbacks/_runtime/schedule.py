@@ -160,6 +160,7 @@ class Schedule:
         self.trip_at: float = math.inf  # a quiet step whose resident set is at or above this reads memory
         self.step_read_s = 0.0  # the open step's read, charged apart from the every-step cost
         self.heap_at = -1  # the count of the last step that read the heap
+        self.last_read: tuple[int, int] | None = None  # (count, bytes): the watch's latest read, at that step's start
         self.heap_rss = math.inf  # the resident set at the last sampled step that read it (heap_skipped)
         self._anchor: tuple[int, float] | None = None  # (count, time) of the last step start timed
         self._next_choice = MEASURE_STEPS
@@ -321,6 +322,8 @@ class Schedule:
         t0 = own_time()
         value = self.read()
         self.step_read_s = own_time() - t0
+        if value is not None:
+            self.last_read = (count, value)  # an OOM's explanation reads the floor from here (run_end)
         self.charge_read(self.step_read_s)
         self.heap_at = count
         if self.read is heap_in_use_bytes and hasattr(self.backend, "observe_heap_cost"):

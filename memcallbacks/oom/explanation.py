@@ -111,13 +111,17 @@ def _last_good(rows: list[list[Any]]) -> dict[str, Any] | None:
     return None
 
 
-def floor_of(rows: list[list[Any]], baseline_now: int | None, step_now: int) -> tuple[int, int, int, int] | None:
-    """``(step, bytes)`` at the start of the first steady steps (the lowest of the first three from step 1) and now."""
+def floor_of(rows: list[list[Any]], baseline_now: int | None, step_now: int,
+             read_now: tuple[int, int] | None = None) -> tuple[int, int, int, int] | None:
+    """``(step, bytes)`` at the start of the first steady steps (the lowest of the first three from step 1) and now:
+    this step's start where it was read, else the latest of the history's rows and the watch's read ``read_now``
+    (``(step, bytes)``; the watch reads steps the history does not sample: a leak's floor up to the failure)."""
     from memcallbacks._base.columns import ALLOCATED, STEP
 
     # from step 1 on: the optimizer's state exists from the first step's end
     known = [(int(r[STEP]), int(r[ALLOCATED])) for r in rows if r[ALLOCATED] == r[ALLOCATED] and r[STEP] >= 1]
-    now = (step_now, baseline_now) if baseline_now is not None else (known[-1] if known else None)
+    latest = [sb for sb in (known[-1] if known else None, read_now) if sb is not None and sb[0] <= step_now]
+    now = (step_now, baseline_now) if baseline_now is not None else (max(latest) if latest else None)
     early = [sb for sb in known[:3] if now is not None and sb[0] < now[0]]
     if not early or now is None:
         return None
@@ -125,37 +129,44 @@ def floor_of(rows: list[list[Any]], baseline_now: int | None, step_now: int) -> 
     return (then[0], then[1], now[0], now[1])
 
 
-def recent_start(rows: list[list[Any]], baseline_now: int | None, step_now: int) -> int | None:
+def recent_start(rows: list[list[Any]], baseline_now: int | None, step_now: int,
+                 read_now: tuple[int, int] | None = None) -> int | None:
     """The allocator's count when this step started; else when the previous one did (the monitor reads it
-    on the steps it measures, up to two steps back): a floor that leaves out this step's own memory, batch aside."""
+    on the steps it measures, and the watch on the steps it reads, up to two steps back): a floor that leaves out
+    this step's own memory, batch aside."""
     from memcallbacks._base.columns import ALLOCATED, STEP
 
     if baseline_now is not None:
         return baseline_now
-    known = [r for r in rows[-3:] if r[ALLOCATED] == r[ALLOCATED] and 0 <= step_now - r[STEP] <= 2]
-    return int(known[-1][ALLOCATED]) if known else None
+    if read_now is not None and read_now[0] == step_now:
+        return read_now[1]
+    known = [(int(r[STEP]), int(r[ALLOCATED])) for r in rows[-3:] if r[ALLOCATED] == r[ALLOCATED] and 0 <= step_now - r[STEP] <= 2]
+    if read_now is not None and 0 <= step_now - read_now[0] <= 2:
+        known.append(read_now)
+    return max(known)[1] if known else None
 
 
 def explain_oom(
     exc: BaseException, *, model: nn.Module | None, optimizer: Any, step: int, rank: int = 0, device: torch.device | None = None,
     rows: list[list[Any]] | None = None, baseline_now: int | None = None, holders: list[str] | None = None,
     capacity: int | None = None, capacity_source: str = "", device_capacity: int | None = None, precision: str | None = None,
-    remedies: bool = True,
+    remedies: bool = True, read_now: tuple[int, int] | None = None,
 ) -> OomExplanation:
     """Explain ``exc`` (an OOM, :func:`~memcallbacks.oom.is_oom`) while it unwinds: its frames still hold the step's tensors.
 
     ``rows``: the monitor's history (the step-start floor, the last good step); ``holders``: the leak
     findings' holders; ``capacity``: a capacity to explain against instead of the device's (``device_capacity``:
     the device's, where the device itself reports none at the failure); ``baseline_now``: the allocator's
-    count when the failing step started, when the monitor measured it."""
+    count when the failing step started, when the monitor measured it; ``read_now``: ``(step, bytes)``, the watch's
+    latest read of the allocator's count at a step's start (it reads steps the history does not sample)."""
     t0 = time.perf_counter()
     rows = rows or []
     where = locate(exc, model)
     source = oom_source(exc) or "device"
     dev = torch.device("cpu") if source in ("cpu", "host", "onednn") else (device or torch.device("cpu"))
-    acc = account(exc, where, model=model, optimizer=optimizer, device=dev, floor=floor_of(rows, baseline_now, step),
+    acc = account(exc, where, model=model, optimizer=optimizer, device=dev, floor=floor_of(rows, baseline_now, step, read_now),
                   capacity=capacity, capacity_source=capacity_source, requested=requested_bytes(exc),
-                  step_start=recent_start(rows, baseline_now, step), device_capacity=device_capacity)
+                  step_start=recent_start(rows, baseline_now, step, read_now), device_capacity=device_capacity)
     if source == "onednn":
         acc.notes.append("oneDNN says only that it could not create or run a primitive (its status, out of memory, is not in the "
                          "message); it is explained as an out-of-memory error because memory was short when it was raised")

@@ -24,14 +24,15 @@ def _holders(findings: list[Finding]) -> list[str]:
 def record_oom(
     exc: BaseException, event: dict[str, Any], *, engine: Any, model: Any, optimizer: Any, precision: str | None,
     findings: list[Finding], capacity: int | None, output_dir: Path | None, snapshots: list[dict[str, Any]],
-    log: logging.Logger, owner: str,
+    log: logging.Logger, owner: str, read_now: tuple[int, int] | None = None,
 ) -> Finding | None:
     """Explain ``exc`` for the run ``engine`` measures; log it on this rank, write ``oom.json`` into ``output_dir``
     and note both in ``event`` (the report's ``"oom"`` event). Returns the finding, or None when nothing could be said.
+    ``read_now``: ``(step, bytes)``, the watch's latest read at a step's start (:func:`explain_oom`).
 
     Never raises: the run's own error propagates unchanged whatever happens here."""
     try:
-        explanation = _explain(exc, event, engine, model, optimizer, precision, findings, capacity, snapshots)
+        explanation = _explain(exc, event, engine, model, optimizer, precision, findings, capacity, snapshots, read_now)
     except Exception:
         log.warning("%s: could not explain the out-of-memory error (internal error); the run's own error propagates.", owner,
                     exc_info=True)
@@ -67,11 +68,13 @@ def _oom_snapshots(snapshots: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _explain(exc: BaseException, event: dict[str, Any], engine: Any, model: Any, optimizer: Any, precision: str | None,
-             findings: list[Finding], capacity: int | None, snapshots: list[dict[str, Any]]) -> OomExplanation:
+             findings: list[Finding], capacity: int | None, snapshots: list[dict[str, Any]],
+             read_now: tuple[int, int] | None) -> OomExplanation:
     explanation = explain_oom(
         exc, model=model if hasattr(model, "named_modules") else None, optimizer=optimizer, step=event["step"], rank=engine.rank,
         device=engine.device, rows=engine.rows, baseline_now=engine.step_baseline, holders=_holders(findings),
         capacity=capacity, capacity_source="capacity_bytes" if capacity else "", device_capacity=engine.capacity, precision=precision,
+        read_now=read_now,
     )
     for record in _oom_snapshots(snapshots)[-1:]:
         files = record.get("files") or {}

@@ -220,3 +220,29 @@ def test_sharding_is_no_remedy_on_cpu() -> None:
     states = {"parameters": 400 << 20, "gradients": 400 << 20, "optimizer state": 800 << 20}
     acc = Accounting(device="cpu", figure_bytes=2 << 30, figure="address space in use (VmSize)", categories=states)
     assert _sharding(None, None, 1 << 30, acc) is None  # type: ignore[arg-type]
+
+
+def test_the_floor_reaches_the_failure_through_the_watchs_reads() -> None:
+    """CI, under load: a leak of 16 MiB a step failed at step 30 with the history's last sampled row at step 4, so the
+    explanation read "held from earlier steps 32.0 MiB" and blamed the batch. The watch reads every step's start up to
+    step 32 (and every few steps after): its latest read is the floor's "now" where it is later than the history's,
+    and this step's start (or one up to two steps back) where the step itself was not sampled."""
+    from memcallbacks._base.columns import ALLOCATED, COLUMNS, STEP
+    from memcallbacks.oom.explanation import floor_of, recent_start
+
+    mib = 1 << 20
+
+    def row(step: int, allocated: int) -> list[Any]:
+        r: list[Any] = [float("nan")] * len(COLUMNS)
+        r[STEP], r[ALLOCATED] = step, allocated
+        return r
+
+    rows = [row(s, (128 + 16 * s) * mib) for s in range(5)]  # sampled steps 0-4, then none
+    assert floor_of(rows, None, 30) == (1, 144 * mib, 4, 192 * mib)  # the history alone: 48 MiB of a 464 MiB leak
+    assert floor_of(rows, None, 30, (30, 608 * mib)) == (1, 144 * mib, 30, 608 * mib)
+    assert floor_of(rows, None, 30, (2, 160 * mib)) == (1, 144 * mib, 4, 192 * mib)  # an older read: the history's row
+    assert floor_of(rows, 600 * mib, 30, (28, 576 * mib)) == (1, 144 * mib, 30, 600 * mib)  # this step's own baseline first
+    assert recent_start(rows, None, 30) is None
+    assert recent_start(rows, None, 30, (30, 608 * mib)) == 608 * mib
+    assert recent_start(rows, None, 30, (28, 576 * mib)) == 576 * mib
+    assert recent_start(rows, None, 30, (27, 560 * mib)) is None  # three steps back: not this step's start
