@@ -17,10 +17,13 @@ class SteppedClock:
 
 
 def feed(schedule: Schedule, *, step_s: float, steps: int = 8, read_s: float | None = None, watch_s: float | None = None,
-         sample_s: float | None = None, first: int = 0) -> Schedule:
+         sample_s: float | None = None, first: int = 0, debt: bool = False) -> Schedule:
     """Charge eight of each cost given (a watch read's ``read_s``, a watched step's ``watch_s``, a
     sampled step's ``sample_s``), then time ``steps`` steps of ``step_s`` each from count ``first``,
-    and choose the intervals."""
+    and choose the intervals. ``debt``: the charges are what those few steps cost, past the budget (a
+    run's dense first steps), which sampling pays back; otherwise they came with the step time that keeps
+    them within it (the intervals' arithmetic alone)."""
+    own = schedule.own_s
     for _ in range(8):
         if read_s is not None:
             schedule.charge_read(read_s)
@@ -28,6 +31,8 @@ def feed(schedule: Schedule, *, step_s: float, steps: int = 8, read_s: float | N
             schedule.charge(watch_s, sampled=False)
         if sample_s is not None:
             schedule.charge(sample_s, sampled=True)
+    if not debt:
+        schedule.timed_s += (schedule.own_s - own) / schedule.budget
     clock = schedule.clock if isinstance(schedule.clock, SteppedClock) else SteppedClock()
     schedule.clock = clock
     for count in range(first, first + steps + 1):

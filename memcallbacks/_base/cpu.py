@@ -219,6 +219,24 @@ class CpuBackend(MemoryBackend):
         os.write(self._clear_fd, b"5")  # type: ignore[arg-type]
         return peak
 
+    def hwm_pinned(self) -> bool:
+        """Between sampled steps (the watch's scheduled read, at a step's start): whether the high-water mark the RSS
+        tripwire reads is pinned above the resident set, checked as a sampled step checks it (:meth:`baseline`): the
+        mark reset, read again and compared with the resident set. A run that frees memory brings an inherited mark
+        into view at any step; sampled steps may be hundreds of steps apart, and a tripwire reading a pinned mark is
+        blind to a leak until it passes the mark. Pinned: VmHWM from now on, and True (the schedule's tripwire goes
+        to ``statm``)."""
+        if not self.resets_hwm or self._generation != _fork_generation:
+            return False
+        os.write(self._clear_fd, b"5")  # type: ignore[arg-type]
+        after = resource.getrusage(_RUSAGE_THREAD).ru_maxrss * 1024
+        if after <= self._rss() + HWM_PINNED_SLACK:
+            return False
+        log.debug("getrusage maxrss is pinned (%d); reading VmHWM instead", after)
+        self._use_status = True
+        self.resets_hwm = False
+        return True
+
     def heap(self) -> int | None:
         """The heap in use (``mallinfo2``), its time folded into :attr:`heap_cost_s`; None off glibc >= 2.33."""
         fn = self._mallinfo2

@@ -161,6 +161,7 @@ class Schedule:
         self.step_read_s = 0.0  # the open step's read, charged apart from the every-step cost
         self.heap_at = -1  # the count of the last step that read the heap
         self.last_read: tuple[int, int] | None = None  # (count, bytes): the watch's latest read, at that step's start
+        self._trip_peak = 0  # the last sampled step's peak, where the high-water-mark tripwire's threshold starts
         self.heap_rss = math.inf  # the resident set at the last sampled step that read it (heap_skipped)
         self._anchor: tuple[int, float] | None = None  # (count, time) of the last step start timed
         self._next_choice = MEASURE_STEPS
@@ -321,13 +322,17 @@ class Schedule:
             return None
         t0 = own_time()
         value = self.read()
-        self.step_read_s = own_time() - t0
+        read_s = own_time() - t0
         if value is not None:
             self.last_read = (count, value)  # an OOM's explanation reads the floor from here (run_end)
+        trip = self.trip
+        if trip is not None and trip.source == "hwm" and count >= DENSE_READ_STEPS and self.backend.hwm_pinned():
+            self.rebase(0, pinned=True)  # a mark pinned since the last sampled step: the tripwire reads statm
+        self.step_read_s = own_time() - t0
         self.charge_read(self.step_read_s)
         self.heap_at = count
         if self.read is heap_in_use_bytes and hasattr(self.backend, "observe_heap_cost"):
-            self.backend.observe_heap_cost(self.step_read_s)  # the same figure as the backend's: one estimate
+            self.backend.observe_heap_cost(read_s)  # the same figure as the backend's: one estimate
         return value
 
     def heap_due(self, count: int, wanted: bool = False) -> bool:
@@ -363,8 +368,8 @@ class Schedule:
         test's minimum since the last few scheduled reads (a quarter of it on a read the tripwire
         asked for) starts a burst of reads at every step. The dense reads' last one extends them to
         :data:`DENSE_READ_MAX` when the floor rose by the tripwire's rise over their second half."""
-        if self.trip is not None:
-            self.trip_at = self.trip() + self.trip_bytes
+        if self.trip is not None:  # a high-water mark reset at this read (the pin check) starts from the last sampled peak
+            self.trip_at = max(self.trip(), self._trip_peak if self.trip.source == "hwm" else 0) + self.trip_bytes
         if count < DENSE_READ_STEPS:
             self._window_min = min(self._window_min, allocated) if count >= DENSE_READ_STEPS // 2 else math.inf
             if count == DENSE_READ_STEPS - 1:
@@ -402,6 +407,7 @@ class Schedule:
             self.trip_at = (self.trip() if self.trip is not None else 0) + self.trip_bytes
             return True
         now = self.trip()
+        self._trip_peak = peak
         self.trip_at = (max(now, peak) if peak > 0 else now) + self.trip_bytes
         return False
 
@@ -568,7 +574,8 @@ class Schedule:
     # ------------------------------------------------------------------ the intervals
     def choose(self) -> None:
         """Pick the read and sample intervals that keep the monitor within the budget: the reads may
-        take :data:`READ_SHARE` of it, the logged steps what they cost, sampling what is left."""
+        take :data:`READ_SHARE` of it, the logged steps what they cost, sampling what is left, less what the
+        steps so far took past the budget."""
         # the lower quartile of the step times: noise only makes steps slower, and the steps a busy
         # machine slowed do not buy more reads
         self._fold()  # imports and the dispatch estimate: in the guard's windows too
@@ -609,6 +616,9 @@ class Schedule:
         sample = COLD_FACTOR * median(samples)
         if self.logs:
             allowed -= sample / self.log_every
+        # what the steps so far took past the budget (the first steps' dense reads, most often) is paid back from
+        # sampling over the next choice's steps: the share the report gives is the run's, not the next steps'
+        allowed -= max(0.0, self.steady_s - self.budget * self.timed_s) / CHOOSE_EVERY
         every = max(1, min(MAX_INTERVAL, MAX_INTERVAL if allowed <= 0 else _ceil(sample / allowed)))
         every = min(MAX_INTERVAL, every * self.guard.backoff["sample"])
         if self.logs:  # samples in phase with the logged steps, as the reads

@@ -100,6 +100,21 @@ def test_budget_samples_ride_on_logged_steps_unless_it_allows_more():
     assert c.read_every == 16 and c.sample_every == 23  # 35 - 280 / 16 = 17.5 µs/step: every 23 steps
 
 
+def test_what_the_first_steps_took_past_the_budget_is_paid_back_from_sampling():
+    """The README example's 60 steps reported 1.2-1.35% against a 1% budget: the dense first steps overspend, and
+    the budget's sampling then spent all of the steady budget on top. The overspend is paid back from sampling over
+    the next choice's steps (the reads keep their interval: a late leak's latency rides on them)."""
+    steady, indebted = cadence(), cadence()
+    feed(steady, step_s=3.5e-3, watch_s=20e-6, read_s=120e-6, sample_s=200e-6, steps=16)
+    feed(indebted, step_s=3.5e-3, watch_s=20e-6, read_s=120e-6, sample_s=200e-6, steps=16, debt=True)
+    assert indebted.read_every == steady.read_every  # the reads' interval is the budget's alone
+    assert steady.sample_every == 25 and indebted.sample_every == C.MAX_INTERVAL + 26  # none but the logged steps
+    assert indebted.steady_s > indebted.budget * indebted.timed_s  # in debt: 5.1 ms of own time in 56 ms of steps
+    # paid back: once the steps' time covers the own time, sampling gets the whole of what is left again
+    feed(indebted, step_s=3.5e-3, steps=600, first=17)
+    assert indebted.steady_s < indebted.budget * indebted.timed_s and indebted.sample_every == 25
+
+
 def test_a_distributed_run_with_nothing_logged_still_meets_at_the_logging_interval():
     """Rank zero hears of the other ranks' findings every ``log_every`` steps (a collective): those steps
     are never quiet, on every rank, even when the run logs nothing; the others stay quiet."""
