@@ -138,6 +138,7 @@ def test_optimizer_state_creation_lands_in_peak_optimizer_on_step_zero() -> None
 
 
 @measures_bytes
+@measures_bytes
 def test_explicit_step_and_phase_without_model() -> None:
     monitor = Monitor(write_files=False, **CPU)
     for _ in range(2):
