@@ -256,8 +256,20 @@ def release_folder(folder: str | os.PathLike[str] | None, session: object) -> No
 def output_folder(output_dir: Any, default: Any) -> str:
     """Where a run's files go: ``output_dir``, else the adapter's default (the framework's log folder),
     else ``memcallbacks_output`` in the working directory (not ``./memcallbacks``: from a source
-    checkout that is the package). Resolved once, at start: a later ``chdir`` must not move them."""
-    return os.path.realpath(output_dir or default or os.path.join(os.getcwd(), "memcallbacks_output"))
+    checkout that is the package). Resolved once, at start: a later ``chdir`` must not move them.
+    An adapter's default ``memcallbacks`` folder directly in the working directory or the script's own
+    (Lightning with ``logger=False``: ``default_root_dir`` is the working directory) is ``memcallbacks_output``
+    too: there ``import memcallbacks`` finds the folder first, a namespace package that hides an editable
+    install's package, and the script's next run fails to import the monitor (a user check)."""
+    if output_dir:
+        return os.path.realpath(output_dir)
+    if default:
+        folder = os.path.realpath(default)
+        parent, name = os.path.split(folder)
+        if name == "memcallbacks" and parent in {os.path.realpath(d or os.getcwd()) for d in (os.getcwd(), sys.path[0] if sys.path else "")}:
+            return os.path.join(parent, "memcallbacks_output")
+        return folder
+    return os.path.realpath(os.path.join(os.getcwd(), "memcallbacks_output"))
 
 
 # ---------------------------------------------------------------------- an exception nobody caught

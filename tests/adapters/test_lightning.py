@@ -319,6 +319,49 @@ def test_logger_false_warns_once_and_still_writes_history(tmp_path, caplog):
     assert warnings[0].name == "memcallbacks.lightning"
 
 
+LOGGER_FALSE_SCRIPT = """
+import lightning.pytorch as L
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from memcallbacks import MemoryMonitor
+
+
+class Net(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(8, 1)
+
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+data = DataLoader(TensorDataset(torch.randn(64, 8)), batch_size=8)
+trainer = L.Trainer(max_steps=4, logger=False, accelerator="cpu", enable_progress_bar=False, enable_model_summary=False,
+                    enable_checkpointing=False, callbacks=[MemoryMonitor()])
+trainer.fit(Net(), data)
+"""
+
+
+def test_logger_false_run_twice_from_its_folder(tmp_path):
+    """A user check: with ``logger=False`` the files went to ``./memcallbacks`` (``default_root_dir`` is the working
+    directory), and the script's next run from the same folder failed, ``ImportError: cannot import name
+    'MemoryMonitor' from 'memcallbacks' (unknown location)``: the folder, first on ``sys.path``, is a namespace package
+    that hides an editable install's package. There the default folder is ``memcallbacks_output``."""
+    (tmp_path / "train.py").write_text(LOGGER_FALSE_SCRIPT)
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    env.pop("PYTHONPATH", None)  # the package as the user's install finds it, not through the test's path
+    for run in (1, 2):
+        done = subprocess.run([sys.executable, "train.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, (run, done.stderr[-3000:])
+        assert "no problem found in 4 steps" in done.stdout + done.stderr, done.stdout[-2000:]
+    assert not (tmp_path / "memcallbacks").exists()
+    assert (tmp_path / "memcallbacks_output" / "report.json").is_file(), sorted(p.name for p in tmp_path.iterdir())
+
+
 def test_wandb_offline_run_receives_the_keys(tmp_path):
     import wandb
 
