@@ -70,7 +70,8 @@ workers' ``smaps_rollup`` every 0.2 s took about a core on 2 shared ones)."""
 def run_side_by_side(tmp_path: Path, images: Path, runs: dict[str, list[str]], timeout_s: float = 420,
                      read: bool = True) -> dict[str, Any]:
     """Start every run at once; until all end, read each one's DataLoader workers' USS (its children running the
-    same command line: the monitor's writer process is not one; see :data:`TICK_S`). Per run: its result.json and
+    same command line at every read: the monitor's writer process is not one, even where a read caught it between its
+    fork and its exec; see :data:`TICK_S`). Per run: its result.json and
     its workers' peak USS in the order they started (none where ``read`` is off)."""
     procs, peaks, order, last = {}, {}, {}, {}
     for name, extra in runs.items():
@@ -86,7 +87,12 @@ def run_side_by_side(tmp_path: Path, images: Path, runs: dict[str, list[str]], t
                 continue
             parent = cmdline(proc.pid)
             for child in children(proc.pid):
-                if child not in peaks[name] and cmdline(child) != parent:
+                line = cmdline(child)
+                if not line:  # gone, or a zombie (its command line is empty): its peak stays
+                    continue
+                if line != parent:  # not a worker: the monitor's writer, also one caught between its fork and exec
+                    if peaks[name].pop(child, None) is not None:  # (a full run once read it as a 227.7 MiB "worker")
+                        order[name].remove(child)
                     continue
                 faults = _faults(child)
                 seen = last.get(child)
