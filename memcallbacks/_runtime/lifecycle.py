@@ -266,7 +266,8 @@ def output_folder(output_dir: Any, default: Any) -> str:
     if default:
         folder = os.path.realpath(default)
         parent, name = os.path.split(folder)
-        if name == "memcallbacks" and parent in {os.path.realpath(d or os.getcwd()) for d in (os.getcwd(), sys.path[0] if sys.path else "")}:
+        script_dir = sys.path[0] if sys.path and sys.path[0] else os.getcwd()  # "": an interactive interpreter's
+        if name == "memcallbacks" and parent in {os.path.realpath(os.getcwd()), os.path.realpath(script_dir)}:
             return os.path.join(parent, "memcallbacks_output")
         return folder
     return os.path.realpath(os.path.join(os.getcwd(), "memcallbacks_output"))

@@ -138,8 +138,6 @@ def recent_start(rows: list[list[Any]], baseline_now: int | None, step_now: int,
 
     if baseline_now is not None:
         return baseline_now
-    if read_now is not None and read_now[0] == step_now:
-        return read_now[1]
     known = [(int(r[STEP]), int(r[ALLOCATED])) for r in rows[-3:] if r[ALLOCATED] == r[ALLOCATED] and 0 <= step_now - r[STEP] <= 2]
     if read_now is not None and 0 <= step_now - read_now[0] <= 2:
         known.append(read_now)
