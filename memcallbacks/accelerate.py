@@ -203,7 +203,7 @@ class AccelerateMemoryMonitor(Monitor):
     def _step_complete(self) -> bool:
         """Does the open step end before the next batch? Yes after an optimizer step; under
         ``accelerator.accumulate`` also on a gradient-sync batch whose step was skipped (fp16 overflow)."""
-        if self._stepped:
+        if self._stepped or self._optimizer_hooks.stepped:  # the latter: noted by a quiet step's post-hook
             return True
         accelerator = self._accelerator
         if not accelerator.sync_gradients:
@@ -229,7 +229,7 @@ class AccelerateMemoryMonitor(Monitor):
         # step ends (it ends when ``_stepped``, or while no optimizer step has ever been seen): the
         # accelerator knows better whether an accumulation window is still open.
         for item in iterable:
-            if self._session.step_open and not self._stepped:
+            if self._session.step_open and not (self._stepped or self._optimizer_hooks.stepped):
                 if self._step_complete():
                     self._stepped = True  # a gradient-sync batch whose optimizer step was skipped
                 else:

@@ -88,6 +88,7 @@ class Monitor(KeywordCheck, PlainControls):
         self._meter = HookMeter(self._session.schedule)  # every hook call's whole time is the monitor's own
         self._model_hooks = ModelHooks(self._session, self._forward_pre, self._meter)  # the forward hooks, the step's outputs
         self._optimizer_hooks = OptimizerHooks(self._optimizer_pre, self._optimizer_post, self._meter)  # installed by _install_hooks
+        self._optimizer_hooks.gates = self._model_hooks.gates  # the same list: opened by a quiet step's post-hook
         self._step = 0
         self._stepped = False  # an optimizer step happened in the open step
         self._window = AccumulationWindow(accumulates=optimizer is not None)  # track()'s window; auto mode reads accumulates
@@ -131,7 +132,7 @@ class Monitor(KeywordCheck, PlainControls):
         # optimizer known (weights updated by hand, as pytorch/examples' word_language_model does), one after a backward
         if self._explicit or self._closed or not (torch.is_grad_enabled() and module.training):
             return
-        if self._session.step_open and (self._stepped or not self._window.accumulates and self._model_hooks.backward_seen):
+        if self._session.step_open and (self._stepped or self._optimizer_hooks.stepped or not self._window.accumulates and self._model_hooks.backward_seen):
             self._end()
         if not self._session.step_open:
             self._begin(auto=True)
@@ -160,13 +161,17 @@ class Monitor(KeywordCheck, PlainControls):
         # auto: the forward pre-hook began it; with an optimizer known an optimizer step ends it, without one a backward
         optimizer_known = self._window.accumulates
         self._model_hooks.settle(auto_step_begun=auto and optimizer_known, awaiting_backward=auto and not optimizer_known)
-        session = self._session  # a quiet step's optimizer pre-hook has nothing to do (an observer may want it)
-        self._optimizer_hooks.pre_open = not session.quiet_step or session.lingering_due or session.observed
+        session, hooks = self._session, self._optimizer_hooks  # a quiet step's optimizer pre-hook has nothing to do (an observer may want it)
+        hooks.pre_open = not session.quiet_step or session.lingering_due or session.observed
+        # a quiet step's post-hook only notes the optimizer's step and opens the forward pre-hooks (auto mode's next step)
+        hooks.post_open = not (optimizer_known and session.quiet_step and not session.observed and not session.lingering_pending)
 
     def _end(self) -> None:
-        hooks = self._model_hooks
+        hooks, optimizer_hooks = self._model_hooks, self._optimizer_hooks
         hooks.open_gates()
-        self._optimizer_hooks.pre_open = True
+        self._stepped = self._stepped or optimizer_hooks.stepped  # noted by a quiet step's post-hook
+        optimizer_hooks.pre_open = optimizer_hooks.post_open = True
+        optimizer_hooks.stepped = False
         batch, output, outputs = self._batch, hooks.output, hooks.outputs
         self._batch = hooks.output = None
         hooks.outputs = []
@@ -215,7 +220,7 @@ class Monitor(KeywordCheck, PlainControls):
     @entry_point("track() step start")
     def _track_item(self, batch_idx: int, item: Any) -> None:
         session, window = self._session, self._window
-        if session.step_open and (self._stepped or not window.accumulates or window.size >= self.max_micro_batches
+        if session.step_open and (self._stepped or self._optimizer_hooks.stepped or not window.accumulates or window.size >= self.max_micro_batches
                                   and window.overflows(self.max_micro_batches)):  # called only for a window at the limit
             self._end()
         window.size += 1

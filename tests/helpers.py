@@ -6,6 +6,7 @@ import contextlib
 import glob
 import json
 import logging
+import mmap
 import os
 import socket
 import struct
@@ -54,16 +55,26 @@ FOUND = "found a memory problem"  # in the warning the monitor logs for each new
 def touch_temporary(mib: int, device: torch.device | str = "cpu") -> int:
     """Allocate ``mib`` MiB on ``device``, write every byte, free it; return the bytes touched.
 
-    On CPU, blocks this large are mmapped by glibc, so freeing them returns the pages to the OS:
-    the temporary raises the RSS high-water mark of the interval it lives in and nothing after it.
-    On CUDA it raises the caching allocator's peak of that interval.
+    On CPU the block is an anonymous mapping of its own (a tensor over it), so its pages come fresh
+    from the OS and go back when it is freed: the temporary raises the RSS high-water mark of the
+    interval it lives in and nothing after it, however earlier tests in the process left glibc's heap
+    (a tensor allocated with ``torch.ones`` is served from a free heap chunk an earlier run left when
+    one is large enough, and that chunk stays resident after it: the next step's temporary then raises
+    no RSS). On CUDA it raises the caching allocator's peak of that interval.
     """
     if mib <= 0:
         return 0
-    temp = torch.ones(mib * MIB, dtype=torch.uint8, device=device)
-    nbytes = temp.numel()
-    checksum = int(temp[:: 4096].sum())  # read back one byte per page: the pages are really there
-    del temp
+    nbytes = mib * MIB
+    if torch.device(device).type != "cpu":
+        temp = torch.ones(nbytes, dtype=torch.uint8, device=device)
+        checksum = int(temp[:: 4096].sum())  # read back one byte per page: the pages are really there
+        del temp
+    else:
+        with mmap.mmap(-1, nbytes) as mapping:
+            temp = torch.frombuffer(mapping, dtype=torch.uint8)
+            temp.fill_(1)
+            checksum = int(temp[:: 4096].sum())
+            del temp
     assert checksum == nbytes // 4096
     return nbytes
 

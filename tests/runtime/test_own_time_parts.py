@@ -129,7 +129,8 @@ def test_torch_dispatch_of_the_hook_calls_is_estimated_from_their_count(tmp_path
     monitor = _loop({}, steps, tmp_path)
     c = monitor.report()["summary"]["cadence"]
     parts = c["own_time_by_part_s"]
-    assert c["hooked_calls"] == 2 * steps, c  # a forward pre-hook and a forward hook, one forward a step
+    # a forward pre-hook and a forward hook, one forward a step, and a quiet step's light optimizer post-hook call
+    assert 2 * steps < c["hooked_calls"] < 3 * steps, c
     assert c["dispatch_call_cost_us"] is not None and c["dispatch_call_cost_us"] >= 0
     expected = c["hooked_calls"] * c["dispatch_call_cost_us"] * 1e-6 + parts["hooks"]
     assert parts["dispatch"] == pytest.approx(expected, rel=0.01, abs=2e-4), c  # each figure rounded
