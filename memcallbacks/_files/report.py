@@ -245,7 +245,10 @@ def _rows_lines(s: dict[str, Any], history: Any, where: str) -> list[str]:
            if cadence.get("sample_interval_source") == "overhead_budget" else "sample_every_n_steps")
     if cadence.get("sample_every_n_steps"):
         n = cadence["sample_every_n_steps"]
-        why += f": {'every step' if n == 1 else f'every {ordinal(n)} step'} after the first ones, and the logged ones"
+        if n > seen:  # an interval longer than the run: no step at it
+            why += f": after the first ones only the logged ones (its interval, {n} steps, is longer than this run)"
+        else:
+            why += f": {'every step' if n == 1 else f'every {ordinal(n)} step'} after the first ones, and the logged ones"
     return [f"  {where:<26} {len(steps)} of {seen} steps ({shown})",
             f"                             the other steps were only watched for leaks ({why})"]
 
@@ -324,18 +327,18 @@ def _cost_lines(s: dict[str, Any], config: dict[str, Any], findings: list[dict[s
         if cadence.get("sample_interval_source") == "config" or config.get("sample_every_n_steps"):
             lines.append(f"    over budget: sample_every_n_steps={cadence.get('sample_every_n_steps')} is set; "
                          "leave it unset to let the monitor measure fewer steps")
+        elif after is not None and after <= budget:
+            lines.append(f"    the first {cadence.get('dense_read_steps')} steps are read every step by design "
+                         "(a leak in the training code leaks from step 0); after them it is within its budget")
         elif cadence.get("backoffs"):
-            lines.append(f"    over budget: the monitor measured fewer steps to come back under it "
+            lines.append(f"    over budget: the monitor measured fewer steps to bring it down "
                          f"({len(cadence['backoffs'])} back-off(s))")
         elif after is not None and after > budget and cadence.get("over_budget_windows"):
             lines.append("    over budget: nothing it can measure less often is left; the rest is the logged steps "
                          "(a larger log_every_n_steps lowers it) and its hooks' calls")
-        elif after is not None and after > budget:  # no window long enough for the guard yet
+        elif after is not None:  # no window long enough for the guard yet
             lines.append(f"    over budget after the first {cadence.get('dense_read_steps')} steps: too few steps since "
                          "for the monitor to measure fewer (it checks every 32 steps)")
-        elif after is not None:
-            lines.append(f"    the first {cadence.get('dense_read_steps')} steps are read every step by design "
-                         "(a leak in the training code leaks from step 0); after them it is within its budget")
     return lines
 
 
@@ -344,10 +347,14 @@ def _model_state_lines(states: dict[str, Any]) -> list[str]:
     if states.get("expected_steady_bytes") is None:
         return []
     exp = states.get("expected", {})
+    unexplained = states.get("unexplained_bytes")
+    # below the level the theory explains (a CPU heap that freed what it held at the run's start): nothing unexplained
+    tail = (f"unexplained {format_bytes(unexplained)}" if not isinstance(unexplained, (int, float)) or unexplained >= 0 else
+            f"nothing unexplained (the step started {format_bytes(-unexplained)} below the level they explain)")
     return [f"  model states (theory)      {format_bytes(states['expected_steady_bytes'])} expected at step {states.get('step')} "
             f"({states.get('strategy')}, {states.get('precision')}, world size {states.get('world_size')}: params "
             f"{format_bytes(exp.get('params'))}, grads {format_bytes(exp.get('grads'))}, optimizer {format_bytes(exp.get('optimizer'))}); "
-            f"unexplained {format_bytes(states.get('unexplained_bytes'))}"]
+            f"{tail}"]
 
 
 def _closing_lines(report: dict[str, Any], s: dict[str, Any]) -> list[str]:

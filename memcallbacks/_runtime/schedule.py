@@ -74,6 +74,9 @@ PARTS = ("read", "sample", "watch", "lingering", "tripwire", "gc", "findings", "
 APART = ("findings", "end")
 # The one-off diagnoses kept in report.json, each with its step and time (later ones add to the last).
 MAX_DIAGNOSES = 32
+# Finding work under this at a step of its own is no diagnosis of its own: it joins the last one listed (a growth
+# finding's update at each step while it is open), or waits for the next (a clean run's end: no entry of 0.00 s).
+MIN_DIAGNOSIS_S = 1e-3
 
 
 
@@ -186,6 +189,7 @@ class Schedule:
         self.parts: dict[str, float] = dict.fromkeys(PARTS, 0.0)
         self.count_now = 0  # the count of the last step whose start was timed (the step a diagnosis is booked at)
         self.diagnoses: list[dict[str, Any]] = []  # one-off finding work: {"step", "seconds"}, apart from the share
+        self._undiagnosed_s = 0.0  # finding work under MIN_DIAGNOSIS_S with no diagnosis to join yet
         self._imports_at: tuple[float, int] | None = None  # import_seconds() when the run's first step began
         self.imports = [0, 0]  # modules the monitor's code imported since then: during the steps, at the run's end
         self._calls_at = sum(meter.calls for meter in getattr(self, "meters", ()))  # hook calls already estimated
@@ -490,10 +494,14 @@ class Schedule:
     def _diagnosed(self, seconds: float) -> None:
         """One-off finding work at the current step: a diagnosis of its own in report.json."""
         entries = self.diagnoses
-        if entries and (entries[-1]["step"] == self.count_now or len(entries) >= MAX_DIAGNOSES):
+        small = seconds + self._undiagnosed_s < MIN_DIAGNOSIS_S
+        if entries and (small or entries[-1]["step"] == self.count_now or len(entries) >= MAX_DIAGNOSES):
             entries[-1]["seconds"] += seconds
+        elif small:
+            self._undiagnosed_s += seconds
         else:
-            entries.append({"step": self.count_now, "seconds": seconds})
+            entries.append({"step": self.count_now, "seconds": seconds + self._undiagnosed_s})
+            self._undiagnosed_s = 0.0
 
     def charge(self, seconds: float, sampled: bool, typical: bool = True, logging: bool = False) -> None:
         """One step's own time, its watch read excepted. ``typical=False`` (the step found

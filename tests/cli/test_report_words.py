@@ -29,7 +29,36 @@ def test_over_budget_says_why_and_never_claims_a_back_off_that_did_not_happen():
     floor = cost(0.02, 0.02, over_budget_windows=2)
     assert "nothing it can measure less often is left" in floor and "log_every_n_steps" in floor
     backed = cost(0.02, 0.02, backoffs=[{"part": "read"}, {"part": "sample"}], over_budget_windows=2)
-    assert "2 back-off(s) to keep the budget (read, sample)" in backed and "come back under it (2 back-off(s))" in backed
+    assert "2 back-off(s) to keep the budget (read, sample)" in backed and "to bring it down (2 back-off(s))" in backed
+    # backed off, and within the budget after the first steps: the first steps are why (a user check read "to come
+    # back under it" on a run that never came back under its budget)
+    early_backed = cost(0.02, 0.006, backoffs=[{"part": "read"}])
+    assert "first 48 steps are read every step by design" in early_backed and "over budget" not in early_backed
     chosen = _cost_lines({"cadence": {"overhead": 0.03, "overhead_after_start": 0.03, "overhead_budget": 0.01,
                                       "sample_interval_source": "config", "sample_every_n_steps": 1}}, {})
     assert "sample_every_n_steps=1 is set" in "\n".join(chosen)
+
+
+def test_rows_line_says_when_the_sampling_interval_is_longer_than_the_run():
+    """A user check read "every 1050th step after the first ones" on a 200-step run."""
+    import pandas as pd
+    from memcallbacks._files.report import _rows_lines
+
+    history = pd.DataFrame({"step": [0, 1, 2, 3, 49, 99]})
+    s = {"steps_seen": 200, "cadence": {"sample_interval_source": "overhead_budget", "sample_every_n_steps": 1050}}
+    text = "\n".join(_rows_lines(s, history, "rows in history.csv"))
+    assert "only the logged ones (its interval, 1050 steps, is longer than this run)" in text and "1050th" not in text, text
+    s["cadence"]["sample_every_n_steps"] = 25
+    assert "every 25th step after the first ones, and the logged ones" in "\n".join(_rows_lines(s, history, "rows"))
+
+
+def test_model_states_below_the_level_they_explain_read_as_nothing_unexplained():
+    """A negative "unexplained" figure (a CPU heap that freed what it held at the start) reads as none."""
+    from memcallbacks._files.report import _model_state_lines
+
+    states = {"expected_steady_bytes": 7 << 20, "step": 1, "strategy": "single", "precision": "fp32", "world_size": 1,
+              "expected": {"params": 2 << 20, "grads": 2 << 20, "optimizer": 3 << 20}, "unexplained_bytes": -(21 << 20)}
+    line = _model_state_lines(states)[0]
+    assert "nothing unexplained (the step started 21.0 MiB below the level they explain)" in line and "-21" not in line, line
+    states["unexplained_bytes"] = 3 << 20
+    assert _model_state_lines(states)[0].endswith("unexplained 3.0 MiB")

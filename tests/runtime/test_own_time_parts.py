@@ -186,3 +186,22 @@ def test_the_text_report_lists_the_parts_and_what_was_spent_once():
     assert "plus 0.12 s at the end of the run" in text
     alone = "\n".join(_cost_lines({"cadence": dict(cadence, diagnoses=[{"step": 20, "seconds": 0.35}])}, {}, []))
     assert "a census for a suspicion that raised no finding" in alone
+
+
+def test_finding_work_under_a_millisecond_is_no_diagnosis_of_its_own():
+    """A user check read a 0.00 s diagnosis at a clean run's last step, and 0.0001 s entries at every step
+    a leak stayed open: work under 1 ms joins the last diagnosis, or waits for the next; the total keeps it."""
+    from helpers import flat_settings
+    from memcallbacks._runtime.schedule import MIN_DIAGNOSIS_S, Schedule
+
+    s = Schedule(flat_settings())
+    for count, seconds in ((5, 2e-5), (9, 0.4), (10, 1e-4), (11, 1e-4), (30, 0.2)):
+        s.count_now = count
+        s._diagnosed(seconds)
+    assert [d["step"] for d in s.diagnoses] == [9, 30], s.diagnoses
+    assert s.diagnoses[0]["seconds"] == pytest.approx(0.4 + 2e-5 + 2e-4)
+    assert sum(d["seconds"] for d in s.diagnoses) == pytest.approx(0.6 + 2.2e-4)
+    clean = Schedule(flat_settings())
+    clean.count_now = 59
+    clean._diagnosed(MIN_DIAGNOSIS_S / 100)
+    assert clean.diagnoses == []
