@@ -15,6 +15,14 @@ __all__ = ["record_oom"]
 _HOLDER_KINDS = ("growth", "lingering", "cycle")
 
 
+def leak_causes(findings: list[Finding], named: set[str]) -> list[str]:
+    """The keys of the leak findings an explanation that blames a leak first is the consequence of: those whose
+    holders it names (``named``), or, where it names none and a growth finding has none yet (an OOM before the
+    growth's second census), that growth (a user check read "2 problems found" for one cause there)."""
+    return [f.key for f in findings if f.kind in _HOLDER_KINDS and f.is_problem
+            and (named & set(f.holders) or not named and not f.holders and f.kind == "growth")]
+
+
 def _holders(findings: list[Finding]) -> list[str]:
     """The leak findings' holders, the most bytes first: who keeps memory from earlier steps."""
     leaks = sorted((f for f in findings if f.kind in _HOLDER_KINDS and f.holders), key=lambda f: -(f.bytes or 0))
@@ -52,7 +60,7 @@ def record_oom(
     remedies = explanation.remedies
     leak = remedies[0] if remedies and remedies[0].kind == "leak" else None  # the explanation blames the leak first
     named = set(explanation.holders)
-    caused_by = [f.key for f in findings if leak is not None and f.kind in _HOLDER_KINDS and f.is_problem and named & set(f.holders)]
+    caused_by = leak_causes(findings, named) if leak is not None else []
     details = {"phase": explanation.where.phase, "module": explanation.where.module, "file": event.get("oom_file"),
                "snapshot": explanation.snapshot, "fix": fix_of(remedies)}
     if caused_by:  # one cause: the leak's finding counts it, this one is its consequence (docs/findings.md)

@@ -246,3 +246,19 @@ def test_the_floor_reaches_the_failure_through_the_watchs_reads() -> None:
     assert recent_start(rows, None, 30, (30, 608 * mib)) == 608 * mib
     assert recent_start(rows, None, 30, (28, 576 * mib)) == 576 * mib
     assert recent_start(rows, None, 30, (27, 560 * mib)) is None  # three steps back: not this step's start
+
+
+def test_an_oom_before_the_growths_holder_is_named_is_its_consequence() -> None:
+    """An OOM whose explanation blames the leak first is the consequence of the leak finding whose holders it names,
+    or, before any holder is named (an OOM before the growth's second census), of the growth itself: one cause, one
+    problem in the verdict (a user check read "2 problems found" there). Advice and settled findings cause nothing."""
+    from memcallbacks._base.findings import Finding
+    from memcallbacks.oom.record import leak_causes
+
+    growth = Finding(kind="growth", step=9, message="grows", bytes=2 << 20, key="growth")
+    assert leak_causes([growth], set()) == ["growth"]
+    named = Finding(kind="growth", step=9, message="grows", bytes=2 << 20, key="growth", holders=["global KEPT"])
+    assert leak_causes([named], {"global KEPT"}) == ["growth"]
+    assert leak_causes([named], {"global other"}) == [] and leak_causes([named], set()) == []
+    advice = Finding(kind="lingering", step=1, message="kept", bytes=2 << 20, key="lingering", severity="advice")
+    assert leak_causes([advice], set()) == []
