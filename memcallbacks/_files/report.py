@@ -255,7 +255,7 @@ def _rows_lines(s: dict[str, Any], history: Any, where: str) -> list[str]:
 
 # the own time's parts in words (summary.cadence.overhead_by_part), in the order the text lists them
 _PART_WORDS = {"hooks": "hooks", "dispatch": "torch's dispatch (estimate)", "read": "reads", "sample": "sampled steps",
-               "watch": "leak watch", "lingering": "lingering checks", "tripwire": "RSS tripwire", "gc": "collection watch",
+               "watch": "leak watch", "lingering": "lingering checks", "tripwire": "RSS tripwire", "journal": "journal ticks", "gc": "collection watch",
                "imports": "imports"}
 
 

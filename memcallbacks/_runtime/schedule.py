@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 from memcallbacks._base.config import MonitorConfig
 from memcallbacks._base.cpu import (
-    IMPORTS, BudgetGuard, Tripwire, heap_in_use_bytes, own_time, rss_tripwire, unwatch_collections, watch_collections,
+    CLOCK_READS, IMPORTS, BudgetGuard, Tripwire, heap_in_use_bytes, own_time, rss_tripwire, unwatch_collections, watch_collections,
 )
 from memcallbacks._base.devices import watch_reader
 from memcallbacks._base.hidden_costs import HookMeter, unwatch_imports, watch_imports
@@ -68,7 +68,7 @@ CHEAP_HEAP_S = 5e-6
 # The share of the budget the lingering check may take.
 LINGERING_SHARE = 0.25
 # what each part of the monitor's own time is called in report.json (summary.cadence.own_time_by_part_s)
-PARTS = ("read", "sample", "watch", "lingering", "tripwire", "gc", "findings", "hooks", "imports", "dispatch", "end")
+PARTS = ("read", "sample", "watch", "lingering", "tripwire", "journal", "gc", "findings", "hooks", "imports", "dispatch", "end")
 # the parts reported apart from the share of step time: the one-off diagnoses (censuses and holder
 # searches for findings) and the end of the run (its report, its files)
 APART = ("findings", "end")
@@ -78,6 +78,9 @@ MAX_DIAGNOSES = 32
 # finding's update at each step while it is open), or waits for the next (a clean run's end: no entry of 0.00 s).
 MIN_DIAGNOSIS_S = 1e-3
 
+
+
+_wall = time.perf_counter  # the quiet steps' clock: no system call
 
 
 class StepKind(enum.Enum):
@@ -172,7 +175,10 @@ class Schedule:
         self._window_min = math.inf  # the lowest read in the second half of the dense reads
         self.bursts = 0
         self.trips = 0  # reads the RSS tripwire asked for between the scheduled ones
-        self.trip_checks = 0  # quiet steps that checked the tripwire (counted, not timed one by one)
+        self.trip_checks = 0  # quiet steps that checked the tripwire
+        # the tripwire's checks and the journal's ticks at step starts, timed on the wall clock (no system call: a
+        # quiet step reads no CPU clock), booked at the next choice of intervals (_fold)
+        self._trip_s = self._tick_s = 0.0
         self.tripwire: str | None = self.trip.source if self.trip is not None else None
         self._forced = -1  # the count whose step reads because the tripwire asked
         self._burst_bytes = config.growth_min_total_bytes
@@ -258,9 +264,14 @@ class Schedule:
             if count & TRIP_MASK:
                 return StepKind.QUIET
             trip = self.trip
-            level = trip() if trip is not None else 0
+            if trip is not None:  # timed: after a step's compute a check costs 10-15 µs of cold caches, not its warm 1 µs
+                t0 = _wall()
+                level = trip()
+                self._trip_s += _wall() - t0
+                CLOCK_READS[0] += 1  # timed here: a hook meter around this call charges its frames only
         journal = self.journal
         if not count & TICK_MASK and journal.fd >= 0:  # the journal's tick, inline: the last step reached (RSS then, if read)
+            t0 = _wall()  # a write after a step's compute: 20-50 µs
             try:
                 journal.bytes += os.write(journal.fd, b'{"t":"tick","step":%d,"time":%.3f,"rss":%d}\n' % (count, time.time(), level)
                                           if level else b'{"t":"tick","step":%d,"time":%.3f}\n' % (count, time.time()))
@@ -268,6 +279,8 @@ class Schedule:
                 journal.failed(exc)
             if journal.bytes > journal.cap:  # past its cap: rewritten from the session's state (the journal's callback)
                 journal.compact()
+            self._tick_s += _wall() - t0
+            CLOCK_READS[0] += 1
         if count < self.quiet_until:
             if self.trip is None or level < self.trip_at:
                 return StepKind.QUIET
@@ -424,10 +437,7 @@ class Schedule:
         if anchor is not None and count > anchor[0]:
             self._time_steps(count - anchor[0], now - anchor[1])  # quiet steps between give their mean
             if self.trip_cost_s and count > anchor[0] + 1:  # the quiet steps between that checked the tripwire
-                checks = (count - 1) // TRIP_EVERY - anchor[0] // TRIP_EVERY
-                self.trip_checks += checks
-                self.own_s += checks * self.trip_cost_s
-                self.parts["tripwire"] += checks * self.trip_cost_s
+                self.trip_checks += (count - 1) // TRIP_EVERY - anchor[0] // TRIP_EVERY
         self._anchor = (count, now)
         self.count_now = count
         if self._imports_at is None:  # the run's first step: what was imported before is the monitor's build
@@ -541,6 +551,12 @@ class Schedule:
     def _fold(self) -> None:
         """Book what no timer sees: the imports the monitor's code started (left out of every other part), and
         the dispatch estimate (docs/findings.md: each gate call at the cost measured once, and the hooks' time again)."""
+        trip_s, tick_s = self._trip_s, self._tick_s  # the quiet steps' tripwire checks and the journal's ticks
+        if trip_s or tick_s:
+            self._trip_s = self._tick_s = 0.0
+            self.own_s += trip_s + tick_s
+            self.parts["tripwire"] += trip_s
+            self.parts["journal"] += tick_s
         seconds, count = IMPORTS
         if self._imports_at is None:  # no step yet
             self._imports_at = (seconds, count)
@@ -594,9 +610,9 @@ class Schedule:
         self.step_s = step
         if self._started is not None:
             self.guard.check(self)
-        # first what no interval lowers: hooks, dispatch, tripwire, gc, imports a step, the logged steps' keys and writes
+        # first what no interval lowers: hooks, dispatch, tripwire, journal ticks, gc, imports a step, the logged steps' keys and writes
         parts = self.parts
-        floor = (parts["hooks"] + parts["dispatch"] + parts["tripwire"] + parts["gc"] + parts["imports"]) / max(1, self.steps)
+        floor = (parts["hooks"] + parts["dispatch"] + parts["tripwire"] + parts["journal"] + parts["gc"] + parts["imports"]) / max(1, self.steps)
         if self.logs and self._log_costs:
             floor += COLD_FACTOR * median(self._log_costs) / self.log_every
         least = 1e-3 * self.budget * step  # what is left when the floor takes the budget: the rest as rare as can be

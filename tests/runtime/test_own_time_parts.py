@@ -205,3 +205,22 @@ def test_finding_work_under_a_millisecond_is_no_diagnosis_of_its_own():
     clean.count_now = 59
     clean._diagnosed(MIN_DIAGNOSIS_S / 100)
     assert clean.diagnoses == []
+
+
+def test_the_quiet_steps_tripwire_checks_and_journal_ticks_are_timed(tmp_path):
+    """A quiet step's tripwire check and the journal's tick every 8th step cost 10-50 µs of cold caches after the
+    step's compute, several times their warm cost: each is timed on the wall clock (no CPU clock on a quiet step)
+    and booked as the ``tripwire`` and ``journal`` parts, under track() (no hook meter around them) too."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = Monitor(model, optimizer, output_dir=str(tmp_path / "mem"), plot=False, console_summary=False)
+    for batch in monitor.track([torch.randn(16, 32) for _ in range(200)]):
+        model(batch).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    monitor.close()
+    c = monitor.report()["summary"]["cadence"]
+    parts = c["own_time_by_part_s"]
+    assert parts["journal"] > 0 and c["rss_checks"] > 0 and parts["tripwire"] > 0, c
+    _parts_add_up(c)
