@@ -176,9 +176,7 @@ class Schedule:
         self.bursts = 0
         self.trips = 0  # reads the RSS tripwire asked for between the scheduled ones
         self.trip_checks = 0  # quiet steps that checked the tripwire
-        # the tripwire's checks and the journal's ticks at step starts, timed on the wall clock (no system call: a
-        # quiet step reads no CPU clock), booked at the next choice of intervals (_fold)
-        self._trip_s = self._tick_s = 0.0
+        self._trip_s = self._tick_s = 0.0  # the tripwire's checks and the journal's ticks (wall clock), booked by _fold
         self.tripwire: str | None = self.trip.source if self.trip is not None else None
         self._forced = -1  # the count whose step reads because the tripwire asked
         self._burst_bytes = config.growth_min_total_bytes
