@@ -32,7 +32,7 @@ STEADY = dict(accumulation=2, batch_size=8, block_size=16)  # ~80 ms steps here:
 
 def _parts_add_up(cadence: dict) -> None:
     parts = cadence["own_time_by_part_s"]
-    assert set(parts) == {"read", "sample", "watch", "lingering", "tripwire", "gc", "findings", "hooks", "imports", "dispatch", "end"}, parts
+    assert set(parts) == {"read", "sample", "watch", "lingering", "tripwire", "journal", "gc", "findings", "hooks", "imports", "dispatch", "end"}, parts
     assert sum(parts.values()) == pytest.approx(cadence["own_time_s"], abs=2e-3), cadence
 
 
