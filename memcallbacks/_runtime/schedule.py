@@ -181,7 +181,8 @@ class Schedule:
         self._forced = -1  # the count whose step reads because the tripwire asked
         self._burst_bytes = config.growth_min_total_bytes
         self.trip_bytes = self._burst_bytes // 4
-        """The rise since the last read that sets the tripwire off: a quarter of a burst's."""
+        """The heap's rise that a read the tripwire asked for needs to start a burst: a quarter of a burst's."""
+        self.trip_rise = self.trip_bytes  # the RSS rise that sets the tripwire off (after_read widens it)
         self._recent_reads: collections.deque[int] = collections.deque(maxlen=4)
         self._step_times: collections.deque[float] = collections.deque(maxlen=64)
         self._watch_costs: collections.deque[float] = collections.deque(maxlen=64)
@@ -367,7 +368,7 @@ class Schedule:
         """A sampled step left the heap unread: True when its resident set ``rss`` stands the
         tripwire's rise above that of the last sampled step that read it; the step then takes the
         watch's read after all, as a tripped quiet step does (every step sampled: no quiet steps)."""
-        if not rss - self.heap_rss >= self.trip_bytes:
+        if not rss - self.heap_rss >= self.trip_rise:
             return False
         self._tripped(count)
         self.heap_rss = rss
@@ -384,7 +385,7 @@ class Schedule:
         asked for) starts a burst of reads at every step. The dense reads' last one extends them to
         :data:`DENSE_READ_MAX` when the floor rose by the tripwire's rise over their second half."""
         if self.trip is not None:  # a high-water mark reset at this read (the pin check) starts from the last sampled peak
-            self.trip_at = max(self.trip(), self._trip_peak if self.trip.source == "hwm" else 0) + self.trip_bytes
+            self.trip_at = max(self.trip(), self._trip_peak if self.trip.source == "hwm" else 0) + self.trip_rise
         if count < DENSE_READ_STEPS:
             self._window_min = min(self._window_min, allocated) if count >= DENSE_READ_STEPS // 2 else math.inf
             if count == DENSE_READ_STEPS - 1:
@@ -398,9 +399,14 @@ class Schedule:
             self.dense_until = count + 1 + CONFIRM_STEPS
             self.bursts += 1
             self._burst_bytes *= 2  # a clean run's one-off rises cannot keep it busy
-            self.trip_bytes = self._burst_bytes // 4
+            self.trip_bytes = self.trip_rise = self._burst_bytes // 4
             recent.clear()
             return
+        # a read the tripwire asked for found the heap floor unchanged: the resident set rose without it (a clean run's
+        # creeping as glibc's heap warms up asked for 10-17 reads in 150 steps, a user check): twice the rise from here
+        if count == self._forced and self.trip_rise < self._burst_bytes:
+            self.trip_at += self.trip_rise
+            self.trip_rise *= 2
         recent.append(allocated)
 
     def extend_dense(self, rise: int) -> None:
@@ -419,11 +425,11 @@ class Schedule:
         if pinned:
             self.trip = rss_tripwire(self.read)
             self.tripwire = self.trip.source if self.trip is not None else None
-            self.trip_at = (self.trip() if self.trip is not None else 0) + self.trip_bytes
+            self.trip_at = (self.trip() if self.trip is not None else 0) + self.trip_rise
             return True
         now = self.trip()
         self._trip_peak = peak
-        self.trip_at = (max(now, peak) if peak > 0 else now) + self.trip_bytes
+        self.trip_at = (max(now, peak) if peak > 0 else now) + self.trip_rise
         return False
 
     # ------------------------------------------------------------------ the step clock

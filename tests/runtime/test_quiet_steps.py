@@ -185,6 +185,26 @@ def test_a_read_the_tripwire_asks_for_starts_a_burst_on_a_quarter_of_the_rise():
     assert tripped_small.bursts == 0 and tripped_small.trips == 1
 
 
+def test_a_tripwire_whose_reads_find_no_heap_rise_needs_twice_the_rise():
+    """A clean run's resident set creeps as glibc's heap warms up: the tripwire asked for 10-17 reads in 150 steps of a
+    clean plain loop (a user check), each a heap walk, and the budget backed off for them. A read it asked for that
+    finds the heap floor unchanged doubles the resident rise it needs, up to a burst's; a burst starts it afresh."""
+    c = cadence()
+    c.read_every = 25
+    for n, value in [(49, 100 * MIB), (74, 100 * MIB)]:
+        c.after_read(n, value)
+    assert c.trip_rise == c.trip_bytes == MIB
+    for k, count in enumerate((80, 84, 88)):
+        trip(c, count)
+        c.trip = cpu.Tripwire(lambda: 300 * MIB, "rss")
+        c.after_read(count, 100 * MIB)  # the RSS rose, the heap did not
+        assert c.trip_rise == min(4 * MIB, 2 ** (k + 1) * MIB) and c.trip_at == 300 * MIB + c.trip_rise, (k, c.trip_rise)
+    assert c.trip_bytes == MIB and c.bursts == 0  # a read it asks for still starts a burst on a quarter of a burst's rise
+    trip(c, 92)
+    c.after_read(92, 101 * MIB + MIB // 2)
+    assert c.bursts == 1 and c.trip_rise == c.trip_bytes == 2 * MIB
+
+
 def test_the_tripwire_is_kept_for_costly_reads_only():
     from memcallbacks._base.devices import heap_in_use_bytes
 
