@@ -132,9 +132,14 @@ class Monitor(KeywordCheck, PlainControls):
         # optimizer known (weights updated by hand, as pytorch/examples' word_language_model does), one after a backward
         if self._explicit or self._closed or not (torch.is_grad_enabled() and module.training):
             return
-        if self._session.step_open and (self._stepped or self._optimizer_hooks.stepped or not self._window.accumulates and self._model_hooks.backward_seen):
+        if self._quiet_next():  # a quiet step after a quiet one: its pre-hooks closed again for the step
+            for gate, _ in self._model_hooks.gates:
+                gate.open = False
+            return
+        session = self._session
+        if session.step_open and (self._stepped or self._optimizer_hooks.stepped or not self._window.accumulates and self._model_hooks.backward_seen):
             self._end()
-        if not self._session.step_open:
+        if not session.step_open:
             self._begin(auto=True)
 
     @entry_point("optimizer pre-hook")
@@ -163,15 +168,13 @@ class Monitor(KeywordCheck, PlainControls):
         self._model_hooks.settle(auto_step_begun=auto and optimizer_known, awaiting_backward=auto and not optimizer_known)
         session, hooks = self._session, self._optimizer_hooks  # a quiet step's optimizer pre-hook has nothing to do (an observer may want it)
         hooks.pre_open = not session.quiet_step or session.lingering_due or session.observed
-        # a quiet step's post-hook only notes the optimizer's step and opens the forward pre-hooks (auto mode's next step)
-        hooks.post_open = not (optimizer_known and session.quiet_step and not session.observed and not session.lingering_pending)
+        hooks.post_open = not (optimizer_known and session.quiet_step and not session.observed and not session.lingering_pending)  # quiet: notes it
 
     def _end(self) -> None:
         hooks, optimizer_hooks = self._model_hooks, self._optimizer_hooks
         hooks.open_gates()
-        self._stepped = self._stepped or optimizer_hooks.stepped  # noted by a quiet step's post-hook
+        self._stepped, optimizer_hooks.stepped = self._stepped or optimizer_hooks.stepped, False  # noted by a quiet post-hook
         optimizer_hooks.pre_open = optimizer_hooks.post_open = True
-        optimizer_hooks.stepped = False
         batch, output, outputs = self._batch, hooks.output, hooks.outputs
         self._batch = hooks.output = None
         hooks.outputs = []
@@ -206,8 +209,8 @@ class Monitor(KeywordCheck, PlainControls):
             yield from iterable
             return
         self._explicit = True
-        for batch_idx, item in enumerate(iterable):
-            self._track_item(batch_idx, item)
+        for batch_idx, item in enumerate(iterable):  # metered: a step's bookkeeping after the user's optimizer step is own time
+            self._meter.call(self._track_item, (batch_idx, item), {})
             self._batch = item  # also when _track_item failed part-way
             del item
             yield self._batch
@@ -220,6 +223,9 @@ class Monitor(KeywordCheck, PlainControls):
     @entry_point("track() step start")
     def _track_item(self, batch_idx: int, item: Any) -> None:
         session, window = self._session, self._window
+        if self._quiet_next():  # a quiet step after a quiet one
+            window.longest, window.size = max(window.size, window.longest), 1
+            return
         if session.step_open and (self._stepped or self._optimizer_hooks.stepped or not window.accumulates or window.size >= self.max_micro_batches
                                   and window.overflows(self.max_micro_batches)):  # called only for a window at the limit
             self._end()
@@ -239,14 +245,14 @@ class Monitor(KeywordCheck, PlainControls):
         if self._used_after_close("step"):
             yield
             return
-        self._step_enter()
+        self._meter.call(self._step_enter, (), {})
         try:
             yield
         except BaseException as exc:
             self.record_exception(exc)
             raise
         finally:
-            self._track_end()
+            self._meter.call(self._track_end, (), {})
 
     @entry_point("step() start")
     def _step_enter(self) -> None:

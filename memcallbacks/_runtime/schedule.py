@@ -291,6 +291,10 @@ class Schedule:
             return StepKind.SAMPLED
         return StepKind.WATCHED
 
+    def quiet_after(self, count: int) -> bool:
+        """The step after ``count`` steps is quiet with no tripwire check and no tick due (what :meth:`step_kind` says)."""
+        return count < self.quiet_until and bool(count & TRIP_MASK) and bool(count & TICK_MASK)
+
     def will_log(self, count: int) -> bool:
         """Whether the step after ``count`` steps is logged (from counts only: every rank agrees)."""
         if not self.logs:

@@ -96,11 +96,8 @@ class Session:
         return self.current_step
 
     # ------------------------------------------------------------------ configuration
-    def attach(
-        self, *, log_fn: LogFn | None = _KEEP, trackers: Trackers | None = _KEEP, title: str | None = _KEEP,
-        model: Any = _KEEP, optimizer: Any = None, precision: str | None = None, strategy: str | None = None,
-        world_size: int | None = None,
-    ) -> None:
+    def attach(self, *, log_fn: LogFn | None = _KEEP, trackers: Trackers | None = _KEEP, title: str | None = _KEEP, model: Any = _KEEP,
+               optimizer: Any = None, precision: str | None = None, strategy: str | None = None, world_size: int | None = None) -> None:
         """What an adapter tells the session: ``log_fn(metrics, step)``, rank zero's trackers, the title, and the
         model with its optimizer, precision, strategy and world size (given together). A part not given is kept."""
         if log_fn is not _KEEP:
@@ -185,11 +182,8 @@ class Session:
         return self.checks.explain(batch, ignore=[self])
 
     # ------------------------------------------------------------------ start and stop
-    def start(
-        self, device: Any, *, rank: int | None = None, world_size: int | None = None,
-        default_output_dir: str | os.PathLike[str] | None = None, framework_log_every: int | None = None,
-        logs: bool = True, log_first_step: bool = False,
-    ) -> None:
+    def start(self, device: Any, *, rank: int | None = None, world_size: int | None = None, default_output_dir: str | os.PathLike[str] | None = None,
+              framework_log_every: int | None = None, logs: bool = True, log_first_step: bool = False) -> None:
         """Choose the device backend, the output folder (its journal opens) and the sampling/logging intervals. Raises
         ``PermissionError`` for an unwritable output folder, or one another live monitor writes to; any other fault is contained."""
         config = self.config
@@ -308,10 +302,8 @@ class Session:
         return self.engine.rows
 
     # ------------------------------------------------------------------ steps
-    def begin_step(
-        self, step: int, epoch: int = 0, batch_idx: int = 0, *, count: int | None = None, kind: StepKind | None = None,
-        batch: Any = None, defer_lingering: bool = False,
-    ) -> None:
+    def begin_step(self, step: int, epoch: int = 0, batch_idx: int = 0, *, count: int | None = None, kind: StepKind | None = None,
+                   batch: Any = None, defer_lingering: bool = False) -> None:
         """Open a step (with one open: a further micro-batch). ``count``: steps before this one (default
         ``step``; Lightning: batches that stepped). ``kind``: the schedule's answer where the adapter asked
         (once per step). ``batch`` is looked at, never kept. ``defer_lingering``: the caller runs
@@ -349,6 +341,16 @@ class Session:
                 self._begin_sampled(step, epoch, batch_idx, batch, defer_lingering)
         except Exception as exc:
             self.fail(exc, "step start")
+
+    def quiet_next(self, n: int) -> bool:
+        """A plain loop's open quiet step ends; True where step ``n`` is quiet with nothing due, begun here (counted only)."""
+        if self.kind is not StepKind.QUIET or n != self.next_count or self._observers or not self.schedule.quiet_after(n):
+            return False
+        self.step_ended_at, self.current_step, self.current_count, self.next_count = time.perf_counter(), n, n, n + 1
+        self.engine.quiet_step()
+        if self.snap is not None:
+            self.snap.step = n
+        return True
 
     def micro_batch(self) -> None:
         """A further micro-batch of the open step (gradient accumulation)."""
@@ -423,9 +425,8 @@ class Session:
         if self._observers:
             self._notify("phase_closed", closing)
 
-    def end_step(
-        self, closing: int = OPTIMIZER, *, log_step: int | None = None, batch: Any = None, loss: Any = None, outputs: Any = None
-    ) -> list[Any] | None:
+    def end_step(self, closing: int = OPTIMIZER, *, log_step: int | None = None, batch: Any = None, loss: Any = None,
+                 outputs: Any = None) -> list[Any] | None:
         """Close the step: its row, its quiet stretch, a logged step's metrics; ``batch``, ``loss``, ``outputs``: leak detection's (weakly)."""
         kind = self.kind
         if kind is StepKind.QUIET:
@@ -516,12 +517,9 @@ class Session:
         checks = self.checks
         watch = checks.watch
         theory_pending = checks.state.wanted
-        busy = (
-            not self.engine.enabled or self.lingering_due or theory_pending or checks.preflight.status == "waiting"
-            or (self.snap is not None and self.snap.busy)
-            or (watch is not None and (watch.lingering is not None and watch.lingering.pending
-                                       or watch.collections is not None and watch.collections.due))
-        )
+        busy = (not self.engine.enabled or self.lingering_due or theory_pending or checks.preflight.status == "waiting"
+                or (self.snap is not None and self.snap.busy) or (watch is not None and (
+                    watch.lingering is not None and watch.lingering.pending or watch.collections is not None and watch.collections.due)))
         theory = theory_pending and self.engine.optimizer_steps_total > 0  # the theory check samples the next step
         checks.plan_after(self.schedule, self.current_count, busy=busy, reads=watch is not None, sample_next=theory)
 

@@ -224,3 +224,35 @@ def test_the_quiet_steps_tripwire_checks_and_journal_ticks_are_timed(tmp_path):
     parts = c["own_time_by_part_s"]
     assert parts["journal"] > 0 and c["rss_checks"] > 0 and parts["tripwire"] > 0, c
     _parts_add_up(c)
+
+
+def test_a_track_loops_quiet_steps_are_its_own_time_and_take_the_fast_path(tmp_path, monkeypatch):
+    """Under track(), a step's bookkeeping runs after the user's optimizer step (30-60 µs of cold caches a step): it is
+    metered as the hooks' part, as auto mode's pre-hook is (it was counted nowhere). A quiet step after a quiet one,
+    with no tripwire check or journal tick due, is begun without the step's end and start (Session.quiet_next);
+    every step is still counted."""
+    from memcallbacks._runtime.session import Session
+
+    begun = []
+    begin = Session.begin_step
+
+    def counting(self, *args, **kwargs):
+        begun.append(args[0] if args else kwargs.get("step"))
+        return begin(self, *args, **kwargs)
+
+    monkeypatch.setattr(Session, "begin_step", counting)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = Monitor(model, optimizer, output_dir=str(tmp_path / "mem"), plot=False, console_summary=False)
+    for batch in monitor.track([torch.randn(16, 32) for _ in range(300)]):
+        model(batch).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    monitor.close()
+    report = monitor.report()
+    c = report["summary"]["cadence"]
+    assert report["summary"]["steps_seen"] == 300 and int(monitor.history["optimizer_steps"].sum()) + 300 - len(monitor.history) == 300
+    assert c["own_time_by_part_s"]["hooks"] > 0, c
+    assert len(begun) < 300 // 2, len(begun)  # the quiet stretch's steps after the first 48 mostly take the fast path
+    _parts_add_up(c)
