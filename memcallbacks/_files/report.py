@@ -246,9 +246,9 @@ def _rows_lines(s: dict[str, Any], history: Any, where: str) -> list[str]:
     if cadence.get("sample_every_n_steps"):
         n = cadence["sample_every_n_steps"]
         if n > seen:  # an interval longer than the run: no step at it
-            why += f": after the first ones only the logged ones (its interval, {n} steps, is longer than this run)"
+            why += f": after the first ones only those at the logging interval (its own, {n} steps, is longer than this run)"
         else:
-            why += f": {'every step' if n == 1 else f'every {ordinal(n)} step'} after the first ones, and the logged ones"
+            why += f": {'every step' if n == 1 else f'every {ordinal(n)} step'} after the first ones, and those at the logging interval"
     return [f"  {where:<26} {len(steps)} of {seen} steps ({shown})",
             f"                             the other steps were only watched for leaks ({why})"]
 

@@ -40,16 +40,17 @@ def test_over_budget_says_why_and_never_claims_a_back_off_that_did_not_happen():
 
 
 def test_rows_line_says_when_the_sampling_interval_is_longer_than_the_run():
-    """A user check read "every 1050th step after the first ones" on a 200-step run."""
+    """A user check read "every 1050th step after the first ones" on a 200-step run, and "the logged ones" where nothing
+    was logged (no log_fn): the rows at the logging interval are kept whether or not a logger writes them."""
     import pandas as pd
     from memcallbacks._files.report import _rows_lines
 
     history = pd.DataFrame({"step": [0, 1, 2, 3, 49, 99]})
     s = {"steps_seen": 200, "cadence": {"sample_interval_source": "overhead_budget", "sample_every_n_steps": 1050}}
     text = "\n".join(_rows_lines(s, history, "rows in history.csv"))
-    assert "only the logged ones (its interval, 1050 steps, is longer than this run)" in text and "1050th" not in text, text
+    assert "only those at the logging interval (its own, 1050 steps, is longer than this run)" in text and "1050th" not in text, text
     s["cadence"]["sample_every_n_steps"] = 25
-    assert "every 25th step after the first ones, and the logged ones" in "\n".join(_rows_lines(s, history, "rows"))
+    assert "every 25th step after the first ones, and those at the logging interval" in "\n".join(_rows_lines(s, history, "rows"))
 
 
 def test_model_states_below_the_level_they_explain_read_as_nothing_unexplained():
