@@ -394,11 +394,11 @@ class GrowthDetector:
                 return None  # the window still holds the growth that settled: nothing new
             rises.start = last.details["settled_step"]  # the new growth's own length decides when it settles
         elif not self._growing(step, trend.rate) or rises.stopped(step, trend.rate):
-            # the growth had stopped when the trend was confirmed: a warm-up, not a leak (or no
-            # change to a finding already settled)
-            return None
+            return None  # the growth had stopped when the trend was confirmed: a warm-up, not a leak
         floor_step, floor_bytes = self._floor0
         growth = lo - floor_bytes
+        open_since = last.details.get("since_step", step) if last is not None and last.state != "settled" else step
+        since = min(trend.since_step, open_since)  # an open growth's start, not the latest window's (a user check: "since step 54")
         runs_out = self.forecast(step, trend.rate, last is None or last.state == "settled") if self.forecast is not None else None
         finding = Finding(
             kind="growth",
@@ -407,7 +407,7 @@ class GrowthDetector:
             bytes=int(growth),
             message=(
                 f"Memory at step start grew steadily by {format_bytes(trend.rate)}/step since step "
-                f"{trend.since_step} (+{format_bytes(growth)} since step {floor_step}). {runs_out_text(runs_out, end=' ')}Something keeps "
+                f"{since} (+{format_bytes(growth)} since step {floor_step}). {runs_out_text(runs_out, end=' ')}Something keeps "
                 "memory from every step, most often tensors: a list or dict on a module or a global that gets "
                 "a tensor per step (`self.cache.append(out)`), a running total without `.detach()` "
                 "(`total += loss` — use `total += loss.item()`), or outputs stored on `self`. Store "
@@ -417,7 +417,7 @@ class GrowthDetector:
             details={
                 "rate_bytes_per_step": int(trend.rate),
                 "growth_bytes": int(growth),
-                "since_step": trend.since_step,
+                "since_step": since,
                 "window_steps": trend.span_steps,
                 "z": round(trend.z, 2),
                 "noise_bytes": int(trend.noise),

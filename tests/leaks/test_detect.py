@@ -648,3 +648,21 @@ def test_gc_inspect_always_without_allocator_and_without_cycles():
         GarbageCollector(every_n_steps=-1)
     with pytest.raises(ValueError, match="inspect='sometimes'"):
         GarbageCollector(inspect="sometimes")
+
+
+def test_an_open_growths_update_says_where_it_began():
+    """A user check read "grew steadily by 1.0 MiB/step since step 54 (+55.1 MiB since step 4)" at step 59 of a leak
+    found at step 9: an update of the open growth names the step it began at, not where the latest window began."""
+    from memcallbacks.leaks.growth import GrowthDetector
+
+    detector = GrowthDetector()
+    first = None
+    last = None
+    for step in range(80):
+        found = detector.update(step, 100 * 2**20 + step * 2**20)
+        if found is not None:
+            first = first or found
+            last = found
+    assert first is not None and last is not None and last.step > first.step, (first, last)
+    assert last.details["since_step"] <= first.details["since_step"], (first.details, last.details)
+    assert f"since step {last.details['since_step']} " in last.message
