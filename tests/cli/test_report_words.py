@@ -34,6 +34,8 @@ def test_over_budget_says_why_and_never_claims_a_back_off_that_did_not_happen():
     # back under it" on a run that never came back under its budget)
     early_backed = cost(0.02, 0.006, backoffs=[{"part": "read"}])
     assert "first 48 steps are read every step by design" in early_backed and "over budget" not in early_backed
+    only_first = "\n".join(_cost_lines({"cadence": {"overhead": 0.14, "overhead_after_start": None, "overhead_budget": 0.01}}, {}))
+    assert "this run's steps were all among the first ones, which are read every step by design" in only_first, only_first
     chosen = _cost_lines({"cadence": {"overhead": 0.03, "overhead_after_start": 0.03, "overhead_budget": 0.01,
                                       "sample_interval_source": "config", "sample_every_n_steps": 1}}, {})
     assert "sample_every_n_steps=1 is set" in "\n".join(chosen)
