@@ -132,10 +132,6 @@ class Monitor(KeywordCheck, PlainControls):
         # optimizer known (weights updated by hand, as pytorch/examples' word_language_model does), one after a backward
         if self._explicit or self._closed or not (torch.is_grad_enabled() and module.training):
             return
-        if self._quiet_next():  # a quiet step after a quiet one: its pre-hooks closed again for the step
-            for gate, _ in self._model_hooks.gates:
-                gate.open = False
-            return
         session = self._session
         if session.step_open and (self._stepped or self._optimizer_hooks.stepped or not self._window.accumulates and self._model_hooks.backward_seen):
             self._end()
