@@ -77,13 +77,11 @@ class PlainCleanup(Cleanup):
 
 class PlainControls(SessionResults):
     """The plain loop's ``Monitor`` besides its loop's events: status, session configuration,
-    saved state, the end of the run, and the quiet stretch's fast path (:meth:`_quiet_next`)."""
+    saved state, and the end of the run."""
 
     _session: Session
     _closed: bool
     _step: int
-    _stepped: bool
-    _optimizer_hooks: Any
     _model_hooks: ModelHooks
     _cleanup: Cleanup
     _finalizer: weakref.finalize
@@ -93,16 +91,6 @@ class PlainControls(SessionResults):
 
     def _end(self) -> None:  # pragma: no cover - Monitor's: end the open step
         raise NotImplementedError
-
-    def _quiet_next(self) -> bool:
-        """An optimizer step ended the open quiet step, and the next step is quiet with nothing due (no tripwire check,
-        tick or observer): it begins here, counted only, without the step's end and start hooks (30-60 µs of cold caches
-        a step after the user's optimizer step). False: nothing done."""
-        hooks, n = self._optimizer_hooks, self._step + 1
-        if not ((self._stepped or hooks.stepped) and self._session.quiet_next(n)):
-            return False
-        self._step, self._stepped, hooks.stepped = n, False, False
-        return True
 
     @contextlib.contextmanager
     def evaluate(self, stage: str = "validate") -> Iterator[None]:

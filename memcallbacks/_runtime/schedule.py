@@ -232,8 +232,8 @@ class Schedule:
         self.quiet_until = 0
 
     def arm(self, backend: Any) -> None:
-        """The watch's read and the tripwire for ``backend`` (None: neither); a tripwire check is
-        charged at the cost measured here (quiet steps are not timed one by one)."""
+        """The watch's read and the tripwire for ``backend`` (None: neither); a tripwire check's cost is
+        measured here once (``trip_cost_s``); each quiet step's check is timed where it runs (:meth:`step_kind`)."""
         if not self.watching:  # a collection Python starts by itself costs the heap, not the monitor
             self.watching = watch_collections() and watch_imports()  # the imports it starts: their own part
         self.read = watch_reader(backend) if backend is not None else None
@@ -292,8 +292,9 @@ class Schedule:
         return StepKind.WATCHED
 
     def quiet_after(self, count: int) -> bool:
-        """The step after ``count`` steps is quiet with no tripwire check and no tick due (what :meth:`step_kind` says)."""
-        return count < self.quiet_until and bool(count & TRIP_MASK) and bool(count & TICK_MASK)
+        """The step after ``count`` steps is quiet with no tripwire check due, so no tick either (a tick's count is a
+        multiple of 8, a tripwire step's): :meth:`step_kind`'s first test."""
+        return count < self.quiet_until and bool(count & TRIP_MASK)
 
     def will_log(self, count: int) -> bool:
         """Whether the step after ``count`` steps is logged (from counts only: every rank agrees)."""

@@ -51,6 +51,20 @@ def _loop(monitor_kwargs: dict, steps: int, tmp_path, *, before_step=None, kept=
     return monitor
 
 
+def _track_loop(steps: int, tmp_path) -> Monitor:
+    """The README's plain loop: ``track()``, then ``close()`` (no ``with``)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = Monitor(model, optimizer, output_dir=str(tmp_path / "mem"), plot=False, console_summary=False)
+    for batch in monitor.track([torch.randn(16, 32) for _ in range(steps)]):
+        model(batch).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    monitor.close()
+    return monitor
+
+
 def _parts_add_up(c: dict) -> None:
     parts = c["own_time_by_part_s"]
     assert set(parts) == set(PARTS)
@@ -211,15 +225,7 @@ def test_the_quiet_steps_tripwire_checks_and_journal_ticks_are_timed(tmp_path):
     """A quiet step's tripwire check and the journal's tick every 8th step cost 10-50 µs of cold caches after the
     step's compute, several times their warm cost: each is timed on the wall clock (no CPU clock on a quiet step)
     and booked as the ``tripwire`` and ``journal`` parts, under track() (no hook meter around them) too."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    monitor = Monitor(model, optimizer, output_dir=str(tmp_path / "mem"), plot=False, console_summary=False)
-    for batch in monitor.track([torch.randn(16, 32) for _ in range(200)]):
-        model(batch).pow(2).mean().backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    monitor.close()
+    monitor = _track_loop(200, tmp_path)
     c = monitor.report()["summary"]["cadence"]
     parts = c["own_time_by_part_s"]
     assert parts["journal"] > 0 and c["rss_checks"] > 0 and parts["tripwire"] > 0, c
@@ -241,15 +247,7 @@ def test_a_track_loops_quiet_steps_are_its_own_time_and_take_the_fast_path(tmp_p
         return begin(self, *args, **kwargs)
 
     monkeypatch.setattr(Session, "begin_step", counting)
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    monitor = Monitor(model, optimizer, output_dir=str(tmp_path / "mem"), plot=False, console_summary=False)
-    for batch in monitor.track([torch.randn(16, 32) for _ in range(300)]):
-        model(batch).pow(2).mean().backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    monitor.close()
+    monitor = _track_loop(300, tmp_path)
     report = monitor.report()
     c = report["summary"]["cadence"]
     assert report["summary"]["steps_seen"] == 300 and int(monitor.history["optimizer_steps"].sum()) + 300 - len(monitor.history) == 300
