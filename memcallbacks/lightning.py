@@ -211,7 +211,7 @@ class MemoryMonitor(KeywordCheck, SessionResults, *_callback_bases()):  # type: 
     # validate/test/predict hooks (Lightning dispatches by name): made by add_eval_hooks below the class
     def _eval_start(self, trainer: "pl.Trainer", stage: str) -> None:
         stage = "sanity_check" if trainer.sanity_checking else stage
-        self._session.begin_eval(stage, trainer.global_step, trainer.current_epoch, count=self._log_step(trainer))
+        self._session.begin_eval(stage, trainer.global_step, trainer.current_epoch)
 
     def _eval_batch(self) -> None:
         self._session.eval_batch()
@@ -276,7 +276,7 @@ class MemoryMonitor(KeywordCheck, SessionResults, *_callback_bases()):  # type: 
     @entry_point("state_dict")
     def _state_dict(self) -> dict[str, Any]:
         if self._trainer is not None:  # a checkpoint is being saved: its time is not step time
-            self._session.pause(self._log_step(self._trainer))
+            self._session.pause(now=True)
         return self._session.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

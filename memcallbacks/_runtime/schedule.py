@@ -26,11 +26,9 @@ from memcallbacks._base.hidden_costs import HookMeter, unwatch_imports, watch_im
 from memcallbacks._files.journal import TICK_MASK, Journal
 
 __all__ = [
-    "StepKind", "Schedule", "HookMeter", "aligned_reads",
-    "aligned_samples", "median", "LINGERING_EVERY_STEP_UNTIL", "MARK_EVERY_SAMPLES", "MEASURE_STEPS", "DENSE_READ_STEPS", "DENSE_READ_MAX",
-    "CONFIRM_STEPS", "TRIP_EVERY", "TRIP_MASK", "QUIET_FROM", "CHOOSE_EVERY", "MAX_INTERVAL", "MAX_READ_INTERVAL", "READ_SHARE",
-    "COLD_FACTOR", "CHEAP_HEAP_S", "LINGERING_SHARE", "PARTS", "APART", "MAX_DIAGNOSES",
-]
+    "StepKind", "Schedule", "HookMeter", "aligned_reads", "aligned_samples", "median", "LINGERING_EVERY_STEP_UNTIL", "MARK_EVERY_SAMPLES",
+    "MEASURE_STEPS", "DENSE_READ_STEPS", "DENSE_READ_MAX", "CONFIRM_STEPS", "TRIP_EVERY", "TRIP_MASK", "QUIET_FROM", "CHOOSE_EVERY",
+    "MAX_INTERVAL", "MAX_READ_INTERVAL", "READ_SHARE", "COLD_FACTOR", "CHEAP_HEAP_S", "LINGERING_SHARE", "PARTS", "APART", "MAX_DIAGNOSES"]
 
 # Lingering references are checked after every one of the first steps, then after every
 # MARK_EVERY_SAMPLES-th sampled step (a loop that keeps its previous batch keeps it at every step).
@@ -77,7 +75,6 @@ MAX_DIAGNOSES = 32
 # Finding work under this at a step of its own is no diagnosis of its own: it joins the last one listed (a growth
 # finding's update at each step while it is open), or waits for the next (a clean run's end: no entry of 0.00 s).
 MIN_DIAGNOSIS_S = 1e-3
-
 
 
 _wall = time.perf_counter  # the quiet steps' clock: no system call
@@ -144,7 +141,6 @@ class Schedule:
         self.read: Callable[[], int | None] | None = None  # the watch's memory read (None: no backend)
         self.trip: Tripwire | None = None
         self.backend: Any = None  # whose heap_cost_s prices a sampled step's allocated read (heap_due)
-        self.trip_cost_s = 0.0  # one tripwire check, as measured when the run starts (0: no tripwire)
         self.clock: Callable[[], float] = time.perf_counter  # the step clock (a test may drive its own)
         self.watching = False  # own time leaves Python's automatic collections out (the CPU clock in _base/cpu.py)
         self.meters: list[HookMeter] = []  # the adapter's hook meters: their calls are the dispatch estimate's
@@ -170,11 +166,11 @@ class Schedule:
         self._trip_peak = 0  # the last sampled step's peak, where the high-water-mark tripwire's threshold starts
         self.heap_rss = math.inf  # the resident set at the last sampled step that read it (heap_skipped)
         self._anchor: tuple[int, float] | None = None  # (count, time) of the last step start timed
+        self._paused_at, self._pauses = None, []  # an open pause's start; (start, end) of those since the anchor
         self._next_choice = MEASURE_STEPS
         self.dense_until = 0  # reads every step below this count (a burst after a suspicious read)
         self._window_min = math.inf  # the lowest read in the second half of the dense reads
-        self.bursts = 0
-        self.trips = 0  # reads the RSS tripwire asked for between the scheduled ones
+        self.bursts = self.trips = 0  # read bursts; reads the RSS tripwire asked for between the scheduled ones
         self.trip_checks = 0  # quiet steps that checked the tripwire
         self._trip_s = self._tick_s = 0.0  # the tripwire's checks and the journal's ticks (wall clock), booked by _fold
         self.tripwire: str | None = self.trip.source if self.trip is not None else None
@@ -190,8 +186,7 @@ class Schedule:
         self._sample_costs: collections.deque[float] = collections.deque(maxlen=32)
         self._log_costs: collections.deque[float] = collections.deque(maxlen=16)  # a logged step's keys and writes
         self._check_costs: collections.deque[float] = collections.deque(maxlen=16)  # the lingering checks'
-        self.own_s = 0.0
-        self.parts: dict[str, float] = dict.fromkeys(PARTS, 0.0)
+        self.own_s, self.parts = 0.0, dict.fromkeys(PARTS, 0.0)
         self.count_now = 0  # the count of the last step whose start was timed (the step a diagnosis is booked at)
         self.diagnoses: list[dict[str, Any]] = []  # one-off finding work: {"step", "seconds"}, apart from the share
         self._undiagnosed_s = 0.0  # finding work under MIN_DIAGNOSIS_S with no diagnosis to join yet
@@ -200,11 +195,9 @@ class Schedule:
         self._calls_at = sum(meter.calls for meter in getattr(self, "meters", ()))  # hook calls already estimated
         self._calls_run0, self._hooks_at = self._calls_at, 0.0  # ... when this run began; the hooks' part estimated
         self._end_at: tuple[float, float] | None = None  # (own_time(), own_s) while the run's end is being timed
-        self.timed_s = 0.0
-        self.steps = 0
+        self.timed_s, self.steps = 0.0, 0  # the step clock: seconds and steps timed (stop_clock)
         self.step_s = 0.0  # the lower quartile of the recent step times (0 until measured)
-        self.booked_lingering_s = 0.0  # booked by the leak watch, split off the charges that include it
-        self.booked_finding_s = 0.0
+        self.booked_lingering_s = self.booked_finding_s = 0.0  # booked by the leak watch, split off the charges that include it
         self._booked_seen = (0.0, 0.0)  # (lingering, finding) already split off a charge
         self.lingering_checks = 0
         self.heap_scans = 0  # lingering checks that scanned the heap for a graph's root
@@ -232,8 +225,8 @@ class Schedule:
         self.quiet_until = 0
 
     def arm(self, backend: Any) -> None:
-        """The watch's read and the tripwire for ``backend`` (None: neither); a tripwire check's cost is
-        measured here once (``trip_cost_s``); each quiet step's check is timed where it runs (:meth:`step_kind`)."""
+        """The watch's read and the tripwire for ``backend`` (None: neither); each quiet step's tripwire check is
+        timed where it runs (:meth:`step_kind`)."""
         if not self.watching:  # a collection Python starts by itself costs the heap, not the monitor
             self.watching = watch_collections() and watch_imports()  # the imports it starts: their own part
         self.read = watch_reader(backend) if backend is not None else None
@@ -241,11 +234,6 @@ class Schedule:
         self.trip = rss_tripwire(self.read, hwm_resets=bool(getattr(backend, "resets_hwm", False)))
         self.tripwire = self.trip.source if self.trip is not None else None
         self.trip_at = math.inf
-        if self.trip is not None:
-            t0 = own_time()
-            for _ in range(4):
-                self.trip()
-            self.trip_cost_s = COLD_FACTOR * (own_time() - t0) / 4
 
     def release(self) -> None:
         """The run's end: stop leaving collections out of own time, close the journal (safe to call twice)."""
@@ -280,6 +268,8 @@ class Schedule:
                 journal.compact()
             self._tick_s += _wall() - t0
             CLOCK_READS[0] += 1
+        if self._paused_at is not None:  # a checkpoint's pause ended by now (the quiet steps since it were short ones)
+            self.resume()
         if count < self.quiet_until:
             if self.trip is None or level < self.trip_at:
                 return StepKind.QUIET
@@ -442,11 +432,12 @@ class Schedule:
         """Time the steps since the last timed start (quiet ones give their mean), and choose the
         intervals again every :data:`CHOOSE_EVERY` steps."""
         now = self.clock()
+        if self._paused_at is not None:  # a pause whose end was not said (a checkpoint) ends here at the latest
+            self.resume()
         anchor = self._anchor
-        if anchor is not None and count > anchor[0]:
-            self._time_steps(count - anchor[0], now - anchor[1])  # quiet steps between give their mean
-            if self.trip_cost_s and count > anchor[0] + 1:  # the quiet steps between that checked the tripwire
-                self.trip_checks += (count - 1) // TRIP_EVERY - anchor[0] // TRIP_EVERY
+        if anchor is not None and self.trip is not None and count > anchor[0] + 1:  # the quiet steps between that checked the tripwire
+            self.trip_checks += (count - 1) // TRIP_EVERY - anchor[0] // TRIP_EVERY
+        self.stop_clock(count, now)
         self._anchor = (count, now)
         self.count_now = count
         if self._imports_at is None:  # the run's first step: what was imported before is the monitor's build
@@ -462,20 +453,31 @@ class Schedule:
             self._next_choice = count + CHOOSE_EVERY
             self.choose()
 
-    def pause(self, count: int | None = None, at: float | None = None) -> None:
-        """Evaluation or a checkpoint between steps: the time to the next step's start is not step
-        time. ``count``: the steps done by now, timed from the last start to ``at`` (default: now)."""
-        anchor = self._anchor
-        if anchor is not None and count is not None and count > anchor[0]:
-            end = self.clock() if at is None else at
-            if end > anchor[1]:
-                self._time_steps(count - anchor[0], end - anchor[1])
-        self._anchor = None
+    def pause(self, at: float | None = None) -> None:
+        """Evaluation or a checkpoint between steps, from ``at`` (default: now), to :meth:`resume` (an evaluation's
+        end) or the next step begun or checking the tripwire: cut out of the stretch of steps around it, still timed."""
+        if self._paused_at is None:
+            self._paused_at = self.clock() if at is None else at
 
-    def _time_steps(self, steps: int, elapsed: float) -> None:
-        self._step_times.append(elapsed / steps)
-        self.timed_s += elapsed
-        self.steps += steps
+    def resume(self) -> None:
+        """The pause ended (an evaluation's end, or the first step after it that the schedule sees)."""
+        if self._paused_at is not None:
+            self._pauses.append((self._paused_at, max(self._paused_at, self.clock())))
+            self._paused_at = None
+
+    def stop_clock(self, count: int | None, at: float | None = None) -> None:
+        """The steps since the last timed start, ``count`` those done in all, timed to ``at`` (the last one's end;
+        default: a pause said before, or now) less the pauses before it: at each start, and at the run's end."""
+        anchor, end = self._anchor, self._paused_at if self._paused_at is not None else (self.clock() if at is None else at)
+        if anchor is not None and count is not None and count > anchor[0] and end > anchor[1]:
+            elapsed = end - anchor[1]
+            for start, stop in self._pauses:  # those before the end (a loop: no frame at every start)
+                elapsed -= max(0.0, min(stop, end) - start)
+            self._step_times.append(elapsed / (count - anchor[0]))
+            self.timed_s += elapsed
+            self.steps += count - anchor[0]
+        self._anchor, self._paused_at = None, None
+        self._pauses.clear()
 
     # ------------------------------------------------------------------ own time
     def book_lingering(self, seconds: float) -> None:

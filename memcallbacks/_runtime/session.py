@@ -545,21 +545,16 @@ class Session:
                 trackers.on_log(kept.findings, self.dashboard, version=kept.version)
 
     # ------------------------------------------------------------------ evaluation loops
-    def pause(self, count: int | None = None) -> None:
-        """Evaluation or a checkpoint between steps: its time is not step time (the own-time share). ``count``:
-        the steps done by now (Lightning's own); by default those up to the open step, or with none open, timed
-        to the last one's end (an adapter that hears of an evaluation or a checkpoint only after it)."""
-        if count is not None:
-            self.schedule.pause(count)
-        elif self.kind is None:  # between steps: from the last one's end (a pause said after the evaluation)
-            self.schedule.pause(self.current_count + 1, at=self.step_ended_at)
-        else:
-            self.schedule.pause(self.current_count + 1)
+    def pause(self, *, now: bool = False) -> None:
+        """Evaluation or a checkpoint between steps: its time is not step time (the own-time share). Said between
+        steps it began at the last one's end (an adapter that hears of it only after it), unless ``now`` (Lightning's
+        hooks, said as it begins: the steps its gate skipped since the last one begun ended later)."""
+        self.schedule.pause(at=self.step_ended_at if self.kind is None and not now else None)
 
-    def begin_eval(self, stage: str, step: int, epoch: int = 0, *, count: int | None = None) -> None:
-        """An evaluation loop starts: the step clock pauses, and its memory is recorded apart from
-        training rows. ``count``: as for :meth:`pause`."""
-        self.pause(count)
+    def begin_eval(self, stage: str, step: int, epoch: int = 0) -> None:
+        """An evaluation loop starts: the step clock pauses (to :meth:`end_eval`), and its memory is recorded apart
+        from training rows."""
+        self.schedule.pause()
         engine = self.engine
         if self.config.log_validation and engine.enabled:
             try:
@@ -577,6 +572,7 @@ class Session:
     def end_eval(self, *, log_step: int, emit: bool = True, keep_empty: bool = True) -> list[Any] | None:
         """Close the evaluation loop's row and, unless ``emit`` is False or it is the sanity check, log it.
         ``keep_empty=False``: a loop that counted no batch leaves no row and logs nothing (on every rank)."""
+        self.schedule.resume()
         engine = self.engine
         if not self.config.log_validation:
             return None
@@ -615,7 +611,10 @@ class Session:
         if self._observers:
             self._notify("run_finishing")
         self.kind = None  # an open step ends with the run: the run's end closes the engine's row
-        self.schedule.pause()  # what follows (the files, a test() stage) is not step time
+        # the steps since the last timed start, to the last one's end (a stretch of Lightning's quiet steps: now); what
+        # follows (the files, a test() stage) is not step time
+        last = self.next_count == self.current_count + 1
+        self.schedule.stop_clock(self.next_count, at=self.step_ended_at if last else None)
         return self.ending.finish(gather)
 
     def report(self) -> dict[str, Any]:
