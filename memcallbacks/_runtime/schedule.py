@@ -32,17 +32,17 @@ __all__ = [
 
 # Lingering references are checked after every one of the first steps, then after every
 # MARK_EVERY_SAMPLES-th sampled step (a loop that keeps its previous batch keeps it at every step).
-LINGERING_EVERY_STEP_UNTIL = 20
+LINGERING_EVERY_STEP_UNTIL = 10
 MARK_EVERY_SAMPLES = 4
 # Steps sampled at the start, before the budget has measurements to choose from.
 MEASURE_STEPS = 4
 # The watch reads memory at every one of a run's first steps, whatever it costs: a leak in the training code
-# leaks from step 0, and growth confirms one within these (256 KiB/step: at step 27); a floor risen in their
-# second half (a slower leak, not confirmed yet), or the host's Python objects risen so (a Python-object leak,
-# not in the heap), keeps the reads dense up to DENSE_READ_MAX. (16 was tried, issue 45: the README example
-# then kept its budget only just, and a late-leak test that needs a sampled step after its step 60 failed in
-# two full runs of the suite: the budget's guard, starting earlier, thinned the sampling.)
-DENSE_READ_STEPS = 32
+# leaks from step 0, and growth confirms 4 and 1 MiB/step within these (at step 9); a floor risen in their
+# second half (a slower leak, not confirmed yet: 256 KiB/step, found at step 27), or the host's Python objects
+# risen so (a Python-object leak, not in the heap), keeps the reads dense up to DENSE_READ_MAX. (32 until issue
+# 45: each of these steps costs a CPU run ~200-300 µs of cold caches, and the README example's first steps broke
+# its budget; the pinned high-water mark a late-leak test met at 16 is now checked at every scheduled read.)
+DENSE_READ_STEPS = 16
 DENSE_READ_MAX = 48
 # A read that finds the floor risen makes the watch read every step for this many steps.
 CONFIRM_STEPS = 24

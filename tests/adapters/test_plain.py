@@ -20,6 +20,7 @@ from torch import nn
 from helpers import GIB, MIB, TemporaryNet, touch_temporary
 from memcallbacks._base.columns import frame_column
 from memcallbacks import Monitor, MonitorConfig
+from memcallbacks._runtime.schedule import LINGERING_EVERY_STEP_UNTIL
 
 TEMP_MIB = 64
 CPU = dict(advanced={"cpu_mmap_threshold": 1 << 20}, sample_every_n_steps=1)
@@ -506,13 +507,14 @@ def test_forward_hooks_only_on_steps_that_use_them(mode) -> None:
             optimizer.zero_grad()
     monitor.close()
     assert not model._forward_pre_hooks and not model._forward_hooks
-    # the first 20 steps are marked; sampled steps 29 and 39 measure phases (after step 20 only every
-    # MARK_EVERY_SAMPLES-th sampled step is marked: not these). Under track() the step after a marked
-    # one checks the marks at its first forward (the caller's loop variable holds the previous batch
-    # until then), so step 20 keeps the hooks; step() checks when it opens.
+    # the first 10 steps are marked (LINGERING_EVERY_STEP_UNTIL); sampled steps 19, 29 and 39 measure phases (after
+    # step 10 only every MARK_EVERY_SAMPLES-th sampled step is marked: not these). Under track() the step after a
+    # marked one checks the marks at its first forward (the caller's loop variable holds the previous batch until
+    # then), so step 10 keeps the hooks; step() checks when it opens.
     after_marked = mode == "track"
-    assert all(seen[:20]) and seen[20] == after_marked
-    assert not any(seen[21:29]) and seen[29] and not seen[30] and not any(seen[31:39]) and seen[39]
+    assert LINGERING_EVERY_STEP_UNTIL == 10
+    assert all(seen[:10]) and seen[10] == after_marked
+    assert not any(seen[11:19]) and seen[19] and not any(seen[20:29]) and seen[29] and not any(seen[30:39]) and seen[39]
     assert list(monitor.history["step"]) == [1, 9, 19, 29, 39]  # step 1: the theory check's sample
     assert (monitor.history["peak_forward"] == monitor.history["peak_forward"]).all()  # measured where sampled
 

@@ -56,15 +56,16 @@ def test_log_1_reads_the_heap_every_tenth_step_and_on_every_watch_read():
     # a read at twice 100 µs (cold caches) may take half of 10 µs/step: every 40 steps, capped at 32;
     # at log 1 the logged steps are no longer where reads are free, so the interval is kept
     assert plan.read_every == 32
+    dense = C.DENSE_READ_STEPS
     taken = [n for n in range(300) if plan.heap_due(n)]  # at log 1 every step is sampled
-    assert taken[:32] == list(range(32))  # the watch's dense reads
-    watch_reads = [n for n in range(32, 300) if (n + 1) % 32 == 0]
-    assert watch_reads == [63, 95, 127, 159, 191, 223, 255, 287]
+    assert taken[:dense] == list(range(dense))  # the watch's dense reads
+    watch_reads = [n for n in range(dense, 300) if (n + 1) % 32 == 0]
+    assert watch_reads == [n for n in (31, 63, 95, 127, 159, 191, 223, 255, 287) if n >= dense]
     assert set(watch_reads) <= set(taken)
-    for before, after in zip(taken[31:], taken[32:]):
+    for before, after in zip(taken[dense - 1:], taken[dense:]):
         # ten steps after the last heap read, or sooner where the watch's read is due
         assert after - before == 10 or (after in watch_reads and after - before < 10), (before, after)
-    assert 266 // 10 <= len(taken) - 32 <= 266 // 10 + len(watch_reads)
+    assert (298 - dense) // 10 <= len(taken) - dense <= (298 - dense) // 10 + len(watch_reads)
 
 
 def test_log_50_reads_the_heap_on_every_logged_step():
@@ -87,11 +88,12 @@ def test_cheap_reads_wanted_reads_and_the_budgets_first_steps():
     plan = heap_plan(log_every=1)
     assert plan.heap_due(100) and not plan.heap_due(101)
     assert plan.heap_due(102, wanted=True)  # the theory check compares this step's baseline
-    fresh = Schedule(flat_settings())  # no median step yet: only the watch's reads (every one of the first 32)
+    fresh = Schedule(flat_settings())  # no median step yet: only the watch's reads (every one of the first steps)
     fresh.configure(log_every=1, logs=True, log_first_step=False)
     fresh.backend = StandInBackend(COST_S)
     fresh.read_every = 32
-    assert all(fresh.heap_due(n) for n in range(32)) and not fresh.heap_due(32)
+    dense = C.DENSE_READ_STEPS
+    assert all(fresh.heap_due(n) for n in range(dense)) and not any(fresh.heap_due(n) for n in range(dense, 31))
 
 
 def test_a_risen_resident_set_takes_the_read_after_all():
@@ -125,8 +127,8 @@ def test_lightning_log_1_logs_allocated_on_the_steps_that_read_it(tmp_path, monk
     rows = csv[csv["memory/reserved_GiB"].notna()]
     assert sorted(rows["step"]) == list(range(steps))  # reserved (the RSS): on every step
     allocated = rows[rows["memory/allocated_GiB"].notna()]["step"].tolist()
-    assert set(range(32)) <= set(allocated)  # the watch reads every one of the first steps
-    later = [s for s in range(32, steps)]
+    assert set(range(C.DENSE_READ_STEPS)) <= set(allocated)  # the watch reads every one of the first steps
+    later = [s for s in range(C.DENSE_READ_STEPS, steps)]
     assert 0 < len(set(later) & set(allocated)) < len(later), allocated  # then on some steps only
 
     history = monitor.history
@@ -137,7 +139,6 @@ def test_lightning_log_1_logs_allocated_on_the_steps_that_read_it(tmp_path, monk
     summary = monitor.report()["summary"]
     assert summary["last_allocated_bytes"] == int(history.loc[read, "allocated"].iloc[-1])
     assert not math.isnan(summary["first_allocated_bytes"])
-    assert C.DENSE_READ_STEPS == 32 and C.DENSE_READ_MAX == 48
 
 
 def test_the_plot_draws_allocated_as_a_line_through_the_steps_that_read_it():

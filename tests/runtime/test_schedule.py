@@ -6,7 +6,7 @@ A real :class:`MonitorConfig`, a real :class:`Schedule` and the real readers
 memory read or for the tripwire's reader (said so at each place). Expected values are worked out by
 hand from the documented constants, never by asking the code under test again:
 
-* ``QUIET_FROM = max(LINGERING_EVERY_STEP_UNTIL 20, DENSE_READ_STEPS 32, MEASURE_STEPS 4) = 32``
+* ``QUIET_FROM = max(LINGERING_EVERY_STEP_UNTIL 10, DENSE_READ_STEPS 16, MEASURE_STEPS 4) = 16``; ``DENSE_READ_MAX = 48``
 * ``TRIP_EVERY = 4`` (the tripwire is checked at counts with ``count & 3 == 0``)
 * ``trip_bytes = growth_min_total_bytes // 4 = (4 MiB) // 4 = 1 MiB`` at the default config
 * ``next_busy(c)`` = the first count ``b >= c`` with ``(b + 1)`` a multiple of the sampling,
@@ -24,7 +24,7 @@ import pytest
 from helpers import flat_settings
 from memcallbacks._base.devices import CpuBackend, StatmReader, heap_in_use_bytes
 from memcallbacks._base.cpu import Tripwire
-from memcallbacks._runtime.schedule import Schedule, StepKind
+from memcallbacks._runtime.schedule import DENSE_READ_MAX, DENSE_READ_STEPS, Schedule, StepKind
 from memcallbacks.host import HostGrowth
 
 MIB = 1 << 20
@@ -150,18 +150,18 @@ def test_a_tripwire_whose_reader_fails_never_trips():
 
 
 # ---------------------------------------------------------------------- plan_after()
-def test_plan_after_keeps_the_first_32_steps_busy():
+def test_plan_after_keeps_the_first_steps_busy():
     plan = make_plan(sample_every_n_steps=100)
     plan.plan_after(0, busy=False, reads=False)
     assert plan.quiet_until == 1  # only "the next step is not quiet": nothing before it
-    plan.plan_after(30, busy=False, reads=False)
-    assert plan.quiet_until == 31  # 31 < QUIET_FROM (32): no stretch
+    plan.plan_after(14, busy=False, reads=False)
+    assert plan.quiet_until == 15  # 15 < QUIET_FROM (16): no stretch
 
 
 def test_plan_after_plans_up_to_the_next_logged_sampled_or_read_step():
     plan = make_plan(sample_every_n_steps=100)  # sample: counts 99, 199, ...; log: 49, 99, 149, ...
     plan.plan_after(47, busy=False, reads=False)
-    # nxt = 48 (past QUIET_FROM, 32): the next logged step is count 49 ((49 + 1) % 50 == 0), the next sampled 99
+    # nxt = 48 (past QUIET_FROM, 16): the next logged step is count 49 ((49 + 1) % 50 == 0), the next sampled 99
     assert plan.quiet_until == 49
     plan.plan_after(50, busy=False, reads=False)
     # nxt = 51: logged at 99 ((99 + 1) % 50 == 0), sampled at 99 ((99 + 1) % 100 == 0)
@@ -252,10 +252,11 @@ def test_take_read_reads_only_on_the_steps_the_schedule_names():
     read = Counter(64 * MIB)  # a stand-in for the watch's memory read
     plan.read = read
     plan.read_every = 25
-    for count in (0, 1, 20, 31):  # the first 32 counts: every one reads
+    dense = DENSE_READ_STEPS
+    for count in (0, 1, dense - 4, dense - 1):  # the first counts: every one reads
         assert plan.take_read(count) == 64 * MIB
     assert read.calls == 4
-    for count in (32, 47, 48, 50, 73, 75, 98):  # past 32, (count + 1) % 25 != 0: no read
+    for count in (dense, 47, 48, 50, 73, 75, 98):  # past them, (count + 1) % 25 != 0: no read
         assert plan.take_read(count) is None
     assert read.calls == 4
     for count in (49, 74, 99):  # (count + 1) % 25 == 0
@@ -346,20 +347,21 @@ def test_pickling_a_plan_drops_its_readers(backend):
 
 # ---------------------------------------------------------------------- the dense reads' window
 def test_the_dense_reads_go_on_to_48_steps_when_the_floor_rose_in_their_second_half():
-    """The first 32 steps read memory at every step; a floor that rose by the tripwire's rise (1 MiB) over
-    their second half (a slow leak the growth test has not confirmed yet) keeps the reads dense to 48.
+    """The first DENSE_READ_STEPS steps read memory at every step; a floor that rose by the tripwire's rise (1 MiB)
+    over their second half (a slow leak the growth test has not confirmed yet) keeps the reads dense to DENSE_READ_MAX.
     A rise in the first half only (the run's warm-up: optimizer state, loggers) does not."""
+    dense, half = DENSE_READ_STEPS, DENSE_READ_STEPS // 2
     plan = make_plan()
     plan.read_every = 25
-    for count in range(32):  # a 256 KiB/step climb from count 16: +3.75 MiB by count 31
-        plan.after_read(count, 100 * MIB + max(0, count - 16) * (256 << 10))
-    assert plan.dense_until == 48 and plan.bursts == 0
-    assert all(plan.wants_read(n) for n in range(32, 48)) and not plan.wants_read(48)
+    for count in range(dense):  # a 256 KiB/step climb from the second half's start: +1.75 MiB or more by its end
+        plan.after_read(count, 100 * MIB + max(0, count - half) * (256 << 10))
+    assert plan.dense_until == DENSE_READ_MAX and plan.bursts == 0
+    assert all(plan.wants_read(n) for n in range(dense, DENSE_READ_MAX)) and not plan.wants_read(DENSE_READ_MAX)
     warm = make_plan()
     warm.read_every = 25
-    for count in range(32):  # 40 MiB in the first steps, then flat
-        warm.after_read(count, 100 * MIB + min(count, 8) * 5 * MIB)
-    assert warm.dense_until == 0 and not warm.wants_read(32)
+    for count in range(dense):  # 40 MiB in the first steps, then flat
+        warm.after_read(count, 100 * MIB + min(count, half) * 5 * MIB)
+    assert warm.dense_until == 0 and not warm.wants_read(dense)
 
 
 def test_a_host_rise_over_the_dense_reads_second_half_keeps_them_dense():
