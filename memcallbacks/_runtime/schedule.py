@@ -39,8 +39,8 @@ MEASURE_STEPS = 4
 # The watch reads memory at every one of a run's first steps, whatever it costs: a leak in the training code
 # leaks from step 0, and growth confirms 4 and 1 MiB/step within these (at step 9); a floor risen in their
 # second half (a slower leak, not confirmed yet: 256 KiB/step, found at step 27), or the host's Python objects
-# risen so (a Python-object leak, not in the heap), keeps the reads dense up to DENSE_READ_MAX. (32 until issue
-# 45: each of these steps costs a CPU run ~200-300 µs of cold caches, and the README example's first steps broke
+# risen so (a Python-object leak, not in the heap), keeps the reads dense up to DENSE_READ_MAX. (32 before
+# d72dead: each of these steps costs a CPU run ~200-300 µs of cold caches, and the README example's first steps broke
 # its budget; the pinned high-water mark a late-leak test met at 16 is now checked at every scheduled read.)
 DENSE_READ_STEPS = 16
 DENSE_READ_MAX = 48
