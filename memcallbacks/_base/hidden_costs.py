@@ -62,13 +62,18 @@ class HookMeter:
         try:
             return fn(*args, **kwargs)
         finally:
-            spent = _wall() - t0
-            if CLOCK_READS[0] == reads:  # nothing inside was timed: the call's wall time is the hooks'
-                spent = spent if spent < HOOK_CAP_S else HOOK_CAP_S
-                self.frames_s += (spent - self.frames_s) * 0.0625
-            else:
-                spent = self.frames_s
-            self.schedule.charge_hooks(spent)
+            self.book(t0, reads)
+
+    def book(self, t0: float, reads: int) -> None:
+        """Charge the work begun at ``t0`` (``_wall()``), when ``CLOCK_READS[0]`` was ``reads``: :meth:`call`'s,
+        or inline work timed the same way (track()'s quiet steps, which take no call through the meter)."""
+        spent = _wall() - t0
+        if CLOCK_READS[0] == reads:  # nothing inside was timed: the call's wall time is the hooks'
+            spent = spent if spent < HOOK_CAP_S else HOOK_CAP_S
+            self.frames_s += (spent - self.frames_s) * 0.0625
+        else:
+            spent = self.frames_s
+        self.schedule.charge_hooks(spent)
 
 
 # ---------------------------------------------------------------------- the imports it starts

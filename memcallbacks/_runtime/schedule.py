@@ -23,7 +23,7 @@ from memcallbacks._base.cpu import (
 )
 from memcallbacks._base.devices import watch_reader
 from memcallbacks._base.hidden_costs import HookMeter, unwatch_imports, watch_imports
-from memcallbacks._files.journal import TICK_MASK, Journal
+from memcallbacks._files.journal import TICK_BYTES, TICK_MASK, Journal
 
 __all__ = [
     "StepKind", "Schedule", "HookMeter", "aligned_reads", "aligned_samples", "median", "LINGERING_EVERY_STEP_UNTIL", "MARK_EVERY_SAMPLES",
@@ -258,11 +258,15 @@ class Schedule:
                 CLOCK_READS[0] += 1  # timed here: a hook meter around this call charges its frames only
         journal = self.journal
         if not count & TICK_MASK and journal.fd >= 0:  # the journal's tick, inline: the last step reached (RSS then, if read)
-            t0 = _wall()  # a write after a step's compute: 20-50 µs
+            t0 = _wall()
+            tick = (b'{"t":"tick","step":%d,"time":%.3f,"rss":%d}' % (count, time.time(), level) if level
+                    else b'{"t":"tick","step":%d,"time":%.3f}' % (count, time.time()))
             try:
-                journal.bytes += os.write(journal.fd, b'{"t":"tick","step":%d,"time":%.3f,"rss":%d}\n' % (count, time.time(), level)
-                                          if level else b'{"t":"tick","step":%d,"time":%.3f}\n' % (count, time.time()))
-            except OSError as exc:
+                if journal.slot is not None:  # a store into the tick file's map (a write after a step's compute: 20-50 µs)
+                    journal.slot[:] = tick.ljust(TICK_BYTES - 1) + b"\n"
+                else:
+                    journal.bytes += os.write(journal.fd, tick + b"\n")
+            except (OSError, ValueError) as exc:
                 journal.failed(exc)
             if journal.bytes > journal.cap:  # past its cap: rewritten from the session's state (the journal's callback)
                 journal.compact()
@@ -280,11 +284,6 @@ class Schedule:
         if self.sample_next or (count + 1) % self.sample_every == 0 or (not self.explicit and count < MEASURE_STEPS):
             return StepKind.SAMPLED
         return StepKind.WATCHED
-
-    def quiet_after(self, count: int) -> bool:
-        """The step after ``count`` steps is quiet with no tripwire check due, so no tick either (a tick's count is a
-        multiple of 8, a tripwire step's): :meth:`step_kind`'s first test."""
-        return count < self.quiet_until and bool(count & TRIP_MASK)
 
     def will_log(self, count: int) -> bool:
         """Whether the step after ``count`` steps is logged (from counts only: every rank agrees)."""

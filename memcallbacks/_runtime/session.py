@@ -28,7 +28,7 @@ from memcallbacks._runtime.guard import log_internal_error
 from memcallbacks._runtime.lifecycle import claim_folder, output_folder, release_folder, unwatch_uncaught, watch_uncaught
 from memcallbacks._runtime.run_end import RunEnd, is_oom
 from memcallbacks._runtime.sampling import MemoryEngine
-from memcallbacks._runtime.schedule import LINGERING_EVERY_STEP_UNTIL, Schedule, StepKind
+from memcallbacks._runtime.schedule import LINGERING_EVERY_STEP_UNTIL, TRIP_MASK, Schedule, StepKind
 from memcallbacks.trackers import Dashboard, Trackers
 
 log = logging.getLogger(__name__)
@@ -343,8 +343,11 @@ class Session:
             self.fail(exc, "step start")
 
     def quiet_next(self, n: int) -> bool:
-        """A plain loop's open quiet step ends; True where step ``n`` is quiet with nothing due, begun here (counted only)."""
-        if self.kind is not StepKind.QUIET or n != self.next_count or self._observers or not self.schedule.quiet_after(n):
+        """A plain loop's open quiet step ends; True where step ``n`` is quiet in the planned stretch, begun here (counted
+        only). Every 4th, the tripwire's check (and the journal's tick) decides; a step it trips is begun in full."""
+        schedule = self.schedule  # asked again there, it no longer checks: the trip ended the stretch (a tick repeats)
+        if (self.kind is not StepKind.QUIET or n != self.next_count or self._observers or n >= schedule.quiet_until
+                or not n & TRIP_MASK and schedule.step_kind(n) is not StepKind.QUIET):
             return False
         self.step_ended_at, self.current_step, self.current_count, self.next_count = time.perf_counter(), n, n, n + 1
         self.engine.quiet_step()

@@ -207,3 +207,17 @@ def test_a_finding_that_joins_another_cause_leaves_the_journal(tmp_path: Path) -
     assert [e["key"] for e in record.findings["growth"]["evidence"]] == ["lingering:graph", "growth"]
     assert list(journal._findings) == ["growth"]  # what a compaction writes
     journal.close()
+
+
+def test_ticks_are_stores_into_the_tick_file_beside_the_journal(tmp_path: Path) -> None:
+    """A tick is a store into a mapped file beside the journal (a ``write`` after a step's compute costs it 20-50 µs):
+    no tick line in the journal, the file's record within 8 steps of the last step, the file gone at a clean end."""
+    monitor = plain_run(tmp_path, 200, close=False)
+    assert not any(b'"t":"tick"' in line for line in (tmp_path / "journal.jsonl").read_bytes().splitlines())
+    tick_file = tmp_path / "journal.tick"
+    assert tick_file.stat().st_size == journal_module.TICK_BYTES
+    tick = json.loads(tick_file.read_bytes())
+    assert tick["t"] == "tick" and 200 - 8 <= tick["step"] < 200, tick
+    assert read_journal(tmp_path / "journal.jsonl").last_step()[0] >= 200 - 8
+    monitor.close()
+    assert not tick_file.exists()
