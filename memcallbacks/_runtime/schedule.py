@@ -37,12 +37,12 @@ MARK_EVERY_SAMPLES = 4
 # Steps sampled at the start, before the budget has measurements to choose from.
 MEASURE_STEPS = 4
 # The watch reads memory at every one of a run's first steps, whatever it costs: a leak in the training code
-# leaks from step 0, and growth confirms 4 and 1 MiB/step within these (at step 9); a floor risen in their
-# second half (a slower leak, not confirmed yet: 256 KiB/step, found at step 27), or the host's Python objects
-# risen so (a Python-object leak, not in the heap), keeps the reads dense up to DENSE_READ_MAX. (32 before
-# d72dead: each of these steps costs a CPU run ~200-300 µs of cold caches, and the README example's first steps broke
-# its budget; the pinned high-water mark a late-leak test met at 16 is now checked at every scheduled read.)
-DENSE_READ_STEPS = 16
+# leaks from step 0, and growth confirms 4 and 1 MiB/step within these (at step 9) and 256 KiB/step at step 27; a floor
+# risen in their second half (a slower leak, not confirmed yet), or the host's Python objects risen so (a Python-object
+# leak, not in the heap), keeps the reads dense up to DENSE_READ_MAX. (32 before: each of these steps costs a CPU run
+# 200-300 µs of cold caches, and the README example's first steps broke its budget. 16 kept it with a margin, but a
+# Python-object leak of 28 KiB/step on 1 ms Lightning steps was then found later or not within its 300-step target.)
+DENSE_READ_STEPS = 24
 DENSE_READ_MAX = 48
 # A read that finds the floor risen makes the watch read every step for this many steps.
 CONFIRM_STEPS = 24

@@ -6,7 +6,7 @@ A real :class:`MonitorConfig`, a real :class:`Schedule` and the real readers
 memory read or for the tripwire's reader (said so at each place). Expected values are worked out by
 hand from the documented constants, never by asking the code under test again:
 
-* ``QUIET_FROM = max(LINGERING_EVERY_STEP_UNTIL 10, DENSE_READ_STEPS 16, MEASURE_STEPS 4) = 16``; ``DENSE_READ_MAX = 48``
+* ``QUIET_FROM = max(LINGERING_EVERY_STEP_UNTIL 10, DENSE_READ_STEPS 24, MEASURE_STEPS 4) = 24``; ``DENSE_READ_MAX = 48``
 * ``TRIP_EVERY = 4`` (the tripwire is checked at counts with ``count & 3 == 0``)
 * ``trip_bytes = growth_min_total_bytes // 4 = (4 MiB) // 4 = 1 MiB`` at the default config
 * ``next_busy(c)`` = the first count ``b >= c`` with ``(b + 1)`` a multiple of the sampling,
@@ -154,14 +154,14 @@ def test_plan_after_keeps_the_first_steps_busy():
     plan = make_plan(sample_every_n_steps=100)
     plan.plan_after(0, busy=False, reads=False)
     assert plan.quiet_until == 1  # only "the next step is not quiet": nothing before it
-    plan.plan_after(14, busy=False, reads=False)
-    assert plan.quiet_until == 15  # 15 < QUIET_FROM (16): no stretch
+    plan.plan_after(22, busy=False, reads=False)
+    assert plan.quiet_until == 23  # 23 < QUIET_FROM (24): no stretch
 
 
 def test_plan_after_plans_up_to_the_next_logged_sampled_or_read_step():
     plan = make_plan(sample_every_n_steps=100)  # sample: counts 99, 199, ...; log: 49, 99, 149, ...
     plan.plan_after(47, busy=False, reads=False)
-    # nxt = 48 (past QUIET_FROM, 16): the next logged step is count 49 ((49 + 1) % 50 == 0), the next sampled 99
+    # nxt = 48 (past QUIET_FROM, 24): the next logged step is count 49 ((49 + 1) % 50 == 0), the next sampled 99
     assert plan.quiet_until == 49
     plan.plan_after(50, busy=False, reads=False)
     # nxt = 51: logged at 99 ((99 + 1) % 50 == 0), sampled at 99 ((99 + 1) % 100 == 0)
@@ -256,7 +256,7 @@ def test_take_read_reads_only_on_the_steps_the_schedule_names():
     for count in (0, 1, dense - 4, dense - 1):  # the first counts: every one reads
         assert plan.take_read(count) == 64 * MIB
     assert read.calls == 4
-    for count in (dense, 47, 48, 50, 73, 75, 98):  # past them, (count + 1) % 25 != 0: no read
+    for count in (dense + 1, 47, 48, 50, 73, 75, 98):  # past them, (count + 1) % 25 != 0: no read
         assert plan.take_read(count) is None
     assert read.calls == 4
     for count in (49, 74, 99):  # (count + 1) % 25 == 0
@@ -361,7 +361,7 @@ def test_the_dense_reads_go_on_to_48_steps_when_the_floor_rose_in_their_second_h
     warm.read_every = 25
     for count in range(dense):  # 40 MiB in the first steps, then flat
         warm.after_read(count, 100 * MIB + min(count, half) * 5 * MIB)
-    assert warm.dense_until == 0 and not warm.wants_read(dense)
+    assert warm.dense_until == 0 and not warm.wants_read(dense + 1)  # (dense + 2) % 25 != 0
 
 
 def test_a_host_rise_over_the_dense_reads_second_half_keeps_them_dense():

@@ -4,7 +4,7 @@
 quiet, watched and sampled steps, ``finish``/``stop``, a planted leak, checkpointing and the output
 folder rule. Expected step numbers come from the documented cadence: with ``log_every_n_steps=10``
 the logged steps are those with ``(step + 1) % 10 == 0``; the first ``MEASURE_STEPS`` (4) steps are
-sampled; no step before ``QUIET_FROM`` (16) is quiet.
+sampled; no step before ``QUIET_FROM`` (24) is quiet.
 """
 
 from __future__ import annotations
@@ -161,9 +161,9 @@ def test_sixty_steps_at_defaults_sample_log_and_go_quiet(tmp_path, sessions):
     # sampled: the first MEASURE_STEPS (0-3), and every logged step
     assert set(range(4)) | set(logged_steps) <= set(rows)
     assert rows == sorted(rows)
-    # quiet steps appear, only from QUIET_FROM on (16: after the dense reads), never on a logged or sampled step
-    assert len(quiet) >= 5, f"too few quiet steps in 60 steps at defaults: {quiet}"  # 16, 17, ... planned
-    assert min(quiet) >= QUIET_FROM == 16
+    # quiet steps appear, only from QUIET_FROM on (24: after the dense reads), never on a logged or sampled step
+    assert len(quiet) >= 5, f"too few quiet steps in 60 steps at defaults: {quiet}"  # 24, 25, ... planned
+    assert min(quiet) >= QUIET_FROM == 24
     assert not set(quiet) & set(rows) and not set(quiet) & set(logged_steps)
     assert s.engine.seen_steps == 60  # quiet steps are counted too
 
