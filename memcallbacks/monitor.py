@@ -21,11 +21,11 @@ from torch import nn
 from memcallbacks._base.config import MonitorConfig, given_fields, resolve_config, settings_of
 from memcallbacks._base.options import AdvancedOptions, KeywordCheck, LeakOptions, SnapshotOptions
 from memcallbacks._base.columns import OPTIMIZER, OTHER
+from memcallbacks._base.cpu import CLOCK_READS
 from memcallbacks._runtime.adapter_support import OptimizerHooks, check_plain_arguments, device_for, phase_index
 from memcallbacks._runtime.guard import entry_point
 from memcallbacks._runtime.model_hooks import ModelHooks
 from memcallbacks._runtime.plain_support import AccumulationWindow, PlainControls, TrackGuard, plain_cleanup
-from memcallbacks._base.cpu import CLOCK_READS
 from memcallbacks._runtime.schedule import HookMeter
 from memcallbacks._runtime.session import LogFn, Session
 
@@ -215,7 +215,7 @@ class Monitor(KeywordCheck, PlainControls):
                 window.longest, window.size = max(window.size, window.longest), 1
                 meter.book(t0, reads)
             else:
-                self._meter.call(self._track_item, (batch_idx, item), {})
+                meter.call(self._track_item, (batch_idx, item), {})
             self._batch = item  # also when _track_item failed part-way
             del item
             yield self._batch

@@ -29,12 +29,13 @@ from pathlib import Path
 from typing import Any, Callable
 
 from memcallbacks._base.limits import HostLimits
+from memcallbacks._files.fileset import unlink_quietly
 
 log = logging.getLogger(__name__)
 
 __all__ = [
     "FORMAT_VERSION", "CAP_BYTES", "TICK_MASK", "TICK_BYTES", "UPDATE_EVERY", "RECORD_TYPES", "Journal", "JournalRecord", "journal_name", "find_journals",
-    "read_journal", "replay_rows", "start_fields",
+    "read_journal", "replay_rows", "start_fields", "tick_path",
 ]
 
 FORMAT_VERSION = 1
@@ -66,6 +67,11 @@ _KEEP_NEWEST = 64
 def journal_name(rank: int, world_size: int) -> str:
     """``journal.jsonl`` for a single process; ``journal.rank{r}.jsonl`` per rank when distributed."""
     return "journal.jsonl" if world_size <= 1 else f"journal.rank{rank}.jsonl"
+
+
+def tick_path(journal: str | os.PathLike[str]) -> Path:
+    """The tick file beside ``journal`` (:data:`TICK_BYTES`): ``journal.tick``, ``journal.rank{r}.tick``."""
+    return Path(journal).with_suffix(".tick")
 
 
 def _line(record: dict[str, Any]) -> bytes:
@@ -130,7 +136,7 @@ class Journal:
         self.fd, self.bytes = fd, 0
         self._write(_line(self.start), sync=True)
         try:  # written whole first, so that a store into the map never needs a new block (a full disk: SIGBUS)
-            tick_fd = os.open(self.path.with_suffix(".tick"), os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+            tick_fd = os.open(tick_path(self.path), os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
             try:
                 if os.write(tick_fd, b" " * (TICK_BYTES - 1) + b"\n") == TICK_BYTES:
                     self.slot = mmap.mmap(tick_fd, TICK_BYTES)
@@ -262,10 +268,7 @@ class Journal:
                 os.close(fd)
                 raise
         except OSError as exc:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+            unlink_quietly(tmp)
             self.failed(exc)
             return
         os.close(self.fd)
@@ -286,10 +289,7 @@ class Journal:
             return None
         path = self.path
         self.close()
-        try:  # the end record says the last step: the tick file has done its work
-            os.unlink(path.with_suffix(".tick"))
-        except OSError:
-            pass
+        unlink_quietly(tick_path(path))  # the end record says the last step: the tick file has done its work
         return path
 
     def close(self) -> None:
@@ -307,11 +307,9 @@ class Journal:
     def remove(self) -> None:
         """Close and delete the journal (a clean end whose files are in place, or a run that recorded nothing)."""
         self.close()
-        for path in (self.path, self.path.with_suffix(".tick")) if self.path is not None else ():
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
+        if self.path is not None:
+            unlink_quietly(self.path)
+            unlink_quietly(tick_path(self.path))
 
 
 def _thin(lines: list[bytes], budget: int) -> list[bytes]:
@@ -406,7 +404,7 @@ def read_journal(path: str | os.PathLike[str]) -> JournalRecord:
     if not record.start:
         raise ValueError(f"{str(path)!r} has no start record; it is not a memcallbacks journal.")
     try:  # the tick file beside it (TICK_BYTES): a record cut short by the process's death reads as no record
-        tick = json.loads(Path(path).with_suffix(".tick").read_bytes())
+        tick = json.loads(tick_path(path).read_bytes())
     except (OSError, ValueError):
         tick = None
     if isinstance(tick, dict) and isinstance(tick.get("step"), int) and (
